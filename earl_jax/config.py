@@ -1,0 +1,326 @@
+"""Typed, frozen configuration for earl_jax.
+
+Every config is a `kw_only` frozen dataclass validated in `__post_init__`, so a bad value fails
+where it is written, before any mesh is built or any program is compiled. Experiment-level
+configs (RL, selector, dispatcher, the whole experiment) live beside the code that reads them
+and are assembled in `experiments/configs/`.
+
+Dimension letters used across the package:
+  B batch (rows), T tokens in a chunk (bucketed), S KV-cache capacity (a bucket), D model width,
+  F MLP width, H query heads, K KV heads, Dh head dim, V vocabulary, L layers.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+DType = Literal['float32', 'bfloat16']
+_DTYPES = ('float32', 'bfloat16')
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+  for name in names:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f'{type(obj).__name__}.{name} must be a positive int, got {value!r}.')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Shapes of a Qwen2 / Qwen2.5 decoder.
+
+  Attributes:
+    name: preset name, used in cache keys and logs.
+    vocab_size: V.
+    hidden_size: D.
+    intermediate_size: F, the SwiGLU width.
+    num_layers: L.
+    num_heads: H, query heads.
+    num_kv_heads: K, key/value heads (grouped-query attention: H % K == 0).
+    head_dim: Dh; Qwen2 uses D // H.
+    rope_theta: RoPE base frequency.
+    rms_norm_eps: epsilon of every RMSNorm.
+    tie_word_embeddings: the LM head reuses the [V, D] embedding table.
+    qkv_bias: q/k/v projections carry a bias (always true for Qwen2).
+    max_position_embeddings: the longest context the checkpoint was trained for.
+    param_dtype: storage dtype of the parameters.
+    dtype: compute dtype of activations (softmax, norms and log-probs always run in f32).
+    logprob_chunk: tokens per chunk when turning hidden states into log-probs, so that a
+      [B, T, V] logits tensor never exists in one piece.
+  """
+
+  name: str = 'custom'
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = True
+  max_position_embeddings: int = 32_768
+  param_dtype: DType = 'float32'
+  dtype: DType = 'float32'
+  logprob_chunk: int = 256
+
+  def __post_init__(self):
+    _check_positive(
+      self,
+      'vocab_size',
+      'hidden_size',
+      'intermediate_size',
+      'num_layers',
+      'num_heads',
+      'num_kv_heads',
+      'head_dim',
+      'max_position_embeddings',
+      'logprob_chunk',
+    )
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f'ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of '
+        f'num_kv_heads={self.num_kv_heads} (grouped-query attention).'
+      )
+    if self.head_dim % 2:
+      raise ValueError(f'ModelConfig {self.name!r}: head_dim={self.head_dim} must be even (RoPE).')
+    for field in ('param_dtype', 'dtype'):
+      if getattr(self, field) not in _DTYPES:
+        raise ValueError(
+          f'ModelConfig.{field} must be one of {_DTYPES}, got {getattr(self, field)!r}.'
+        )
+    if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+      raise ValueError('ModelConfig: rope_theta and rms_norm_eps must be positive.')
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embedding counted once when tied)."""
+    D, F, V, Dh = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+    H, K = self.num_heads, self.num_kv_heads
+    attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D
+    if self.qkv_bias:
+      attn += H * Dh + 2 * K * Dh
+    layer = attn + 3 * D * F + 2 * D
+    embed = V * D * (1 if self.tie_word_embeddings else 2)
+    return self.num_layers * layer + embed + D
+
+  def replace(self, **changes: Any) -> 'ModelConfig':
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def preset(cls, name: str) -> 'ModelConfig':
+    """Returns a named preset; raises ValueError naming the known presets."""
+    try:
+      return _MODEL_PRESETS[name]
+    except KeyError:
+      raise ValueError(
+        f'Unknown model preset {name!r}; known presets: {sorted(_MODEL_PRESETS)}.'
+      ) from None
+
+  @classmethod
+  def preset_names(cls) -> list[str]:
+    return sorted(_MODEL_PRESETS)
+
+
+def _qwen25(name, *, V, D, F, L, H, K, tied) -> ModelConfig:
+  return ModelConfig(
+    name=name,
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=F,
+    num_layers=L,
+    num_heads=H,
+    num_kv_heads=K,
+    head_dim=D // H,
+    tie_word_embeddings=tied,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32_768,
+    param_dtype='bfloat16',
+    dtype='bfloat16',
+  )
+
+
+_MODEL_PRESETS: dict[str, ModelConfig] = {
+  # The real Qwen2.5 shapes (config.json of the Qwen/Qwen2.5-*-Instruct checkpoints).
+  'qwen2.5-0.5b': _qwen25('qwen2.5-0.5b', V=151_936, D=896, F=4864, L=24, H=14, K=2, tied=True),
+  'qwen2.5-1.5b': _qwen25('qwen2.5-1.5b', V=151_936, D=1536, F=8960, L=28, H=12, K=2, tied=True),
+  'qwen2.5-7b': _qwen25('qwen2.5-7b', V=152_064, D=3584, F=18_944, L=28, H=28, K=4, tied=False),
+  'qwen2.5-72b': _qwen25('qwen2.5-72b', V=152_064, D=8192, F=29_568, L=80, H=64, K=8, tied=False),
+  # Tiny CPU presets. Heads and KV heads divide by 1, 2, 4 and 8 so every mesh of 8 fake
+  # devices is valid. `tiny` has the shapes of the committed HF fixture checkpoint.
+  'tiny': ModelConfig(
+    name='tiny',
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=192,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    rope_theta=10_000.0,
+    max_position_embeddings=4096,
+    logprob_chunk=64,
+  ),
+  # The embedded default's policy: small enough to train from scratch on 2 CPU cores,
+  # with the built-in game tokenizer's vocabulary (64 symbols).
+  'tiny-game': ModelConfig(
+    name='tiny-game',
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=16,
+    rope_theta=10_000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    logprob_chunk=128,
+  ),
+  # Sized for the selector's CPU heatmap: the KV cache, not the weights, decides what fits.
+  'small-kv': ModelConfig(
+    name='small-kv',
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=16,
+    rope_theta=10_000.0,
+    max_position_embeddings=65_536,
+    logprob_chunk=128,
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+  """One parallel layout: data x fsdp x tensor over a stage's devices.
+
+  The mesh axes are always ('data', 'fsdp', 'tensor') with sizes (dp, fsdp, tp); tensor is the
+  fastest-varying axis, so a tensor-parallel group is a run of consecutive devices of the
+  canonical device list (one NVLink island on a GPU host).
+  """
+
+  dp: int = 1
+  fsdp: int = 1
+  tp: int = 1
+
+  def __post_init__(self):
+    _check_positive(self, 'dp', 'fsdp', 'tp')
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.dp, self.fsdp, self.tp)
+
+  @property
+  def num_devices(self) -> int:
+    return self.dp * self.fsdp * self.tp
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways the batch (rows) is split: data x fsdp."""
+    return self.dp * self.fsdp
+
+  @property
+  def name(self) -> str:
+    parts = [f'dp{self.dp}']
+    if self.fsdp > 1:
+      parts.append(f'fsdp{self.fsdp}')
+    parts.append(f'tp{self.tp}')
+    return '.'.join(parts)
+
+  def __str__(self) -> str:
+    return self.name
+
+  @classmethod
+  def parse(cls, text: str) -> 'ParallelConfig':
+    """Parses 'dp2.tp4', 'dp2.fsdp2.tp2' or '2x4' / '2x2x2' (dp x [fsdp x] tp)."""
+    text = text.strip().lower()
+    try:
+      if 'x' in text:
+        sizes = [int(s) for s in text.split('x')]
+        if len(sizes) == 2:
+          return cls(dp=sizes[0], tp=sizes[1])
+        if len(sizes) == 3:
+          return cls(dp=sizes[0], fsdp=sizes[1], tp=sizes[2])
+      else:
+        kw = {}
+        for part in text.split('.'):
+          for key in ('fsdp', 'dp', 'tp'):
+            if part.startswith(key):
+              kw[key] = int(part[len(key) :])
+              break
+          else:
+            raise ValueError(part)
+        if kw:
+          return cls(**kw)
+    except ValueError:
+      pass
+    raise ValueError(
+      f"Cannot parse parallel config {text!r}; expected e.g. 'dp2.tp4', 'dp2.fsdp2.tp2', "
+      "'2x4' or '2x2x2'."
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketConfig:
+  """The explicit, sorted table of context-length buckets.
+
+  Every length that reaches a jitted program is padded up to one of these, so that a program
+  is compiled once per (stage, parallel config, bucket).
+  """
+
+  lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+
+  def __post_init__(self):
+    lengths = tuple(self.lengths)
+    if not lengths:
+      raise ValueError('BucketConfig.lengths is empty; give at least one context length.')
+    if any(not isinstance(n, int) or n <= 0 for n in lengths):
+      raise ValueError(f'BucketConfig.lengths must be positive ints, got {lengths}.')
+    if list(lengths) != sorted(set(lengths)):
+      raise ValueError(
+        f'BucketConfig.lengths must be strictly increasing, got {lengths}; '
+        f'did you mean {tuple(sorted(set(lengths)))}?'
+      )
+    object.__setattr__(self, 'lengths', lengths)
+
+  @property
+  def max_length(self) -> int:
+    return self.lengths[-1]
+
+  def bucket_for(self, length: int) -> int:
+    """The smallest bucket that holds `length` tokens."""
+    if length > self.lengths[-1]:
+      raise ValueError(
+        f'Length {length} is longer than the largest bucket {self.lengths[-1]} '
+        f'(buckets: {self.lengths}).'
+      )
+    for n in self.lengths:
+      if n >= length:
+        return n
+    raise AssertionError('unreachable')
+
+  @classmethod
+  def powers_of_two(cls, lo: int, hi: int) -> 'BucketConfig':
+    if lo <= 0 or hi < lo:
+      raise ValueError(f'powers_of_two needs 0 < lo <= hi, got lo={lo}, hi={hi}.')
+    n = 1 << max(0, math.ceil(math.log2(lo)))
+    out = []
+    while n < hi:
+      out.append(n)
+      n *= 2
+    out.append(hi)
+    return cls(lengths=tuple(sorted(set(out))))
+
+
+def as_tuple(value: Sequence[int] | int) -> tuple[int, ...]:
+  if isinstance(value, int):
+    return (value,)
+  return tuple(value)

@@ -1,0 +1,1 @@
+"""earl_jax.rollout."""
