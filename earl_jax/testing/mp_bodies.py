@@ -21,3 +21,36 @@ def global_psum() -> dict:
     'local_device_count': jax.local_device_count(),
     'psum': float(total.addressable_data(0)),
   }
+
+
+def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:
+  """Loads a HF checkpoint onto a mesh spanning every process and checks its logits."""
+  from flax import nnx
+  from jax.experimental import multihost_utils
+
+  from earl_jax.config import ParallelConfig
+  from earl_jax.models import hf_import
+  from earl_jax.sharding import mesh as mesh_lib
+
+  mesh = mesh_lib.make_mesh(ParallelConfig(dp=2, tp=2))
+  _, graphdef, state = hf_import.load(model_dir, mesh)
+  ref = np.load(reference)
+  tokens = np.resize(ref['tokens'], (4, ref['tokens'].shape[1]))
+
+  def logits(state, tokens):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return model.logits(model(tokens, positions)[0])
+
+  with jax.set_mesh(mesh):
+    tokens = jax.make_array_from_callback(
+      tokens.shape, NamedSharding(mesh, P(('data', 'fsdp'))), lambda idx: tokens[idx]
+    )
+    out = jax.jit(logits)(state, tokens)
+  full = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+  n = ref['tokens'].shape[0]
+  return {
+    'max_abs_diff': float(np.abs(full[:n] - ref['logits_untied']).max()),
+    'addressable_devices': len(state['embed_tokens'][...].addressable_shards),
+    'global_devices': jax.device_count(),
+  }

@@ -1,0 +1,361 @@
+"""A Qwen2 / Qwen2.5 decoder in Flax NNX whose every parameter and activation is named logically.
+
+The architecture matches HF `Qwen2ForCausalLM`: RMSNorm (computed in f32), rotate-half RoPE with a
+configurable base, grouped-query attention with q/k/v bias, a SwiGLU MLP, and tied or untied
+embeddings. Parameters carry logical axis names ('embed', 'heads', ...); `sharding.rules` maps
+them to mesh axes, so the same model runs on any (data, fsdp, tensor) mesh.
+
+Three ways to run it:
+  * training / experience: `token_logprobs(model, tokens_BxT)`, per-token log-probs of each token
+    given its prefix, computed chunk by chunk over T so that [B, T, V] logits never exist whole;
+  * generation: `model(tokens_BxT, positions_BxT, cache)` writes K/V at the given positions of a
+    `KVCache` whose capacity S is a context bucket, then attends to everything at or before each
+    query's position (prefill of a new turn, or one-token decode);
+  * `init_model` / `abstract_model` create the parameters already sharded (abstract shapes, then a
+    jitted init with out_shardings), never as one unsharded copy.
+
+Dimension letters: B batch, T tokens in this call, S cache capacity, D model, F MLP, H query heads,
+K KV heads, G = H / K, Dh head dim, V vocab.
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from earl_jax.config import ModelConfig
+from earl_jax.sharding import rules
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  return _DTYPES[name]
+
+
+def _param(
+  rngs: nnx.Rngs, init, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype
+) -> nnx.Param:
+  """A parameter created already sharded by its logical axes (eager sharding, current mesh)."""
+  return nnx.Param(
+    init(rngs.params(), shape, dtype),
+    out_sharding=logical,
+    sharding_rules=rules.flax_rules(),
+  )
+
+
+_normal = jax.nn.initializers.normal(stddev=0.02)
+_zeros = jax.nn.initializers.zeros
+_ones = jax.nn.initializers.ones
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, computed in f32 like HF Qwen2RMSNorm."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, _ones, (dim,), ('norm',), param_dtype)  # [D]
+
+  def __call__(self, x: Float[Array, '*B D']) -> Float[Array, '*B D']:
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    return (scale * x).astype(dtype)
+
+
+def rope(
+  x: Float[Array, 'B T N Dh'], positions: Int[Array, 'B T'], theta: float
+) -> Float[Array, 'B T N Dh']:
+  """Rotate-half rotary embedding (HF `apply_rotary_pos_emb`), in f32."""
+  Dh = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))  # [Dh/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, Dh/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (xf * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values for a batch of rows, with capacity S (a context bucket).
+
+  Slot j of row b holds the token at position j of that row. A query at position p attends to
+  slots 0..p, so slots past a row's fill hold stale values that are masked until overwritten.
+  `lengths` counts the filled slots of each row; the engine advances it.
+  """
+
+  k: tuple[Float[Array, 'B S K Dh'], ...]
+  v: tuple[Float[Array, 'B S K Dh'], ...]
+  lengths: Int[Array, ' B']
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def batch(self) -> int:
+    return self.k[0].shape[0]
+
+  LOGICAL = ('cache_batch', 'cache_seq', 'cache_kv_heads', 'head_dim')
+
+  @classmethod
+  def shardings(cls, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> 'KVCache':
+    kv = rules.sharding(cls.LOGICAL, mesh)
+    return cls(
+      k=(kv,) * cfg.num_layers,
+      v=(kv,) * cfg.num_layers,
+      lengths=rules.sharding(('cache_batch',), mesh),
+    )
+
+  @classmethod
+  def abstract(cls, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> 'KVCache':
+    """ShapeDtypeStructs (with shardings when a mesh is given) for AOT lowering."""
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    sh = cls.shardings(cfg, mesh) if mesh is not None else None
+    kv = lambda i, s: jax.ShapeDtypeStruct(shape, dtype_of(cfg.dtype), sharding=s)  # noqa: E731
+    return cls(
+      k=tuple(kv(i, sh.k[i] if sh else None) for i in range(cfg.num_layers)),
+      v=tuple(kv(i, sh.v[i] if sh else None) for i in range(cfg.num_layers)),
+      lengths=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sh.lengths if sh else None),
+    )
+
+  @classmethod
+  def init(cls, cfg: ModelConfig, batch: int, capacity: int, mesh: jax.sharding.Mesh) -> 'KVCache':
+    """A zero cache created directly in its sharded layout."""
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype_of(cfg.dtype)
+
+    def make():
+      zeros = jnp.zeros(shape, dtype)
+      return cls(
+        k=(zeros,) * cfg.num_layers,
+        v=(zeros,) * cfg.num_layers,
+        lengths=jnp.zeros((batch,), jnp.int32),
+      )
+
+    return jax.jit(make, out_shardings=cls.shardings(cfg, mesh))()
+
+  def bytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = dtype_of(cfg.param_dtype)
+    self.cfg = cfg
+    self.q_proj = _param(rngs, _normal, (D, H, Dh), ('embed', 'heads', 'head_dim'), pd)
+    self.k_proj = _param(rngs, _normal, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.v_proj = _param(rngs, _normal, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.o_proj = _param(rngs, _normal, (H, Dh, D), ('heads', 'head_dim', 'embed'), pd)
+    if cfg.qkv_bias:
+      self.q_bias = _param(rngs, _zeros, (H, Dh), ('heads', 'head_dim'), pd)
+      self.k_bias = _param(rngs, _zeros, (K, Dh), ('kv_heads', 'head_dim'), pd)
+      self.v_bias = _param(rngs, _zeros, (K, Dh), ('kv_heads', 'head_dim'), pd)
+
+  def _project(self, x, w, b, logical):
+    dtype = x.dtype
+    y = jnp.einsum('BTD,DNd->BTNd', x, w[...].astype(dtype))
+    if self.cfg.qkv_bias:
+      y = y + b[...].astype(dtype)[None, None]
+    return rules.constrain(y, logical)
+
+  def __call__(
+    self,
+    x: Float[Array, 'B T D'],
+    positions: Int[Array, 'B T'],
+    kv: tuple[Float[Array, 'B S K Dh'], Float[Array, 'B S K Dh']] | None,
+  ) -> tuple[Float[Array, 'B T D'], tuple | None]:
+    cfg = self.cfg
+    B, T, _ = x.shape
+    H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    G = H // K
+    q = self._project(
+      x, self.q_proj, getattr(self, 'q_bias', None), ('batch', 'seq', 'act_heads', 'head_dim')
+    )
+    k = self._project(
+      x, self.k_proj, getattr(self, 'k_bias', None), ('batch', 'seq', 'act_kv_heads', 'head_dim')
+    )
+    v = self._project(
+      x, self.v_proj, getattr(self, 'v_bias', None), ('batch', 'seq', 'act_kv_heads', 'head_dim')
+    )
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+
+    if kv is None:
+      # Training / experience: the chunk attends to itself, causally (positions are 0..T-1).
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh]
+      new_kv = None
+    else:
+      k_cache, v_cache = kv
+      S = k_cache.shape[1]
+      rows = jnp.arange(B)[:, None]
+      # Positions past the capacity are dropped (padding of a chunk that ends near the end).
+      k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode='drop')
+      v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode='drop')
+      k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
+      v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
+      new_kv = (k_cache, v_cache)
+      qg = q.reshape(B, T, K, G, Dh).astype(jnp.float32)
+      scores = jnp.einsum('BTKGd,BSKd->BKGTS', qg, k_cache.astype(jnp.float32)) / jnp.sqrt(Dh)
+      visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+      scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(scores, axis=-1)
+      out = jnp.einsum('BKGTS,BSKd->BTKGd', probs, v_cache.astype(jnp.float32))
+      out = out.reshape(B, T, H, Dh).astype(x.dtype)
+    out = rules.constrain(out, ('batch', 'seq', 'act_heads', 'head_dim'))
+    y = jnp.einsum('BTHd,HdD->BTD', out, self.o_proj[...].astype(x.dtype))
+    return rules.constrain(y, ('batch', 'seq', 'act_embed')), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    pd = dtype_of(cfg.param_dtype)
+    self.gate_proj = _param(rngs, _normal, (D, F), ('embed', 'mlp'), pd)
+    self.up_proj = _param(rngs, _normal, (D, F), ('embed', 'mlp'), pd)
+    self.down_proj = _param(rngs, _normal, (F, D), ('mlp', 'embed'), pd)
+
+  def __call__(self, x: Float[Array, 'B T D']) -> Float[Array, 'B T D']:
+    dtype = x.dtype
+    gate = jnp.einsum('BTD,DF->BTF', x, self.gate_proj[...].astype(dtype))
+    up = jnp.einsum('BTD,DF->BTF', x, self.up_proj[...].astype(dtype))
+    h = rules.constrain(jax.nn.silu(gate) * up, ('batch', 'seq', 'act_mlp'))
+    y = jnp.einsum('BTF,FD->BTD', h, self.down_proj[...].astype(dtype))
+    return rules.constrain(y, ('batch', 'seq', 'act_embed'))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = dtype_of(cfg.param_dtype)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(
+      cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs
+    )
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, kv):
+    h, kv = self.self_attn(self.input_layernorm(x), positions, kv)
+    x = x + h
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, kv
+
+
+class Qwen2(nnx.Module):
+  """The decoder. `__call__` returns final hidden states; `logits` applies the LM head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = dtype_of(cfg.param_dtype)
+    self.cfg = cfg
+    self.embed_tokens = _param(
+      rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ('vocab', 'embed'), pd
+    )  # [V, D]
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(
+        rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'), pd
+      )  # [D, V]
+
+  def __call__(
+    self,
+    tokens: Int[Array, 'B T'],
+    positions: Int[Array, 'B T'],
+    cache: KVCache | None = None,
+  ) -> tuple[Float[Array, 'B T D'], KVCache | None]:
+    """Final hidden states of `tokens` at `positions`; with a cache, also the updated cache.
+
+    With a cache the new K/V are written at `positions` and `cache.lengths` is left unchanged
+    (the caller knows how many of the T tokens are real).
+    """
+    dtype = dtype_of(self.cfg.dtype)
+    # Gather the table over FSDP first (as for every weight), so the lookup is a local gather on
+    # the vocab shard plus a reduction over 'tensor'.
+    table = rules.constrain(self.embed_tokens[...], ('vocab', None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
+    x = rules.constrain(x, ('batch', 'seq', 'act_embed'))
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x, kv = layer(x, positions, kv)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    h = self.norm(x)
+    if cache is None:
+      return h, None
+    return h, dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v))
+
+  def logits(self, h: Float[Array, '*B D']) -> Float[Array, '*B V']:
+    """LM-head logits in f32."""
+    h = h.astype(jnp.float32)
+    if self.cfg.tie_word_embeddings:
+      return jnp.einsum('...D,VD->...V', h, self.embed_tokens[...].astype(jnp.float32))
+    return jnp.einsum('...D,DV->...V', h, self.lm_head[...].astype(jnp.float32))
+
+
+def token_logprobs(model: Qwen2, tokens: Int[Array, 'B T']) -> Float[Array, 'B T']:
+  """log p(tokens[b, t] | tokens[b, :t]) for t >= 1; column 0 is 0.
+
+  Right padding never changes the log-probs of real tokens (attention is causal). The LM head and
+  the log-softmax run on chunks of `cfg.logprob_chunk` positions under `jax.checkpoint`, so the
+  forward holds one [B, C, V] chunk at a time and the backward recomputes it.
+  """
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  h, _ = model(tokens, positions)
+  # Hidden state at t predicts token t + 1.
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+  C = min(model.cfg.logprob_chunk, T)
+  if T % C:
+    C = T  # T is a bucket length; a bucket that the chunk does not divide is done in one piece.
+  n = T // C
+  V = model.cfg.vocab_size
+  h_chunks = h.reshape(B, n, C, h.shape[-1]).swapaxes(0, 1)  # [n, B, C, D]
+  t_chunks = targets.reshape(B, n, C).swapaxes(0, 1)  # [n, B, C]
+
+  @jax.checkpoint
+  def chunk_logprobs(h_BxCxD, t_BxC):
+    logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
+    return picked - lse
+
+  lp = jax.lax.map(lambda args: chunk_logprobs(*args), (h_chunks, t_chunks))  # [n, B, C]
+  lp_next = lp.swapaxes(0, 1).reshape(B, T)
+  return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp_next[:, :-1]], axis=1)
+
+
+def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+  """The graph definition and ShapeDtypeStructs (with target shardings) of the parameters."""
+  return nnx.get_abstract_model(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)), mesh)
+
+
+def state_shardings(abstract_state: nnx.State) -> nnx.State:
+  return jax.tree.map(lambda a: a.sharding, abstract_state)
+
+
+def init_model(
+  cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int = 0
+) -> tuple[nnx.GraphDef, nnx.State]:
+  """Random parameters created directly in their sharded layout on `mesh`."""
+  from earl_jax.sharding import mesh as mesh_lib
+
+  mesh_lib.check_model_fits(mesh_lib.parallel_config_of(mesh), cfg)
+  graphdef, abstract = abstract_model(cfg, mesh)
+
+  def init():
+    return nnx.state(Qwen2(cfg, rngs=nnx.Rngs(seed)))
+
+  with jax.set_mesh(mesh):
+    state = jax.jit(init, out_shardings=state_shardings(abstract))()
+  return graphdef, state

@@ -1,0 +1,167 @@
+"""Jitted generation against a bucketed KV cache: prefill a chunk, then decode token by token.
+
+`prefill` writes a right-padded chunk of new tokens (a turn's observation) after each row's
+current fill and returns the logits that follow the last real token. `decode` then samples one
+token at a time with temperature and top-p until every active row has emitted the end-of-turn
+token or the per-turn limit. Both are pure functions of (model, cache, ...); `generate` chains
+them and is what the rollout engine jits, once per (batch, chunk bucket, cache bucket).
+
+Recorded log-probs are those of the sampled token under the temperature-scaled model
+distribution (before top-p truncation): exactly what a full forward over the final tokens gives
+for log_softmax(logits / temperature), which is what the policy-gradient ratio needs.
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from earl_jax.models.qwen2 import KVCache, Qwen2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How replies are sampled.
+
+  Attributes:
+    temperature: > 0; logits are divided by it. Use `greedy` for argmax decoding.
+    top_p: nucleus mass in (0, 1]; 1 disables truncation.
+    max_new_tokens: the per-turn token limit (the end-of-turn token counts).
+    greedy: argmax instead of sampling (temperature still scales the recorded log-probs).
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_new_tokens: int = 8
+  greedy: bool = False
+
+  def __post_init__(self):
+    if not self.temperature > 0:
+      raise ValueError(f'SamplingConfig.temperature must be > 0, got {self.temperature}.')
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f'SamplingConfig.top_p must be in (0, 1], got {self.top_p}.')
+    if self.max_new_tokens < 1:
+      raise ValueError(f'SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}.')
+
+
+def prefill(
+  model: Qwen2,
+  cache: KVCache,
+  tokens: Int[Array, 'B T'],
+  num_new: Int[Array, ' B'],
+) -> tuple[Float[Array, 'B V'], KVCache]:
+  """Appends the first `num_new[b]` tokens of each row after its fill; returns next-token logits.
+
+  Rows with num_new == 0 are left as they were (their returned logits are meaningless).
+  """
+  T = tokens.shape[1]
+  positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  h, cache = model(tokens, positions, cache)
+  last = jnp.clip(num_new - 1, 0, T - 1)
+  h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
+  logits = model.logits(h_last)
+  return logits, dataclasses.replace(cache, lengths=cache.lengths + num_new.astype(jnp.int32))
+
+
+def _top_p_mask(logits: Float[Array, 'B V'], top_p: float) -> Float[Array, 'B V']:
+  """Sets logits outside the smallest set of tokens with mass >= top_p to -inf."""
+  probs = jax.nn.softmax(logits, axis=-1)
+  order = jnp.argsort(-probs, axis=-1)
+  sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  keep_sorted = mass_before < top_p  # the first token is always kept
+  keep = (
+    jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+  )
+  return jnp.where(keep, logits, -jnp.inf)
+
+
+def sample_token(
+  logits: Float[Array, 'B V'], key: jax.Array, config: SamplingConfig
+) -> tuple[Int[Array, ' B'], Float[Array, ' B']]:
+  """One token per row and its log-prob under softmax(logits / temperature)."""
+  scaled = logits.astype(jnp.float32) / config.temperature
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  if config.greedy:
+    token = jnp.argmax(scaled, axis=-1)
+  else:
+    masked = _top_p_mask(scaled, config.top_p) if config.top_p < 1 else scaled
+    token = jax.random.categorical(key, masked, axis=-1)
+  token = token.astype(jnp.int32)
+  return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+@flax.struct.dataclass
+class Generation:
+  """What `decode` produced for each row (columns past `num_tokens[b]` are padding)."""
+
+  tokens: Int[Array, 'B N']
+  logprobs: Float[Array, 'B N']
+  num_tokens: Int[Array, ' B']
+  stopped: Bool[Array, ' B']  # emitted the end-of-turn token (else hit the per-turn limit)
+
+
+def decode(
+  model: Qwen2,
+  cache: KVCache,
+  logits: Float[Array, 'B V'],
+  active: Bool[Array, ' B'],
+  key: jax.Array,
+  *,
+  eot_id: int,
+  config: SamplingConfig,
+) -> tuple[Generation, KVCache]:
+  """Samples up to `config.max_new_tokens` tokens for each active row, feeding each one back.
+
+  Every sampled token (the end-of-turn token included) is written to the cache, so the next
+  turn's prompt follows it directly. Inactive rows generate nothing and their fill is unchanged.
+  Token i of every row uses `jax.random.fold_in(key, i)`: sampling is deterministic given `key`.
+  """
+  B = logits.shape[0]
+  N = config.max_new_tokens
+
+  def cond(carry):
+    i, _, _, _, done, _ = carry
+    return (i < N) & ~jnp.all(done)
+
+  def body(carry):
+    i, logits, cache, gen, done, stopped = carry
+    token, logp = sample_token(logits, jax.random.fold_in(key, i), config)
+    live = ~done
+    gen = dataclasses.replace(
+      gen,
+      tokens=gen.tokens.at[:, i].set(jnp.where(live, token, 0)),
+      logprobs=gen.logprobs.at[:, i].set(jnp.where(live, logp, 0.0)),
+      num_tokens=gen.num_tokens + live.astype(jnp.int32),
+    )
+    h, cache = model(token[:, None], cache.lengths[:, None], cache)
+    cache = dataclasses.replace(cache, lengths=cache.lengths + live.astype(jnp.int32))
+    hit_eot = live & (token == eot_id)
+    return i + 1, model.logits(h[:, 0]), cache, gen, done | hit_eot, stopped | hit_eot
+
+  gen = Generation(
+    tokens=jnp.zeros((B, N), jnp.int32),
+    logprobs=jnp.zeros((B, N), jnp.float32),
+    num_tokens=jnp.zeros((B,), jnp.int32),
+    stopped=jnp.zeros((B,), bool),
+  )
+  carry = (jnp.int32(0), logits, cache, gen, ~active, jnp.zeros((B,), bool))
+  _, _, cache, gen, _, stopped = jax.lax.while_loop(cond, body, carry)
+  return dataclasses.replace(gen, stopped=stopped), cache
+
+
+def generate(
+  model: Qwen2,
+  cache: KVCache,
+  prompt: Int[Array, 'B T'],
+  num_prompt: Int[Array, ' B'],
+  key: jax.Array,
+  *,
+  eot_id: int,
+  config: SamplingConfig,
+) -> tuple[Generation, KVCache]:
+  """Prefills each row's new prompt tokens, then decodes its reply (rows with no prompt idle)."""
+  logits, cache = prefill(model, cache, prompt, num_prompt)
+  return decode(model, cache, logits, num_prompt > 0, key, eot_id=eot_id, config=config)

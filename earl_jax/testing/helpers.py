@@ -1,0 +1,34 @@
+"""Helpers shared by tests, experiments and notebooks."""
+
+import os
+
+import jax
+from flax import nnx
+
+from earl_jax.config import ParallelConfig
+from earl_jax.models import qwen2
+from earl_jax.sharding import mesh as mesh_lib
+
+FIXTURES_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'tests', 'fixtures'
+)
+
+
+def fixture_path(*parts: str) -> str:
+  """Path of a committed fixture (made by scripts/make_qwen2_fixture.py)."""
+  return os.path.join(FIXTURES_DIR, *parts)
+
+
+def small_mesh(dp: int = 1, tp: int = 1, fsdp: int = 1) -> jax.sharding.Mesh:
+  """A mesh over the first dp * fsdp * tp devices."""
+  pc = ParallelConfig(dp=dp, fsdp=fsdp, tp=tp)
+  return mesh_lib.make_mesh(pc, mesh_lib.canonical_devices()[: pc.num_devices])
+
+
+def logprob_fn(graphdef: nnx.GraphDef):
+  """(state, tokens_BxT) -> log-probs_BxT, to be jitted under `jax.set_mesh(mesh)`."""
+
+  def fn(state, tokens):
+    return qwen2.token_logprobs(nnx.merge(graphdef, state), tokens)
+
+  return fn

@@ -1,0 +1,204 @@
+"""The Qwen2 decoder: parity with HF on four meshes, KV-cache decode, padding, traces, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from earl_jax import buckets
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.models import hf_import, qwen2
+from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.testing import fixture_path, logprob_fn, small_mesh
+
+MESHES = [(1, 1), (8, 1), (2, 4), (4, 2)]  # (dp, tp)
+
+
+@pytest.fixture(scope='module')
+def reference():
+  return dict(np.load(fixture_path('qwen2_tiny_reference.npz')))
+
+
+def _rows_for(mesh, tokens):
+  """Repeat the reference rows so the batch divides the mesh's batch shards."""
+  shards = mesh_lib.parallel_config_of(mesh).batch_shards
+  rows = -(-tokens.shape[0] // shards) * shards
+  return np.resize(tokens, (rows, tokens.shape[1]))
+
+
+def _full_logits(graphdef, state, tokens):
+  model = nnx.merge(graphdef, state)
+  T = tokens.shape[1]
+  h, _ = model(tokens, jnp.broadcast_to(jnp.arange(T), tokens.shape))
+  return model.logits(h)
+
+
+@pytest.mark.parametrize(
+  'checkpoint,key', [('qwen2_tiny', 'logits_untied'), ('qwen2_tiny_tied', 'logits_tied')]
+)
+@pytest.mark.parametrize('dp,tp', MESHES)
+def test_matches_hf_reference_logits(reference, checkpoint, key, dp, tp):
+  mesh = small_mesh(dp=dp, tp=tp)
+  cfg, graphdef, state = hf_import.load(fixture_path(checkpoint), mesh)
+  n = reference['tokens'].shape[0]
+  tokens = _rows_for(mesh, reference['tokens'])
+  with jax.set_mesh(mesh):
+    logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, jnp.asarray(tokens))
+  assert logits.shape == (tokens.shape[0], tokens.shape[1], cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(logits)[:n], reference[key], atol=1e-4, rtol=0)
+  # The logits and the parameters really are split over the mesh.
+  q = state['layers'][0]['self_attn']['q_proj'][...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor', None)
+  assert q.addressable_data(0).shape == (cfg.hidden_size, cfg.num_heads // tp, cfg.head_dim)
+
+
+@pytest.mark.parametrize('dp,tp', [(1, 1), (2, 4)])
+def test_token_logprobs_match_log_softmax_of_reference(reference, dp, tp):
+  mesh = small_mesh(dp=dp, tp=tp)
+  _, graphdef, state = hf_import.load(fixture_path('qwen2_tiny'), mesh)
+  tokens = _rows_for(mesh, reference['tokens'])
+  n = reference['tokens'].shape[0]
+  with jax.set_mesh(mesh):
+    lp = np.asarray(jax.jit(logprob_fn(graphdef))(state, jnp.asarray(tokens)))[:n]
+  ref_logp = jax.nn.log_softmax(reference['logits_untied'], axis=-1)
+  expected = np.take_along_axis(np.asarray(ref_logp)[:, :-1], reference['tokens'][:, 1:, None], -1)
+  np.testing.assert_allclose(lp[:, 1:], expected[..., 0], atol=1e-4, rtol=0)
+  assert np.all(lp[:, 0] == 0)
+
+
+def test_chunked_logprobs_equal_unchunked():
+  """The chunk size changes memory, never values."""
+  cfg = ModelConfig.preset('tiny')
+  mesh = small_mesh(dp=2, tp=2)
+  tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (4, 128)), jnp.int32)
+  out = []
+  for chunk in (16, 128):
+    graphdef, state = qwen2.init_model(cfg.replace(logprob_chunk=chunk), mesh, seed=3)
+    with jax.set_mesh(mesh):
+      out.append(np.asarray(jax.jit(logprob_fn(graphdef))(state, tokens)))
+  np.testing.assert_allclose(out[0], out[1], atol=1e-5)
+
+
+def test_right_padding_does_not_change_real_logprobs():
+  cfg = ModelConfig.preset('tiny')
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh, seed=1)
+  rng = np.random.RandomState(0)
+  real = rng.randint(0, cfg.vocab_size, (4, 37)).astype(np.int32)
+  padded, bucket = buckets.pad_to_bucket(real, BucketConfig(lengths=(32, 64)), axis=1)
+  assert bucket == 64
+  junk = padded.copy()
+  junk[:, 37:] = rng.randint(0, cfg.vocab_size, (4, 64 - 37))
+  fn = jax.jit(logprob_fn(graphdef))
+  with jax.set_mesh(mesh):
+    a = np.asarray(fn(state, jnp.asarray(padded)))
+    b = np.asarray(fn(state, jnp.asarray(junk)))
+  np.testing.assert_allclose(a[:, :37], b[:, :37], atol=1e-6)
+  assert not np.allclose(a[:, 38:], b[:, 38:])  # the padding itself does differ
+
+
+def test_one_trace_per_bucket():
+  cfg = ModelConfig.preset('tiny')
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh)
+  table = BucketConfig(lengths=(16, 32, 64))
+  traces = []
+  inner = logprob_fn(graphdef)
+
+  def counted(state, tokens):
+    traces.append(tokens.shape)
+    return inner(state, tokens)
+
+  fn = jax.jit(counted)
+  rng = np.random.RandomState(0)
+  with jax.set_mesh(mesh):
+    for length in (17, 20, 31, 32, 5, 9, 40):
+      x, _ = buckets.pad_to_bucket(rng.randint(0, 512, (4, length)).astype(np.int32), table, axis=1)
+      fn(state, jnp.asarray(x)).block_until_ready()
+  assert traces == [(4, 32), (4, 16), (4, 64)]
+
+
+def test_kv_cache_decode_matches_full_forward(reference):
+  """Prefill a ragged prefix per row, then feed one token at a time: same logits as a full pass."""
+  mesh = small_mesh(dp=2, tp=2)
+  cfg, graphdef, state = hf_import.load(fixture_path('qwen2_tiny'), mesh)
+  tokens = jnp.asarray(np.concatenate([reference['tokens'], reference['tokens'][:1]]))  # [4, 32]
+  B, T = tokens.shape
+  prefix = jnp.asarray([5, 9, 12, 1], jnp.int32)  # a different prefix length per row
+  P = 16  # the prefill chunk (a bucket); rows use only their first prefix[b] tokens
+
+  def run(state, tokens):
+    model = nnx.merge(graphdef, state)
+    full = model.logits(model(tokens, jnp.broadcast_to(jnp.arange(T), (B, T)))[0])  # [B, T, V]
+    cache = qwen2.KVCache.init(cfg, B, 64, mesh)
+    pos = jnp.broadcast_to(jnp.arange(P), (B, P))
+    h, cache = model(tokens[:, :P], pos, cache)
+    first = model.logits(jnp.take_along_axis(h, (prefix - 1)[:, None, None], axis=1)[:, 0])
+    steps = []
+    for s in range(10):  # decode tokens prefix[b] + s, one at a time, at per-row positions
+      p = prefix + s
+      tok = jnp.take_along_axis(tokens, p[:, None], axis=1)
+      h, cache = model(tok, p[:, None], cache)
+      steps.append(model.logits(h[:, 0]))
+    return full, first, jnp.stack(steps, axis=1)
+
+  with jax.set_mesh(mesh):
+    full, first, steps = jax.jit(run)(state, tokens)
+  full = np.asarray(full)
+  rows = np.arange(B)
+  np.testing.assert_allclose(np.asarray(first), full[rows, np.asarray(prefix) - 1], atol=1e-4)
+  for s in range(10):
+    np.testing.assert_allclose(
+      np.asarray(steps)[:, s], full[rows, np.asarray(prefix) + s], atol=1e-4, err_msg=f'step {s}'
+    )
+
+
+def test_init_is_sharded_and_deterministic():
+  cfg = ModelConfig.preset('tiny')
+  mesh = small_mesh(dp=2, fsdp=2, tp=2)
+  _, a = qwen2.init_model(cfg, mesh, seed=7)
+  _, b = qwen2.init_model(cfg, small_mesh(dp=1, tp=1), seed=7)
+  up = a['layers'][1]['mlp']['up_proj'][...]
+  assert up.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor')
+  assert up.addressable_data(0).shape == (cfg.hidden_size // 2, cfg.intermediate_size // 2)
+  # Same seed, different mesh: the same values (partitionable RNG).
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_init_never_materialises_a_full_replicated_copy():
+  """Per-device memory of the sharded init is a fraction of the whole model."""
+  cfg = ModelConfig.preset('tiny').replace(vocab_size=4096, intermediate_size=1024)
+  mesh = small_mesh(dp=1, fsdp=8, tp=1)
+  _, abstract = qwen2.abstract_model(cfg, mesh)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+
+  def init():
+    return nnx.state(qwen2.Qwen2(cfg, rngs=nnx.Rngs(0)))
+
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(init, out_shardings=qwen2.state_shardings(abstract)).lower().compile()
+  mem = compiled.memory_analysis()
+  # Each device outputs its 1/8 (plus a few replicated norm scales) ...
+  assert mem.output_size_in_bytes < 1.01 * total / 8, (mem.output_size_in_bytes, total)
+  # ... generates only its own random bits (temporaries are well under the full model) ...
+  assert mem.output_size_in_bytes + mem.temp_size_in_bytes < total / 2
+  # ... and nothing is gathered.
+  assert 'all-gather' not in compiled.as_text()
+
+
+@pytest.mark.parametrize(
+  'dp,fsdp,tp,message',
+  [
+    (1, 1, 8, r'num_kv_heads \(K\)=4 is not divisible by tp=8'),
+    (1, 3, 1, r'hidden_size \(D\)=64 is not divisible by fsdp=3'),
+  ],
+)
+def test_mesh_that_does_not_fit_the_model_is_refused_before_loading(dp, fsdp, tp, message):
+  pc = ParallelConfig(dp=dp, fsdp=fsdp, tp=tp)
+  mesh = mesh_lib.make_mesh(pc, mesh_lib.canonical_devices()[: pc.num_devices])
+  with pytest.raises(mesh_lib.ShardingError, match=message):
+    hf_import.load(fixture_path('qwen2_tiny'), mesh)
+  with pytest.raises(mesh_lib.ShardingError, match=message):
+    qwen2.init_model(ModelConfig.preset('tiny'), mesh)

@@ -1,0 +1,52 @@
+"""Meshes over the canonical devices, factorisations and fit checks."""
+
+import jax
+import pytest
+
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.sharding import mesh as mesh_lib
+
+
+def test_every_mesh_uses_the_canonical_order_with_tensor_fastest():
+  a = mesh_lib.make_mesh(ParallelConfig(dp=2, tp=4))
+  b = mesh_lib.make_mesh(ParallelConfig(dp=8))
+  assert a.axis_names == ('data', 'fsdp', 'tensor')
+  assert dict(a.shape) == {'data': 2, 'fsdp': 1, 'tensor': 4}
+  assert mesh_lib.same_devices(a, b)
+  assert [d.id for d in a.devices[0, 0]] == [0, 1, 2, 3]  # one TP group = consecutive devices
+  assert all(t == jax.sharding.AxisType.Auto for t in a.axis_types)
+  assert mesh_lib.parallel_config_of(a) == ParallelConfig(dp=2, tp=4)
+
+
+def test_wrong_device_count():
+  with pytest.raises(
+    mesh_lib.ShardingError, match=r'dp=2 x fsdp=1 x tp=2 = 4 devices\) does not match the 8'
+  ):
+    mesh_lib.make_mesh(ParallelConfig(dp=2, tp=2))
+
+
+def test_factorizations_of_eight():
+  f = mesh_lib.factorizations(8)
+  assert len(f) == 10  # ordered triples with product 8
+  assert all(p.num_devices == 8 for p in f)
+  assert len(set(f)) == len(f)
+  assert [p.tp for p in mesh_lib.factorizations(8, with_fsdp=False)] == [1, 2, 4, 8]
+
+
+def test_model_fit_names_every_bad_dimension():
+  cfg = ModelConfig.preset('qwen2.5-0.5b')  # H=14, K=2
+  with pytest.raises(
+    mesh_lib.ShardingError,
+    match=r'num_heads \(H\)=14 is not divisible by tp=4; num_kv_heads \(K\)=2',
+  ):
+    mesh_lib.check_model_fits(ParallelConfig(dp=2, tp=4), cfg)
+  mesh_lib.check_model_fits(ParallelConfig(dp=4, tp=2), cfg)
+
+
+def test_batch_fit():
+  with pytest.raises(
+    mesh_lib.ShardingError,
+    match=r'batch=6 is not divisible by the 4 batch shards of dp2\.fsdp2\.tp2',
+  ):
+    mesh_lib.check_batch_fits(ParallelConfig(dp=2, fsdp=2, tp=2), 6)
+  mesh_lib.check_batch_fits(ParallelConfig(dp=2, fsdp=2, tp=2), 8)
