@@ -1,0 +1,346 @@
+"""Batched multi-turn text environments: the API, its config, and the pieces games share.
+
+An environment runs N episodes side by side. Each agent turn it hands out one text observation per
+episode and takes one reply text per episode::
+
+  env = make_env(EnvConfig(game='connect_four', opponent='random'))
+  observations = env.reset(n=256, seed=0)      # list[str], one per episode
+  result = env.step(replies)                   # replies: one str per episode
+  result.observations, result.rewards, result.dones, result.infos
+
+Episodes end at different times. Stepping an episode that has already ended is allowed: its reply
+is ignored and it returns reward 0, done True and the observation ''.
+
+Board games (the only kind so far) are played by the agent against a built-in opponent. Boards are
+int8 arrays seen from the agent: `AGENT` (+1, rendered 'X') for its stones, `OPPONENT` (-1, 'O')
+for the opponent's, `EMPTY` (0, '.') for free cells. Actions are 0-based indices (a column or a
+cell) in the Python API and the digits '1'..'9' (index + 1) in text.
+
+Every observation uses only the characters of `ALPHABET`, the vocabulary of the built-in
+character-level game tokenizer.
+
+Dimension letters: N episodes of a batch, M positions (any stack of boards), R board rows,
+C board columns, A actions.
+"""
+
+import abc
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, get_args
+
+import numpy as np
+from jaxtyping import Bool, Float, Int, Int8, Int64
+
+# Every character an observation may contain (the built-in tokenizer is character level).
+ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyzXO .\n|:-'
+
+# Cell values of a board, always from the agent's point of view.
+AGENT = 1
+OPPONENT = -1
+EMPTY = 0
+
+GameName = Literal['connect_four', 'tic_tac_toe']
+OpponentName = Literal['random', 'greedy', 'minimax']
+AgentFirst = Literal['always', 'never', 'random']
+ObservationMode = Literal['board', 'last_move']
+ParseMode = Literal['strict', 'lenient']
+Outcome = Literal['win', 'loss', 'draw', 'invalid']
+
+GAMES: tuple[str, ...] = get_args(GameName)
+OPPONENTS: tuple[str, ...] = get_args(OpponentName)
+AGENT_FIRST: tuple[str, ...] = get_args(AgentFirst)
+OBSERVATION_MODES: tuple[str, ...] = get_args(ObservationMode)
+PARSE_MODES: tuple[str, ...] = get_args(ParseMode)
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
+
+# The search is exponential in depth (about 7**depth positions per Connect Four move); past 9
+# plies Tic-Tac-Toe is already solved and Connect Four far too slow.
+MAX_MINIMAX_DEPTH = 9
+
+
+def _check_choice(field: str, value: Any, known: tuple[str, ...]) -> None:
+  if value not in known:
+    raise ValueError(f'EnvConfig.{field}={value!r} is unknown; known values: {list(known)}.')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+  """What game, against whom, and how text maps to moves.
+
+  Attributes:
+    game: 'connect_four' (6x7, columns '1'..'7') or 'tic_tac_toe' (3x3, cells '1'..'9').
+    opponent: 'random' (uniform over legal moves), 'greedy' (takes an immediate win, else blocks
+      the agent's immediate win, else random) or 'minimax' (depth-limited search).
+    minimax_depth: plies searched by the minimax opponent, counting its own move (1..9).
+    win_reward: reward of the agent's last step when it wins.
+    draw_reward: ... when the board fills up without a winner.
+    loss_reward: ... when the opponent wins.
+    invalid_penalty: reward for a reply that does not parse or names an illegal move (full
+      column, occupied cell, out of range). That episode ends with outcome 'invalid'.
+    agent_first: who moves first in each episode: 'always' the agent, 'never' (the opponent's first
+      move is already on the board in the first observation), or 'random': a fair coin per
+      episode, drawn from the reset seed. The default is 'random' so that a policy learns both
+      sides and a random agent scores about 50% against the random opponent; use 'always' for
+      the easier, first-player-only task.
+    observation: 'board' shows the whole board every turn (the default); 'last_move' shows only
+      the opponent's last move ('o:4' or 'o:-' when it has not moved), for long-context runs in
+      which the agent must track the game from its own history.
+    parse: 'strict' accepts a reply only if, stripped of surrounding whitespace, it is exactly one
+      in-range digit; 'lenient' takes the last in-range digit that stands alone (no ASCII letter
+      or digit right before or after it) anywhere in the reply, for chatty LLM replies.
+  """
+
+  game: GameName = 'connect_four'
+  opponent: OpponentName = 'random'
+  minimax_depth: int = 4
+  win_reward: float = 1.0
+  draw_reward: float = 0.0
+  loss_reward: float = -1.0
+  invalid_penalty: float = -1.0
+  agent_first: AgentFirst = 'random'
+  observation: ObservationMode = 'board'
+  parse: ParseMode = 'strict'
+
+  def __post_init__(self):
+    _check_choice('game', self.game, GAMES)
+    _check_choice('opponent', self.opponent, OPPONENTS)
+    _check_choice('agent_first', self.agent_first, AGENT_FIRST)
+    _check_choice('observation', self.observation, OBSERVATION_MODES)
+    _check_choice('parse', self.parse, PARSE_MODES)
+    depth = self.minimax_depth
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_MINIMAX_DEPTH:
+      raise ValueError(
+        f'EnvConfig.minimax_depth must be an int in [1, {MAX_MINIMAX_DEPTH}], got {depth!r}.'
+      )
+    for field in ('win_reward', 'draw_reward', 'loss_reward', 'invalid_penalty'):
+      value = getattr(self, field)
+      if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f'EnvConfig.{field} must be a finite number, got {value!r}.')
+
+  def replace(self, **changes: Any) -> 'EnvConfig':
+    return dataclasses.replace(self, **changes)
+
+
+class StepInfo(TypedDict):
+  """Per-episode facts about one step.
+
+  Keys:
+    outcome: None while the episode runs, else 'win', 'loss', 'draw' or 'invalid'. An episode
+      that had already ended keeps reporting its outcome.
+    parsed_action: the 0-based action read from the reply (text '4' -> 3), or None if the reply
+      did not parse or was ignored.
+    legal: whether the reply was a legal move that got played.
+    turn: the 0-based index of the agent turn this step played (for an ignored step: the number
+      of turns the episode took).
+    opponent_action: the opponent's 0-based reply to this move, or None if it did not move.
+    ignored: True when the episode had ended before this step (its reply was ignored).
+  """
+
+  outcome: Outcome | None
+  parsed_action: int | None
+  legal: bool
+  turn: int
+  opponent_action: int | None
+  ignored: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepResult:
+  """What `TextEnv.step` returns for a batch of N episodes.
+
+  Attributes:
+    observations: the next observation of each episode; a finished episode's last observation ends
+      with a line naming its outcome, and an episode that had already finished gets ''.
+    rewards: float32 [N]; nonzero only on the step that ends an episode.
+    dones: bool [N]; True once an episode has ended, and from then on.
+    infos: one `StepInfo` per episode.
+  """
+
+  observations: list[str]
+  rewards: Float[np.ndarray, ' N']
+  dones: Bool[np.ndarray, ' N']
+  infos: list[StepInfo]
+
+  def __post_init__(self):
+    n = len(self.observations)
+    if self.rewards.shape != (n,) or self.dones.shape != (n,) or len(self.infos) != n:
+      raise ValueError(
+        f'StepResult for {n} observations got rewards {self.rewards.shape}, dones '
+        f'{self.dones.shape} and {len(self.infos)} infos.'
+      )
+    if self.rewards.dtype != np.float32 or self.dones.dtype != np.bool_:
+      raise ValueError(
+        f'StepResult wants float32 rewards and bool dones, got {self.rewards.dtype} and '
+        f'{self.dones.dtype}.'
+      )
+
+
+class TextEnv(abc.ABC):
+  """A batch of N multi-turn text episodes: `reset`, then `step` until every episode is done."""
+
+  config: EnvConfig
+
+  @property
+  @abc.abstractmethod
+  def num_actions(self) -> int:
+    """A, the number of distinct actions (columns or cells); text '1'..str(A)."""
+
+  @property
+  @abc.abstractmethod
+  def max_turns(self) -> int:
+    """The most agent turns an episode can take."""
+
+  @property
+  @abc.abstractmethod
+  def num_envs(self) -> int:
+    """N, the batch size of the last `reset` (0 before it)."""
+
+  @abc.abstractmethod
+  def reset(self, n: int, seed: int) -> list[str]:
+    """Starts n episodes, deterministically given `seed`; returns their first observations."""
+
+  @abc.abstractmethod
+  def step(self, actions: Sequence[str]) -> StepResult:
+    """Plays one agent reply per episode (and the opponent's answer); never raises on bad text."""
+
+  @abc.abstractmethod
+  def legal_mask(self) -> Bool[np.ndarray, 'N A']:
+    """Which actions are legal now, per episode; all False for a finished episode."""
+
+  def legal_moves(self) -> list[list[int]]:
+    """The legal 0-based actions of each episode now ([] for a finished episode)."""
+    return [np.flatnonzero(row).tolist() for row in self.legal_mask()]
+
+  def action_text(self, action: int) -> str:
+    """The reply text that plays 0-based `action`."""
+    if not 0 <= action < self.num_actions:
+      raise ValueError(f'action {action} is out of range [0, {self.num_actions}).')
+    return str(action + 1)
+
+
+class BoardGame(abc.ABC):
+  """The rules of a two-player board game, vectorised over a stack of boards.
+
+  Boards are int8 [M, R, C] with +1, -1 and 0 cells. `player` is +1 or -1, the side to move or
+  to evaluate for. Implementations keep every method free of Python loops over positions.
+  """
+
+  name: str
+  rows: int
+  cols: int
+  num_actions: int
+  # Text placed above the rendered rows (e.g. the column numbers), possibly ''.
+  header: str
+
+  @abc.abstractmethod
+  def legal_mask(self, boards: Int8[np.ndarray, 'M R C']) -> Bool[np.ndarray, 'M A']:
+    """Which actions can be played on each board."""
+
+  @abc.abstractmethod
+  def play(
+    self, boards: Int8[np.ndarray, 'M R C'], actions: Int[np.ndarray, ' M'], player: int
+  ) -> Int8[np.ndarray, 'M R C']:
+    """New boards with `player`'s stone placed by each action; raises if one is illegal."""
+
+  @abc.abstractmethod
+  def winner(self, boards: Int8[np.ndarray, 'M R C']) -> Int8[np.ndarray, ' M']:
+    """+1 or -1 for the side that has a winning line on each board, else 0."""
+
+  @abc.abstractmethod
+  def heuristic(self, boards: Int8[np.ndarray, 'M R C'], player: int) -> Int64[np.ndarray, ' M']:
+    """A score of each non-terminal board for `player`; antisymmetric in `player`."""
+
+  @abc.abstractmethod
+  def position_keys(self, boards: Int8[np.ndarray, 'M R C']) -> Int64[np.ndarray, ' M']:
+    """An int64 key per board that differs between any two distinct reachable boards."""
+
+  def is_full(self, boards: Int8[np.ndarray, 'M R C']) -> Bool[np.ndarray, ' M']:
+    """Whether no empty cell is left."""
+    return (boards != EMPTY).all(axis=(1, 2))
+
+  def render(self, boards: Int8[np.ndarray, 'M R C']) -> list[str]:
+    """The compact text of each board: `header`, then R lines of C cells, top row first."""
+    return render_grids(boards, self.header)
+
+
+# Cell value + 1 -> character.
+_CELL_CHARS = np.frombuffer(b'O.X', dtype=np.uint8)
+
+
+def render_grids(boards: Int8[np.ndarray, 'M R C'], header: str = '') -> list[str]:
+  """Renders boards as `header` + R lines of C cells ('X' +1, 'O' -1, '.' empty), each ending in
+  a newline, without a Python loop over cells."""
+  m, r, c = boards.shape
+  chars = np.empty((m, r, c + 1), dtype=np.uint8)
+  chars[:, :, :c] = _CELL_CHARS[boards.astype(np.intp) + 1]
+  chars[:, :, c] = ord('\n')
+  head = np.frombuffer(header.encode('ascii'), dtype=np.uint8)
+  rows = np.concatenate([np.broadcast_to(head, (m, head.size)), chars.reshape(m, -1)], axis=1)
+  width = rows.shape[1]
+  text = rows.tobytes().decode('ascii')
+  return [text[i * width : (i + 1) * width] for i in range(m)]
+
+
+def grid_from_text(text: str) -> Int8[np.ndarray, 'R C']:
+  """The board a rendered observation shows (the inverse of `render_grids` for one board).
+
+  Lines made only of 'X', 'O' and '.' (surrounding spaces ignored) are the rows, top first; any
+  other line (a header, an outcome) is skipped. Handy for writing positions in tests.
+
+  Raises:
+    ValueError: no rows, or rows of different lengths.
+  """
+  rows = [line.strip() for line in text.split('\n')]
+  rows = [row for row in rows if row and set(row) <= set('XO.')]
+  if not rows or len({len(row) for row in rows}) != 1:
+    raise ValueError(f'No rectangular board of X, O and . in {text!r}.')
+  codes = {'X': AGENT, 'O': OPPONENT, '.': EMPTY}
+  return np.array([[codes[ch] for ch in row] for row in rows], dtype=np.int8)
+
+
+@functools.lru_cache(maxsize=16)
+def _standalone_digit(num_actions: int) -> re.Pattern[str]:
+  return re.compile(rf'(?<![0-9A-Za-z])[1-{num_actions}](?![0-9A-Za-z])')
+
+
+def parse_action(text: str, num_actions: int, mode: ParseMode) -> int | None:
+  """Reads a 0-based action from a reply; None when the reply names no in-range action.
+
+  Args:
+    text: the agent's reply.
+    num_actions: A; the text digits '1'..str(A) are the actions 0..A-1 (A <= 9).
+    mode: 'strict': `text.strip()` must be exactly one of those digits. 'lenient': the last of
+      those digits that has no ASCII letter or digit right before or after it ('I play 4.' -> 3,
+      '4th' -> None, '12' -> None).
+
+  Returns:
+    The 0-based action or None. Never raises on any str.
+  """
+  if not isinstance(text, str):
+    return None
+  if mode == 'strict':
+    stripped = text.strip()
+    if len(stripped) == 1 and '1' <= stripped <= str(num_actions):
+      return int(stripped) - 1
+    return None
+  last = None
+  for match in _standalone_digit(num_actions).finditer(text):
+    last = match
+  return None if last is None else int(last.group()) - 1
+
+
+def make_env(config: EnvConfig) -> TextEnv:
+  """Builds the environment `config` describes (a `BoardGameEnv` for the board games)."""
+  # Imported here because those modules import this one.
+  from earl_jax.envs import board_env, connect_four, opponents, tic_tac_toe
+
+  games: dict[str, type[BoardGame]] = {
+    'connect_four': connect_four.ConnectFour,
+    'tic_tac_toe': tic_tac_toe.TicTacToe,
+  }
+  game = games[config.game]()
+  opponent = opponents.make_opponent(config.opponent, game, depth=config.minimax_depth)
+  return board_env.BoardGameEnv(config, game, opponent)

@@ -1,0 +1,243 @@
+"""A batched text environment for a two-player board game against a built-in opponent.
+
+Each agent turn: read the reply, play it if it is legal (else the episode ends with
+`invalid_penalty`), stop if it won or filled the board, else let the opponent answer and stop if
+that won or filled the board. The board logic is vectorised over the batch; only parsing replies
+and building the per-episode text and info dicts loop in Python.
+
+Observations (`EnvConfig.observation`), always with the agent as 'X':
+  'board': the game's compact board (Connect Four: a '1234567' header and 6 rows, 56 characters).
+  'last_move': 'o:<digit>\\n', the opponent's last move in text form, or 'o:-\\n' when it has not
+    moved since the agent's last reply (the agent moves first, or the agent's move ended the game).
+The observation of the step that ends an episode adds one line with the outcome ('win\\n',
+'loss\\n', 'draw\\n' or 'invalid\\n'), after the final board; in 'board' mode a finished Connect
+Four observation is at most 64 characters.
+
+Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
+an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
+episode i's opponent moves depend only on (n, seed, i, its own replies).
+"""
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from jaxtyping import Bool, Int, Int8
+
+from earl_jax.envs import base, opponents
+
+
+class BoardGameEnv(base.TextEnv):
+  """N episodes of `game` against `opponent`, as text (see the module docstring)."""
+
+  def __init__(self, config: base.EnvConfig, game: base.BoardGame, opponent: opponents.Opponent):
+    if config.game != game.name:
+      raise ValueError(f'EnvConfig.game={config.game!r} does not match the game {game.name!r}.')
+    if game.num_actions > 9:
+      raise ValueError(f'{game.name} has {game.num_actions} actions; text moves are one digit.')
+    self.config = config
+    self.game = game
+    self.opponent = opponent
+    self._rng: np.random.Generator | None = None
+    self._boards: np.ndarray | None = None
+    self._done = np.zeros(0, dtype=bool)
+    self._turns = np.zeros(0, dtype=np.int64)
+    self._last_opponent = np.zeros(0, dtype=np.int64)
+    self._agent_first = np.zeros(0, dtype=bool)
+    self._outcomes: list[base.Outcome | None] = []
+
+  @property
+  def num_actions(self) -> int:
+    return self.game.num_actions
+
+  @property
+  def max_turns(self) -> int:
+    return math.ceil(self.game.rows * self.game.cols / 2)
+
+  @property
+  def num_envs(self) -> int:
+    return 0 if self._boards is None else len(self._boards)
+
+  @property
+  def boards(self) -> Int8[np.ndarray, 'N R C']:
+    """A copy of the current boards (+1 the agent, -1 the opponent)."""
+    self._check_reset()
+    return self._boards.copy()
+
+  @property
+  def done(self) -> Bool[np.ndarray, ' N']:
+    return self._done.copy()
+
+  @property
+  def outcomes(self) -> list[base.Outcome | None]:
+    return list(self._outcomes)
+
+  @property
+  def turns(self) -> Int[np.ndarray, ' N']:
+    """Agent turns played per episode."""
+    return self._turns.copy()
+
+  @property
+  def agent_first(self) -> Bool[np.ndarray, ' N']:
+    """Whether the agent made the first move of each episode."""
+    return self._agent_first.copy()
+
+  def legal_mask(self) -> Bool[np.ndarray, 'N A']:
+    self._check_reset()
+    return self.game.legal_mask(self._boards) & ~self._done[:, None]
+
+  def _check_reset(self) -> None:
+    if self._boards is None:
+      raise RuntimeError('Call reset(n, seed) before using the environment.')
+
+  def reset(
+    self,
+    n: int,
+    seed: int,
+    *,
+    start_boards: Int8[np.ndarray, 'N R C'] | None = None,
+  ) -> list[str]:
+    """Starts n episodes.
+
+    Args:
+      n: the number of episodes.
+      seed: a non-negative int; the same seed and the same replies replay the same games.
+      start_boards: optional positions to start from, agent to move in every episode
+        (`config.agent_first` is then ignored); each must be running (no winner, not full).
+
+    Returns:
+      The first observation of each episode.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+      raise ValueError(f'reset needs a positive number of episodes, got n={n!r}.')
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+      raise ValueError(f'reset needs a non-negative int seed, got {seed!r}.')
+    game = self.game
+    rng = np.random.default_rng(seed)
+    coins = rng.random(n)
+    noise = rng.random((n, game.num_actions))
+    if start_boards is not None:
+      boards = self._check_start_boards(start_boards, n)
+      opponent_first = np.zeros(n, dtype=bool)
+    else:
+      boards = np.zeros((n, game.rows, game.cols), dtype=np.int8)
+      opponent_first = {
+        'always': np.zeros(n, dtype=bool),
+        'never': np.ones(n, dtype=bool),
+        'random': coins < 0.5,
+      }[self.config.agent_first]
+    last_opponent = np.full(n, -1, dtype=np.int64)
+    first = np.flatnonzero(opponent_first)
+    if first.size:
+      moves = self.opponent.select(boards[first], base.OPPONENT, noise[first])
+      boards[first] = game.play(boards[first], moves, base.OPPONENT)
+      last_opponent[first] = moves
+    self._rng = rng
+    self._boards = boards
+    self._done = np.zeros(n, dtype=bool)
+    self._turns = np.zeros(n, dtype=np.int64)
+    self._last_opponent = last_opponent
+    self._agent_first = ~opponent_first
+    self._outcomes = [None] * n
+    return self._observe(np.arange(n), [None] * n)
+
+  def _check_start_boards(self, start_boards: np.ndarray, n: int) -> np.ndarray:
+    game = self.game
+    want = (n, game.rows, game.cols)
+    if start_boards.shape != want:
+      raise ValueError(f'start_boards has shape {start_boards.shape}; expected {want}.')
+    if not np.isin(start_boards, (base.OPPONENT, base.EMPTY, base.AGENT)).all():
+      raise ValueError('start_boards cells must be -1, 0 or +1.')
+    over = np.flatnonzero((game.winner(start_boards) != 0) | game.is_full(start_boards))
+    if over.size:
+      raise ValueError(f'start_boards {over.tolist()} are already won or full.')
+    return start_boards.astype(np.int8, copy=True)
+
+  def _observe(self, idx: Int[np.ndarray, ' K'], outcomes: Sequence[str | None]) -> list[str]:
+    """The observations of episodes `idx`, with an outcome line where one is given."""
+    if self.config.observation == 'board':
+      texts = self.game.render(self._boards[idx])
+    else:
+      texts = ['o:-\n' if a < 0 else f'o:{a + 1}\n' for a in self._last_opponent[idx].tolist()]
+    return [text if o is None else f'{text}{o}\n' for text, o in zip(texts, outcomes)]
+
+  def step(self, actions: Sequence[str]) -> base.StepResult:
+    """Plays one reply per episode; see `base.TextEnv.step`.
+
+    Raises:
+      RuntimeError: before `reset`.
+      ValueError: `actions` is a single str or does not hold one reply per episode.
+    """
+    self._check_reset()
+    game, config = self.game, self.config
+    n = self.num_envs
+    if isinstance(actions, str) or len(actions) != n:
+      got = 'a single str' if isinstance(actions, str) else f'{len(actions)} replies'
+      raise ValueError(f'step needs one reply per episode ({n}), got {got}.')
+    noise = self._rng.random((n, game.num_actions))  # drawn every step: see the module docstring
+    active = ~self._done
+    active_idx = np.flatnonzero(active)
+
+    parsed = np.full(n, -1, dtype=np.int64)
+    for i in active_idx.tolist():
+      action = base.parse_action(actions[i], game.num_actions, config.parse)
+      if action is not None:
+        parsed[i] = action
+    legal = active & (parsed >= 0)
+    legal &= game.legal_mask(self._boards)[np.arange(n), np.maximum(parsed, 0)]
+    invalid = active & ~legal
+
+    boards = self._boards
+    won = np.zeros(n, dtype=bool)
+    filled = np.zeros(n, dtype=bool)
+    moved = np.flatnonzero(legal)
+    if moved.size:
+      boards[moved] = game.play(boards[moved], parsed[moved], base.AGENT)
+      won[moved] = game.winner(boards[moved]) == base.AGENT
+      filled[moved] = game.is_full(boards[moved]) & ~won[moved]
+
+    lost = np.zeros(n, dtype=bool)
+    opponent_filled = np.zeros(n, dtype=bool)
+    opponent_action = np.full(n, -1, dtype=np.int64)
+    answer = np.flatnonzero(legal & ~won & ~filled)
+    if answer.size:
+      moves = self.opponent.select(boards[answer], base.OPPONENT, noise[answer])
+      boards[answer] = game.play(boards[answer], moves, base.OPPONENT)
+      opponent_action[answer] = moves
+      lost[answer] = game.winner(boards[answer]) == base.OPPONENT
+      opponent_filled[answer] = game.is_full(boards[answer]) & ~lost[answer]
+    self._last_opponent[active] = opponent_action[active]
+
+    drawn = filled | opponent_filled
+    rewards = np.zeros(n, dtype=np.float32)
+    rewards[won] = config.win_reward
+    rewards[lost] = config.loss_reward
+    rewards[drawn] = config.draw_reward
+    rewards[invalid] = config.invalid_penalty
+    for outcome, mask in (('win', won), ('loss', lost), ('draw', drawn), ('invalid', invalid)):
+      for i in np.flatnonzero(mask).tolist():
+        self._outcomes[i] = outcome
+    turns = self._turns.tolist()
+    self._turns[active] += 1
+    self._done |= won | lost | drawn | invalid
+
+    observations = [''] * n
+    if active_idx.size:
+      texts = self._observe(active_idx, [self._outcomes[i] for i in active_idx.tolist()])
+      for i, text in zip(active_idx.tolist(), texts):
+        observations[i] = text
+    parsed_list, legal_list, reply_list = parsed.tolist(), legal.tolist(), opponent_action.tolist()
+    infos: list[base.StepInfo] = [
+      {
+        'outcome': self._outcomes[i],
+        'parsed_action': parsed_list[i] if parsed_list[i] >= 0 else None,
+        'legal': legal_list[i],
+        'turn': turns[i],
+        'opponent_action': reply_list[i] if reply_list[i] >= 0 else None,
+        'ignored': not is_active,
+      }
+      for i, is_active in enumerate(active.tolist())
+    ]
+    return base.StepResult(
+      observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
+    )
