@@ -19,6 +19,7 @@ K KV heads, G = H / K, Dh head dim, V vocab.
 """
 
 import dataclasses
+import typing
 
 import flax.struct
 import jax
@@ -81,6 +82,9 @@ def rope(
   return (xf * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
+# Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
+# the shape annotations document it and the runtime checker skips it.
+@typing.no_type_check
 @flax.struct.dataclass
 class KVCache:
   """Per-layer keys and values for a batch of rows, with capacity S (a context bucket).

@@ -12,6 +12,7 @@ for log_softmax(logits / temperature), which is what the policy-gradient ratio n
 """
 
 import dataclasses
+import typing
 
 import flax.struct
 import jax
@@ -93,6 +94,9 @@ def sample_token(
   return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
+# Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
+# the shape annotations document it and the runtime checker skips it.
+@typing.no_type_check
 @flax.struct.dataclass
 class Generation:
   """What `decode` produced for each row (columns past `num_tokens[b]` are padding)."""

@@ -1,0 +1,97 @@
+"""Policy-gradient losses: PPO-clip against old log-probs, optional KL to a frozen reference.
+
+All inputs are [B, T] token tables aligned with the tokens (see trajectory.Batch); `mask` marks
+the generated positions that carry loss. Aggregation is 'token' (every generated token weighs the
+same: sum over the batch / number of tokens) or 'sequence' (each row's tokens are averaged first,
+then rows are averaged; long replies do not dominate).
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+Aggregation = Literal['token', 'sequence']
+AGGREGATIONS = ('token', 'sequence')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """PPO-clip settings.
+
+  Attributes:
+    clip_eps: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high or clip_eps].
+    clip_eps_high: optional asymmetric upper clip (DAPO's clip-higher); None = clip_eps.
+    kl_coef: weight of the k3 KL estimate to the reference policy (0 disables it).
+    aggregation: 'token' or 'sequence'.
+  """
+
+  clip_eps: float = 0.2
+  clip_eps_high: float | None = None
+  kl_coef: float = 0.0
+  aggregation: Aggregation = 'token'
+
+  def __post_init__(self):
+    if not 0 < self.clip_eps < 1:
+      raise ValueError(f'LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}.')
+    if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+      raise ValueError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
+    if self.kl_coef < 0:
+      raise ValueError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(
+        f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
+      )
+
+
+def aggregate(
+  values: Float[Array, 'B T'], mask: Bool[Array, 'B T'], aggregation: Aggregation
+) -> Float[Array, '']:
+  """Masked mean of per-token values, by token or by sequence."""
+  m = mask.astype(jnp.float32)
+  if aggregation == 'token':
+    return jnp.sum(values * m) / jnp.maximum(jnp.sum(m), 1.0)
+  per_row = jnp.sum(values * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+  rows = (jnp.sum(m, axis=1) > 0).astype(jnp.float32)
+  return jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def kl_k3(logp: Float[Array, 'B T'], ref_logp: Float[Array, 'B T']) -> Float[Array, 'B T']:
+  """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - logp."""
+  r = ref_logp - logp
+  return jnp.exp(r) - r - 1.0
+
+
+def ppo_loss(
+  logp: Float[Array, 'B T'],
+  old_logp: Float[Array, 'B T'],
+  ref_logp: Float[Array, 'B T'],
+  advantages: Float[Array, 'B T'],
+  mask: Bool[Array, 'B T'],
+  config: LossConfig,
+) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
+  """The clipped surrogate (to minimise) plus kl_coef * KL, and diagnostics."""
+  log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+  ratio = jnp.exp(log_ratio)
+  high = config.clip_eps_high if config.clip_eps_high is not None else config.clip_eps
+  clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + high)
+  surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
+  pg_loss = -aggregate(surrogate, mask, config.aggregation)
+  kl = aggregate(kl_k3(logp, ref_logp), mask, config.aggregation)
+  loss = pg_loss + config.kl_coef * kl if config.kl_coef else pg_loss
+  m = mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  metrics = {
+    'pg_loss': pg_loss,
+    'kl_ref': kl,
+    'clip_frac': jnp.sum((jnp.abs(ratio - clipped) > 0) * m) / n,
+    'approx_kl_old': jnp.sum(0.5 * jnp.square(log_ratio) * m) / n,
+    'entropy_proxy': -jnp.sum(logp * m) / n,
+  }
+  return loss, metrics
+
+
+def stop_gradient_tree(tree):
+  return jax.tree.map(jax.lax.stop_gradient, tree)

@@ -1,0 +1,204 @@
+"""The policy update: AdamW with gradient clipping, micro-batched, jitted per (config, bucket).
+
+  optimizer = train_step.make_optimizer(OptimConfig(learning_rate=3e-4))
+  state = train_step.init_train_state(params, optimizer)            # opt state sharded like params
+  step = train_step.make_train_step(graphdef, optimizer, LossConfig(), micro_batches=2)
+  with jax.set_mesh(mesh):
+    state, metrics = step(state, batch)                               # donates `state`
+
+A step whose loss or gradients are not finite is skipped: parameters and optimizer state are kept
+exactly as they were, and `state.skipped` counts it.
+"""
+
+import dataclasses
+import typing
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from earl_jax.models import qwen2
+from earl_jax.rl import losses
+from earl_jax.rl.trajectory import Batch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f'OptimConfig.learning_rate must be > 0, got {self.learning_rate}.')
+    if self.warmup_steps < 0 or self.weight_decay < 0 or not self.grad_clip > 0:
+      raise ValueError(
+        'OptimConfig: warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got '
+        f'{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}.'
+      )
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+  lr = config.learning_rate
+  if config.warmup_steps:
+    lr = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+  return optax.chain(
+    optax.clip_by_global_norm(config.grad_clip),
+    optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay),
+  )
+
+
+# Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
+# the shape annotations document it and the runtime checker skips it.
+@typing.no_type_check
+@flax.struct.dataclass
+class TrainState:
+  params: nnx.State
+  opt_state: optax.OptState
+  step: Int[Array, '']
+  skipped: Int[Array, '']
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+  """Optimizer state created under jit, so every moment is sharded like its parameter."""
+
+  def init(params):
+    return TrainState(
+      params=params,
+      opt_state=optimizer.init(params),
+      step=jnp.zeros((), jnp.int32),
+      skipped=jnp.zeros((), jnp.int32),
+    )
+
+  return jax.jit(init)(params)
+
+
+def abstract_train_state(
+  abstract_params: nnx.State, optimizer: optax.GradientTransformation
+) -> TrainState:
+  """ShapeDtypeStructs with shardings of the train state, for AOT lowering (no allocation)."""
+
+  def init(params):
+    return TrainState(
+      params=params,
+      opt_state=optimizer.init(params),
+      step=jnp.zeros((), jnp.int32),
+      skipped=jnp.zeros((), jnp.int32),
+    )
+
+  compiled = jax.jit(init).lower(abstract_params).compile()
+  shapes = jax.eval_shape(init, abstract_params)
+  return jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+    shapes,
+    compiled.output_shardings,
+  )
+
+
+def loss_fn(
+  params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, config: losses.LossConfig
+) -> tuple[Float[Array, ''], dict]:
+  model = nnx.merge(graphdef, params)
+  logp = qwen2.token_logprobs(model, batch.tokens)
+  return losses.ppo_loss(
+    logp, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask, config
+  )
+
+
+def _split_micro(batch: Batch, n: int) -> Batch:
+  """[B, ...] -> [n, B / n, ...]: micro-batch i takes rows i, i + n, i + 2n, ...
+
+  Strided rows keep every micro-batch spread over all data shards (no resharding).
+  """
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def train_step(
+  state: TrainState,
+  batch: Batch,
+  *,
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  loss_config: losses.LossConfig,
+  micro_batches: int = 1,
+) -> tuple[TrainState, dict[str, Float[Array, '']]]:
+  """One optimizer update on `batch`, averaging gradients over `micro_batches` slices."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if micro_batches == 1:
+    (loss, aux), grads = grad_fn(state.params, graphdef, batch, loss_config)
+  else:
+    micro = _split_micro(batch, micro_batches)
+    # Weight each micro-batch by its share of loss tokens, so token aggregation stays exact.
+    tokens = jnp.sum(micro.loss_mask, axis=(1, 2)).astype(jnp.float32)
+    weights = (
+      tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+      if loss_config.aggregation == 'token'
+      else jnp.full((micro_batches,), 1.0 / micro_batches)
+    )
+
+    def micro_grad(mb):
+      return grad_fn(state.params, graphdef, mb, loss_config)
+
+    def body(acc, xs):
+      mb, w = xs
+      (loss, aux), g = micro_grad(mb)
+      return jax.tree.map(lambda a, b: a + w * b, acc, (loss, aux, g)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    acc0 = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype),
+      jax.eval_shape(
+        lambda mb: (micro_grad(mb)[0][0], micro_grad(mb)[0][1], micro_grad(mb)[1]), first
+      ),
+    )
+    (loss, aux, grads), _ = jax.lax.scan(body, acc0, (micro, weights))
+
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+  new_state = TrainState(
+    params=jax.tree.map(keep, new_params, state.params),
+    opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+    step=state.step + finite.astype(jnp.int32),
+    skipped=state.skipped + (~finite).astype(jnp.int32),
+  )
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'finite': finite.astype(jnp.float32), **aux}
+  return new_state, metrics
+
+
+def make_train_step(
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  loss_config: losses.LossConfig,
+  *,
+  micro_batches: int = 1,
+  state_shardings: TrainState | None = None,
+  batch_shardings: Batch | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """`train_step` jitted with the state donated (and explicit shardings when given).
+
+  Call it under `jax.set_mesh(mesh)`; it compiles once per (mesh, batch shape).
+  """
+  fn = lambda state, batch: train_step(  # noqa: E731
+    state,
+    batch,
+    graphdef=graphdef,
+    optimizer=optimizer,
+    loss_config=loss_config,
+    micro_batches=micro_batches,
+  )
+  kwargs = {}
+  if state_shardings is not None:
+    kwargs['in_shardings'] = (state_shardings, batch_shardings)
+    kwargs['out_shardings'] = (state_shardings, None)
+  return jax.jit(fn, donate_argnums=(0,), **kwargs)
