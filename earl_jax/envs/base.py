@@ -199,8 +199,12 @@ class TextEnv(abc.ABC):
     """N, the batch size of the last `reset` (0 before it)."""
 
   @abc.abstractmethod
-  def reset(self, n: int, seed: int) -> list[str]:
-    """Starts n episodes, deterministically given `seed`; returns their first observations."""
+  def reset(self, n: int, seed: int, *, group_size: int = 1) -> list[str]:
+    """Starts n episodes, deterministically given `seed`; returns their first observations.
+
+    Consecutive groups of `group_size` episodes share their random draws (start and opponent
+    randomness), so they differ only by the agent's replies.
+    """
 
   @abc.abstractmethod
   def step(self, actions: Sequence[str]) -> StepResult:

@@ -15,7 +15,10 @@ Four observation is at most 64 characters.
 
 Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
 an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
-episode i's opponent moves depend only on (n, seed, i, its own replies).
+episode i's opponent moves depend only on (n, seed, i, its own replies). With `group_size=G`, the
+draws are made per group of G consecutive episodes and shared inside it: the episodes of a group
+start alike and face the same opponent randomness, so they differ only by the agent's replies
+(the groups of GRPO-style baselines).
 """
 
 import math
@@ -39,6 +42,7 @@ class BoardGameEnv(base.TextEnv):
     self.game = game
     self.opponent = opponent
     self._rng: np.random.Generator | None = None
+    self._group_size = 1
     self._boards: np.ndarray | None = None
     self._done = np.zeros(0, dtype=bool)
     self._turns = np.zeros(0, dtype=np.int64)
@@ -96,6 +100,7 @@ class BoardGameEnv(base.TextEnv):
     seed: int,
     *,
     start_boards: Int8[np.ndarray, 'N R C'] | None = None,
+    group_size: int = 1,
   ) -> list[str]:
     """Starts n episodes.
 
@@ -104,6 +109,7 @@ class BoardGameEnv(base.TextEnv):
       seed: a non-negative int; the same seed and the same replies replay the same games.
       start_boards: optional positions to start from, agent to move in every episode
         (`config.agent_first` is then ignored); each must be running (no winner, not full).
+      group_size: episodes per group sharing their random draws (must divide n).
 
     Returns:
       The first observation of each episode.
@@ -112,10 +118,13 @@ class BoardGameEnv(base.TextEnv):
       raise ValueError(f'reset needs a positive number of episodes, got n={n!r}.')
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
       raise ValueError(f'reset needs a non-negative int seed, got {seed!r}.')
+    if not isinstance(group_size, int) or group_size <= 0 or n % group_size:
+      raise ValueError(f'reset: group_size={group_size!r} must be a positive divisor of n={n}.')
     game = self.game
     rng = np.random.default_rng(seed)
-    coins = rng.random(n)
-    noise = rng.random((n, game.num_actions))
+    self._group_size = group_size
+    coins = self._draw(rng, (n,))
+    noise = self._draw(rng, (n, game.num_actions))
     if start_boards is not None:
       boards = self._check_start_boards(start_boards, n)
       opponent_first = np.zeros(n, dtype=bool)
@@ -140,6 +149,11 @@ class BoardGameEnv(base.TextEnv):
     self._agent_first = ~opponent_first
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
+
+  def _draw(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Uniform draws of `shape`, one per group of episodes, repeated over the group."""
+    G = self._group_size
+    return rng.random((shape[0] // G, *shape[1:])).repeat(G, axis=0)
 
   def _check_start_boards(self, start_boards: np.ndarray, n: int) -> np.ndarray:
     game = self.game
@@ -174,7 +188,7 @@ class BoardGameEnv(base.TextEnv):
     if isinstance(actions, str) or len(actions) != n:
       got = 'a single str' if isinstance(actions, str) else f'{len(actions)} replies'
       raise ValueError(f'step needs one reply per episode ({n}), got {got}.')
-    noise = self._rng.random((n, game.num_actions))  # drawn every step: see the module docstring
+    noise = self._draw(self._rng, (n, game.num_actions))  # every step: see the module docstring
     active = ~self._done
     active_idx = np.flatnonzero(active)
 

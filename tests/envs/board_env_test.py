@@ -460,3 +460,19 @@ def test_a_step_of_256_games_against_random_takes_well_under_5_ms():
   # About 0.7 ms measured without the type checker tests install; the median ignores scheduler
   # hiccups on a shared machine.
   assert np.median(times) < 0.005, np.median(times)
+
+
+def test_groups_share_start_and_opponent_randomness():
+  env = base.make_env(base.EnvConfig(game='connect_four', opponent='random', agent_first='random'))
+  obs = env.reset(8, seed=3, group_size=4)
+  assert obs[0:4] == [obs[0]] * 4 and obs[4:8] == [obs[4]] * 4
+  # Same replies inside a group: identical games; a different reply: a different game.
+  replies = ['4', '4', '4', '1', '2', '2', '2', '2']
+  for _ in range(3):
+    env.step(replies)
+  boards = env.boards
+  np.testing.assert_array_equal(boards[0], boards[1])
+  np.testing.assert_array_equal(boards[4], boards[7])
+  assert not np.array_equal(boards[0], boards[3])
+  with pytest.raises(ValueError, match='group_size=3 must be a positive divisor of n=8'):
+    env.reset(8, seed=0, group_size=3)
