@@ -80,6 +80,9 @@ class EnvConfig:
     loss_reward: ... when the opponent wins.
     invalid_penalty: reward for a reply that does not parse or names an illegal move (full
       column, occupied cell, out of range). That episode ends with outcome 'invalid'.
+    legal_move_reward: reward for every legal move the agent plays (a format bonus; 0 by
+      default). A small value gives an untrained policy a learning signal long before it can
+      finish a game: episodes that keep playing legal moves score higher.
     agent_first: who moves first in each episode: 'always' the agent, 'never' (the opponent's first
       move is already on the board in the first observation), or 'random': a fair coin per
       episode, drawn from the reset seed. The default is 'random' so that a policy learns both
@@ -100,6 +103,7 @@ class EnvConfig:
   draw_reward: float = 0.0
   loss_reward: float = -1.0
   invalid_penalty: float = -1.0
+  legal_move_reward: float = 0.0
   agent_first: AgentFirst = 'random'
   observation: ObservationMode = 'board'
   parse: ParseMode = 'strict'
@@ -115,7 +119,13 @@ class EnvConfig:
       raise ValueError(
         f'EnvConfig.minimax_depth must be an int in [1, {MAX_MINIMAX_DEPTH}], got {depth!r}.'
       )
-    for field in ('win_reward', 'draw_reward', 'loss_reward', 'invalid_penalty'):
+    for field in (
+      'win_reward',
+      'draw_reward',
+      'loss_reward',
+      'invalid_penalty',
+      'legal_move_reward',
+    ):
       value = getattr(self, field)
       if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f'EnvConfig.{field} must be a finite number, got {value!r}.')

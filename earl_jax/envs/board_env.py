@@ -228,6 +228,7 @@ class BoardGameEnv(base.TextEnv):
     rewards[lost] = config.loss_reward
     rewards[drawn] = config.draw_reward
     rewards[invalid] = config.invalid_penalty
+    rewards[legal] += config.legal_move_reward
     for outcome, mask in (('win', won), ('loss', lost), ('draw', drawn), ('invalid', invalid)):
       for i in np.flatnonzero(mask).tolist():
         self._outcomes[i] = outcome

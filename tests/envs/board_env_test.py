@@ -476,3 +476,13 @@ def test_groups_share_start_and_opponent_randomness():
   assert not np.array_equal(boards[0], boards[3])
   with pytest.raises(ValueError, match='group_size=3 must be a positive divisor of n=8'):
     env.reset(8, seed=0, group_size=3)
+
+
+def test_legal_move_reward_is_paid_per_legal_move():
+  config = base.EnvConfig(game='connect_four', agent_first='always', legal_move_reward=0.25)
+  env = base.make_env(config)
+  env.reset(3, seed=0)
+  r1 = env.step(['1', 'x', '2']).rewards
+  np.testing.assert_allclose(r1, [0.25, config.invalid_penalty, 0.25])
+  r2 = env.step(['1', '1', '2']).rewards
+  np.testing.assert_allclose(r2, [0.25, 0.0, 0.25])  # the ended episode earns nothing

@@ -1,0 +1,164 @@
+"""`--config=<preset>` and `--config.a.b=value` overrides for frozen, validated config dataclasses.
+
+`ml_collections.config_flags.DEFINE_config_dataclass` sets fields with `setattr`, which frozen
+dataclasses refuse; this module gives the same command line while keeping configs frozen: every
+override is applied with `dataclasses.replace`, so `__post_init__` validates the result.
+
+  _CONFIG = config_cli.DEFINE_config('config', presets=PRESETS, default='default')
+  ...
+  app.run(main, flags_parser=config_cli.flags_parser)
+  # python experiments/train.py --config=long --config.optim.learning_rate=3e-4 \
+  #     --config.buckets.lengths=256,512,1024
+
+Values are parsed by the field's annotation: int, float, bool (true/false/1/0), str, None
+('none'), Literal choices, and tuples ('1,2,3' or '(1, 2, 3)').
+"""
+
+import ast
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from absl import flags
+
+_OVERRIDES: dict[str, list[tuple[str, str]]] = {}
+
+
+class ConfigOverrideError(ValueError):
+  pass
+
+
+def _parse_value(text: str, annotation: Any, where: str) -> Any:
+  origin = typing.get_origin(annotation)
+  args = typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    if text.strip().lower() == 'none' and type(None) in args:
+      return None
+    errors = []
+    for arg in args:
+      if arg is type(None):
+        continue
+      try:
+        return _parse_value(text, arg, where)
+      except (ConfigOverrideError, ValueError) as e:
+        errors.append(str(e))
+    raise ConfigOverrideError(f'{where}: cannot parse {text!r} as {annotation}: {errors}')
+  if origin is typing.Literal:
+    for choice in args:
+      if str(choice) == text:
+        return choice
+    raise ConfigOverrideError(f'{where}: {text!r} is not one of {list(args)}.')
+  if origin is tuple:
+    stripped = text.strip()
+    if stripped.startswith('(') or stripped.startswith('['):
+      items = list(ast.literal_eval(stripped))
+    else:
+      items = [s for s in stripped.split(',') if s.strip()]
+    item_type = args[0] if args else str
+    return tuple(
+      _parse_value(str(x).strip(), item_type, f'{where}[{i}]') for i, x in enumerate(items)
+    )
+  if annotation is bool:
+    lowered = text.strip().lower()
+    if lowered in ('true', '1', 'yes'):
+      return True
+    if lowered in ('false', '0', 'no'):
+      return False
+    raise ConfigOverrideError(f'{where}: {text!r} is not a bool (true/false).')
+  if annotation is int:
+    try:
+      return int(text)
+    except ValueError:
+      raise ConfigOverrideError(f'{where}: {text!r} is not an int.') from None
+  if annotation is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise ConfigOverrideError(f'{where}: {text!r} is not a number.') from None
+  if annotation is str or annotation is Any:
+    return text
+  if isinstance(annotation, type) and issubclass(annotation, str):  # str enums
+    return annotation(text)
+  raise ConfigOverrideError(
+    f'{where}: cannot set a field of type {annotation} from the command line.'
+  )
+
+
+def apply_override(config: Any, path: str, text: str) -> Any:
+  """Returns `config` with the field at dotted `path` set from `text`."""
+  head, _, rest = path.partition('.')
+  if not dataclasses.is_dataclass(config):
+    raise ConfigOverrideError(f'Cannot override {path!r}: {type(config).__name__} is not a config.')
+  fields = {f.name: f for f in dataclasses.fields(config)}
+  if head not in fields:
+    raise ConfigOverrideError(
+      f'{type(config).__name__} has no field {head!r}; fields: {sorted(fields)}.'
+    )
+  current = getattr(config, head)
+  if rest:
+    value = apply_override(current, rest, text)
+  else:
+    hints = typing.get_type_hints(type(config))
+    value = _parse_value(text, hints[head], f'{type(config).__name__}.{head}')
+  return dataclasses.replace(config, **{head: value})
+
+
+class _ConfigFlag:
+  def __init__(self, name: str, presets: Mapping[str, Callable[[], Any]], default: str):
+    self.name = name
+    self.presets = presets
+    self._preset = flags.DEFINE_enum(
+      name, default, sorted(presets), f'Config preset; override fields with --{name}.a.b=value.'
+    )
+
+  @property
+  def preset(self) -> str:
+    return self._preset.value
+
+  @property
+  def overrides(self) -> list[tuple[str, str]]:
+    return list(_OVERRIDES.get(self.name, []))
+
+  @property
+  def value(self) -> Any:
+    config = self.presets[self._preset.value]()
+    for path, text in _OVERRIDES.get(self.name, []):
+      config = apply_override(config, path, text)
+    return config
+
+
+def DEFINE_config(name: str, *, presets: Mapping[str, Callable[[], Any]], default: str):
+  """Defines `--name=<preset>` plus `--name.field.sub=value` overrides (see module docstring)."""
+  if default not in presets:
+    raise ValueError(f'default preset {default!r} is not in {sorted(presets)}.')
+  _OVERRIDES.setdefault(name, [])
+  return _ConfigFlag(name, presets, default)
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
+  """Separates `--name.path=value` arguments (for every defined config flag) from the rest."""
+  rest, found = [], {}
+  for arg in argv:
+    matched = False
+    for name in _OVERRIDES:
+      prefix = f'--{name}.'
+      if arg.startswith(prefix):
+        path, sep, value = arg[len(prefix) :].partition('=')
+        if not sep:
+          raise ConfigOverrideError(f'{arg}: overrides need a value, e.g. {prefix}{path}=...')
+        found.setdefault(name, []).append((path, value))
+        matched = True
+        break
+    if not matched:
+      rest.append(arg)
+  return rest, found
+
+
+def flags_parser(argv: Sequence[str]) -> list[str]:
+  """An absl `flags_parser` that takes the config overrides out before absl parses the rest."""
+  rest, found = split_overrides(argv)
+  for name in _OVERRIDES:
+    _OVERRIDES[name] = found.get(name, [])
+  return flags.FLAGS(rest)

@@ -1,0 +1,64 @@
+"""Metrics: one JSON line per record, TensorBoard event files, and a readable one-line summary.
+
+writer = MetricsWriter(workdir)                 # workdir/metrics.jsonl + workdir/tb/
+writer.write(step, {'win_rate': 0.5, 'time/rollout_s': 1.2})
+writer.close()
+"""
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def _scalar(value: Any) -> float | int | str | None:
+  if isinstance(value, (bool, np.bool_)):
+    return int(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  if isinstance(value, (float, np.floating)) or (hasattr(value, 'shape') and value.shape == ()):
+    f = float(value)
+    return f if math.isfinite(f) else None
+  if isinstance(value, str):
+    return value
+  return None
+
+
+class MetricsWriter:
+  """Appends records to `metrics.jsonl` and scalars to TensorBoard (process 0 only)."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # a heavy import, made only when used
+
+      self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+
+  def write(self, step: int, record: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    clean = {k: _scalar(v) for k, v in record.items()}
+    with open(self.path, 'a') as f:
+      f.write(json.dumps({'step': step, **clean}) + '\n')
+    if self._tb is not None:
+      for k, v in clean.items():
+        if isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
