@@ -1,0 +1,157 @@
+"""The multi-turn engine: recorded log-probs match a full forward, masks, growth, determinism."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from earl_jax.config import BucketConfig, ModelConfig
+from earl_jax.envs import base as envs
+from earl_jax.models import hf_import, qwen2, tokenizer
+from earl_jax.rollout import engine, sampler
+from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.testing import fixture_path, small_mesh
+
+# Untied, so the fixture below can point the LM head at the digit tokens.
+CFG = ModelConfig.preset('tiny-game').replace(tie_word_embeddings=False)
+TOK = tokenizer.GameTokenizer()
+DIGITS = [TOK.encode(str(d))[0] for d in range(1, 10)]
+
+
+def _engine(
+  graphdef, *, cfg=CFG, tok=TOK, episodes=8, buckets=(128, 256, 512, 1024), max_new=1, **env_kw
+):
+  env = envs.EnvConfig(game='tic_tac_toe', **env_kw)
+  rollout = engine.RolloutConfig(
+    num_episodes=episodes, sampling=sampler.SamplingConfig(temperature=1.0, max_new_tokens=max_new)
+  )
+  return engine.RolloutEngine(cfg, graphdef, tok, env, rollout, BucketConfig(lengths=buckets))
+
+
+def _full_logprobs(graphdef, params, mesh, tokens):
+  def fn(params, tokens):
+    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens)
+
+  padded = np.zeros((tokens.shape[0], 1024), np.int32)
+  padded[:, : tokens.shape[1]] = tokens
+  with jax.set_mesh(mesh):
+    return np.asarray(jax.jit(fn)(params, jnp.asarray(padded)))[:, : tokens.shape[1]]
+
+
+@pytest.fixture(scope='module')
+def digit_policy():
+  """A random policy whose replies are (almost always) one digit, so games last several turns.
+
+  Every embedding gets +4 on dimension 0, which makes the final hidden state's dimension 0
+  reliably positive; the LM head maps dimension 0 onto the digit tokens only.
+  """
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, params = qwen2.init_model(CFG, mesh, seed=0)
+  embed = np.array(params['embed_tokens'][...])
+  embed[:, 0] += 4.0
+  params['embed_tokens'][...] = jnp.asarray(embed)
+  head = np.array(params['lm_head'][...])
+  head[0, DIGITS] += 8.0
+  params['lm_head'][...] = jnp.asarray(head)
+  return mesh, graphdef, params
+
+
+def test_logprobs_recorded_while_sampling_match_a_full_forward(digit_policy):
+  mesh, graphdef, params = digit_policy
+  traj = _engine(graphdef).run(params, mesh, seed=3)
+  full = _full_logprobs(graphdef, params, mesh, traj.tokens)
+  m = traj.loss_mask
+  assert m.any()
+  np.testing.assert_allclose(traj.logprobs[m], full[m], atol=2e-4)
+  assert (traj.logprobs[~m] == 0).all()
+
+
+def test_loss_mask_covers_exactly_the_generated_tokens(digit_policy):
+  mesh, graphdef, params = digit_policy
+  traj = _engine(graphdef).run(params, mesh, seed=4)
+  assert traj.loss_mask.sum() == traj.generated_tokens
+  for i in range(traj.num_episodes):
+    starts = traj.turn_starts[i]
+    assert sum(traj.turn_tokens[i]) == traj.lengths[i]
+    for k, start in enumerate(starts):
+      end = starts[k + 1] if k + 1 < len(starts) else traj.lengths[i]
+      turn = traj.tokens[i, start:end]
+      gen = traj.loss_mask[i, start:end]
+      # Template tokens first, then the one-token reply at the turn's end.
+      assert gen.tolist() == [False] * (len(gen) - 1) + [True]
+      assert turn[-1] in DIGITS
+      n = 1
+      prompt = turn[:-n].tolist()
+      assert prompt[-1] == TOK.act_id  # the reply follows the compact template's <act>
+      assert prompt[0] in (TOK.bos_id, TOK.obs_id, TOK.eot_id)
+    assert not traj.loss_mask[i, traj.lengths[i] :].any()
+
+
+def test_rollout_is_deterministic_in_its_seed(digit_policy):
+  mesh, graphdef, params = digit_policy
+  eng = _engine(graphdef)
+  a, b, c = (eng.run(params, mesh, seed=s) for s in (5, 5, 6))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert a.outcomes == b.outcomes
+  assert not np.array_equal(a.tokens, c.tokens) or a.tokens.shape != c.tokens.shape
+
+
+def test_cache_grows_through_buckets_and_overflow_forfeits(digit_policy):
+  mesh, graphdef, params = digit_policy
+  # A largest bucket of 40 tokens holds only the first turn (13-token prompt + 3 + ...).
+  eng = _engine(graphdef, buckets=(24, 40))
+  traj = eng.run(params, mesh, seed=0)
+  assert traj.cache_buckets[0] == 24
+  assert set(traj.outcomes) <= {'overflow', 'invalid', 'win', 'loss', 'draw'}
+  assert 'overflow' in traj.outcomes
+  assert traj.lengths.max() <= 40
+  grown = _engine(graphdef, buckets=(24, 1024)).run(params, mesh, seed=0)
+  assert grown.cache_buckets == [24, 1024] and 'overflow' not in grown.outcomes
+
+
+def test_to_batch_pads_rows_and_tokens(digit_policy):
+  mesh, graphdef, params = digit_policy
+  traj = _engine(graphdef).run(params, mesh, seed=1)
+  batch = traj.to_batch(bucket=256, rows=16)
+  assert batch.tokens.shape == (16, 256) and batch.valid.sum() == 8
+  np.testing.assert_array_equal(batch.tokens[:8, : traj.tokens.shape[1]], traj.tokens)
+  assert not batch.loss_mask[8:].any() and (batch.rewards[8:] == 0).all()
+  with pytest.raises(ValueError, match='shorter than the longest episode'):
+    traj.to_batch(bucket=8, rows=16)
+
+
+def test_qwen_chat_template_rollout_with_hf_tokenizer():
+  """The HF path: Qwen chat template + the tiny HF checkpoint, lenient parsing."""
+  mesh = small_mesh(dp=2, tp=2)
+  model_dir = fixture_path('qwen2_tiny')
+  cfg, graphdef, params = hf_import.load(model_dir, mesh)
+  tok = tokenizer.load_tokenizer(model_dir)
+  eng = _engine(graphdef, cfg=cfg, tok=tok, episodes=4, buckets=(128, 256, 512), parse='lenient')
+  traj = eng.run(params, mesh, seed=0)
+  full = _full_logprobs(graphdef, params, mesh, traj.tokens)
+  m = traj.loss_mask
+  np.testing.assert_allclose(traj.logprobs[m], full[m], atol=2e-4)
+  text = tok.decode(traj.tokens[0, : traj.lengths[0]].tolist())
+  assert text.startswith('<|im_start|>system\n') and '<|im_start|>assistant\n' in text
+
+
+def test_bad_inputs_are_refused_before_compiling():
+  mesh = small_mesh(dp=4, tp=1)
+  graphdef, params = qwen2.init_model(CFG, mesh)
+  eng = _engine(graphdef, episodes=6)
+  with pytest.raises(
+    mesh_lib.ShardingError, match='num_episodes=6 is not divisible by the 4 batch shards'
+  ):
+    eng.run(params, mesh, seed=0)
+  with pytest.raises(ValueError, match='per-turn token limit'):
+    engine.RolloutEngine(
+      CFG,
+      graphdef,
+      TOK,
+      envs.EnvConfig(),
+      engine.RolloutConfig(sampling=sampler.SamplingConfig(max_new_tokens=64)),
+      BucketConfig(lengths=(32, 64)),
+    )
+  with pytest.raises(ValueError, match='group_size=3 must be a positive divisor'):
+    engine.RolloutConfig(num_episodes=8, group_size=3)
