@@ -48,6 +48,10 @@ class ModelConfig:
     dtype: compute dtype of activations (softmax, norms and log-probs always run in f32).
     logprob_chunk: tokens per chunk when turning hidden states into log-probs, so that a
       [B, T, V] logits tensor never exists in one piece.
+    attention_impl: causal self-attention of training / experience forwards: 'blockwise' (exact,
+      query blocks of `attention_block` tokens that skip the upper triangle; any backend) or
+      'dot_product' (jax.nn.dot_product_attention: cuDNN flash attention on GPUs).
+    attention_block: query block of the blockwise attention (0: one dense block).
   """
 
   name: str = 'custom'
@@ -66,6 +70,8 @@ class ModelConfig:
   param_dtype: DType = 'float32'
   dtype: DType = 'float32'
   logprob_chunk: int = 256
+  attention_impl: Literal['blockwise', 'dot_product'] = 'blockwise'
+  attention_block: int = 128
 
   def __post_init__(self):
     _check_positive(
@@ -92,6 +98,13 @@ class ModelConfig:
         raise ValueError(
           f'ModelConfig.{field} must be one of {_DTYPES}, got {getattr(self, field)!r}.'
         )
+    if self.attention_impl not in ('blockwise', 'dot_product'):
+      raise ValueError(
+        "ModelConfig.attention_impl must be 'blockwise' or 'dot_product', got "
+        f'{self.attention_impl!r}.'
+      )
+    if self.attention_block < 0:
+      raise ValueError(f'ModelConfig.attention_block must be >= 0, got {self.attention_block}.')
     if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
       raise ValueError('ModelConfig: rope_theta and rms_norm_eps must be positive.')
 

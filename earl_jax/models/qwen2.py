@@ -149,6 +149,59 @@ class KVCache:
     return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
 
 
+def _write_rows(
+  cache: Float[Array, 'B S K Dh'], positions: Int[Array, 'B T'], x: Float[Array, 'B T K Dh']
+) -> Float[Array, 'B S K Dh']:
+  """cache[b, positions[b, t]] = x[b, t]; positions past the capacity are dropped.
+
+  Written per row (vmap), so the scatter has a batching dimension and a batch-sharded cache is
+  updated locally on every shard, with no collective.
+  """
+  write = lambda c, p, u: c.at[p].set(u.astype(c.dtype), mode='drop')  # noqa: E731
+  return jax.vmap(write)(cache, positions, x)
+
+
+def _attend(q, k, v, mask):
+  """Exact softmax attention in f32: q [B, Tq, K, G, Dh], k/v [B, Tk, K, Dh], mask [Tq, Tk]."""
+  Dh = q.shape[-1]
+  scores = jnp.einsum('BTKGd,BSKd->BKGTS', q.astype(jnp.float32), k.astype(jnp.float32))
+  scores = jnp.where(mask[None, None, None], scores / jnp.sqrt(Dh), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum('BKGTS,BSKd->BTKGd', probs, v.astype(jnp.float32))
+
+
+def causal_attention(
+  q: Float[Array, 'B T H Dh'],
+  k: Float[Array, 'B T K Dh'],
+  v: Float[Array, 'B T K Dh'],
+  *,
+  block: int,
+  impl: str = 'blockwise',
+) -> Float[Array, 'B T H Dh']:
+  """Causal self-attention of a chunk (query t sees keys 0..t), grouped-query.
+
+  'blockwise' splits the queries into blocks of `block` tokens; block i attends only to keys
+  [0, (i + 1) * block), under `jax.checkpoint`, so the upper triangle is never computed and the
+  backward pass recomputes one [B, H, block, (i + 1) * block] score tile at a time instead of
+  storing [B, H, T, T]. The softmax is exact (f32), not an online approximation.
+  'dot_product' calls `jax.nn.dot_product_attention`, which picks cuDNN flash attention on GPUs.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  if impl == 'dot_product':
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  qg = q.reshape(B, T, K, H // K, Dh)
+  if block <= 0 or block >= T or T % block:
+    out = _attend(qg, k, v, jnp.tril(jnp.ones((T, T), bool)))
+    return out.reshape(B, T, H, Dh).astype(q.dtype)
+  outs = []
+  for i in range(T // block):
+    lo, hi = i * block, (i + 1) * block
+    mask = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [block, hi]
+    outs.append(jax.checkpoint(_attend)(qg[:, lo:hi], k[:, :hi], v[:, :hi], mask))
+  return jnp.concatenate(outs, axis=1).reshape(B, T, H, Dh).astype(q.dtype)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -194,15 +247,14 @@ class Attention(nnx.Module):
 
     if kv is None:
       # Training / experience: the chunk attends to itself, causally (positions are 0..T-1).
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh]
+      out = causal_attention(q, k, v, block=cfg.attention_block, impl=cfg.attention_impl)
       new_kv = None
     else:
       k_cache, v_cache = kv
       S = k_cache.shape[1]
-      rows = jnp.arange(B)[:, None]
       # Positions past the capacity are dropped (padding of a chunk that ends near the end).
-      k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode='drop')
-      v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode='drop')
+      k_cache = _write_rows(k_cache, positions, k)
+      v_cache = _write_rows(v_cache, positions, v)
       k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
       v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
       new_kv = (k_cache, v_cache)

@@ -63,7 +63,8 @@ def with_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: Advant
 @functools.lru_cache(maxsize=32)
 def advantage_fn(mesh: Mesh, num_groups: int, config: AdvantageConfig):
   """`with_advantages` jitted for one mesh (call it under `jax.set_mesh(mesh)`)."""
+  # Not donated: fields of a batch may share buffers (old and reference log-probs, when there is
+  # no reference model), and the batch is small next to the model.
   return jax.jit(
-    functools.partial(with_advantages, mesh=mesh, num_groups=num_groups, config=config),
-    donate_argnums=(0,),
+    functools.partial(with_advantages, mesh=mesh, num_groups=num_groups, config=config)
   )

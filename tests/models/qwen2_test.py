@@ -202,3 +202,29 @@ def test_mesh_that_does_not_fit_the_model_is_refused_before_loading(dp, fsdp, tp
     hf_import.load(fixture_path('qwen2_tiny'), mesh)
   with pytest.raises(mesh_lib.ShardingError, match=message):
     qwen2.init_model(ModelConfig.preset('tiny'), mesh)
+
+
+@pytest.mark.parametrize('block', [8, 16, 64])
+def test_blockwise_causal_attention_matches_dense_values_and_grads(block):
+  rng = np.random.RandomState(0)
+  q = jnp.asarray(rng.randn(2, 64, 8, 16), jnp.float32)
+  k = jnp.asarray(rng.randn(2, 64, 4, 16), jnp.float32)
+  v = jnp.asarray(rng.randn(2, 64, 4, 16), jnp.float32)
+
+  def loss(impl, q, k, v):
+    out = qwen2.causal_attention(q, k, v, block=block, impl=impl)
+    return jnp.sum(jnp.sin(out)), out
+
+  (la, a), ga = jax.value_and_grad(
+    lambda *x: loss('blockwise', *x), argnums=(0, 1, 2), has_aux=True
+  )(q, k, v)
+  (lb, b), gb = jax.value_and_grad(
+    lambda *x: loss('dot_product', *x), argnums=(0, 1, 2), has_aux=True
+  )(q, k, v)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  for x, y in zip(ga, gb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-4)
+  # Causality: the output at t does not depend on keys after t.
+  k2 = k.at[:, 40:].set(0.0)
+  c = qwen2.causal_attention(q, k2, v, block=block)
+  np.testing.assert_allclose(np.asarray(c)[:, :40], np.asarray(a)[:, :40], atol=1e-6)
