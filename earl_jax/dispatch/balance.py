@@ -1,0 +1,266 @@
+"""Token balancing: a row permutation that evens out real tokens across data-parallel ranks.
+
+Rows of an agentic RL batch have very different real (unpadded) lengths, and the train step's
+cost on a data-parallel rank grows with the tokens it holds. The rollout is host-driven, so the
+lengths are known on the host of every process; the permutation is computed there, identically
+everywhere (pure numpy, deterministic tie-breaks), and the dispatcher applies it inside the same
+collectives that change the layout (no second pass).
+
+Every rank holds exactly B / ranks rows (arrays are evenly sharded), so this is balanced number
+partitioning with equal cardinality:
+  lpt  greedy longest-processing-time: rows by length, descending, each to the least-loaded rank
+       that still has room. Fast; within 4/3 of optimal.
+  kk   Karmarkar-Karp's largest differencing method for k equal-cardinality subsets (BLDM):
+       sorted rows are cut into B/k tuples of k rows; repeatedly the two partial partitions with
+       the largest spread are merged, largest subset of one with smallest of the other. Usually
+       much tighter than LPT.
+Then the subsets (bins) are matched to ranks so as to keep as many rows as possible where they
+already are (`scipy.optimize.linear_sum_assignment` on rows already held by a rank's devices),
+and each rank's rows are listed in source order, so rows that stay local move as contiguous
+runs.
+
+A balanced partition found from scratch moves almost every row (each bin mixes rows from every
+rank), while a dispatch only needs to move what the layouts and the balance require. So:
+  local  (the default) starts from the placement without a permutation (row r on the rank that
+         would hold it anyway) and swaps pairs of rows between the most and a less loaded rank,
+         each swap chosen to halve their gap as closely as possible, until the maximum load is
+         no worse than KK's (or no swap helps). Every swap strictly lowers the sum of squared
+         loads, so it ends. If it ends above KK's maximum by more than 1%, KK's partition is
+         used instead. It reaches KK's balance while moving a small fraction of the rows.
+
+  perm = balanced_permutation(lengths_B, src, dst, like=batch)       # int64 [B]
+  batch_t, report = dispatcher.dispatch(batch, dst, perm=perm)
+  rank_loads(lengths_B, perm, dst_ranks)                             # tokens per rank
+"""
+
+import heapq
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jaxtyping import Int, Real
+from scipy.optimize import linear_sum_assignment
+
+from earl_jax.dispatch.layout import Layout, LayoutError
+
+Method = Literal['lpt', 'kk', 'local']
+# Real tokens per row: any integer (or float) array or sequence [B].
+Lengths = Real[np.ndarray, ' B'] | Sequence[int]
+# 'local' falls back to KK when its max load is above KK's by more than this fraction.
+_LOCAL_SLACK = 0.01
+
+
+def _check_lengths(lengths: Lengths, num_ranks: int) -> np.ndarray:
+  lengths = np.asarray(lengths)
+  if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.number):
+    raise ValueError(f'lengths must be a 1-D numeric array, got {lengths.dtype} {lengths.shape}.')
+  if num_ranks < 1 or len(lengths) % num_ranks:
+    raise LayoutError(
+      f'{len(lengths)} rows do not split evenly over {num_ranks} ranks; pad the batch with '
+      f'earl_jax.dispatch.pad_rows (padded rows have length 0).'
+    )
+  return lengths.astype(np.int64)
+
+
+def _order(lengths: np.ndarray) -> np.ndarray:
+  """Rows by length, descending, ties by row index (deterministic everywhere)."""
+  return np.lexsort((np.arange(len(lengths)), -lengths))
+
+
+def lpt_bins(lengths: Lengths, num_ranks: int) -> list[Int[np.ndarray, ' b']]:
+  """Greedy LPT with equal cardinality: `num_ranks` bins of B / num_ranks row indices."""
+  lengths = _check_lengths(lengths, num_ranks)
+  cap = len(lengths) // num_ranks
+  heap = [(0, k) for k in range(num_ranks)]
+  bins: list[list[int]] = [[] for _ in range(num_ranks)]
+  for row in _order(lengths):
+    load, k = heapq.heappop(heap)
+    bins[k].append(int(row))
+    if len(bins[k]) < cap:
+      heapq.heappush(heap, (load + int(lengths[row]), k))
+  return [np.array(sorted(b), np.int64) for b in bins]
+
+
+def kk_bins(lengths: Lengths, num_ranks: int) -> list[Int[np.ndarray, ' b']]:
+  """Balanced largest differencing (Karmarkar-Karp for equal-cardinality k-partitioning)."""
+  lengths = _check_lengths(lengths, num_ranks)
+  k = num_ranks
+  order = _order(lengths)
+  # A partial partition: k subsets, each (sum, rows); kept sorted by sum, descending.
+  heap = []
+  for t, start in enumerate(range(0, len(order), k)):
+    rows = order[start : start + k]
+    subsets = sorted(((int(lengths[r]), [int(r)]) for r in rows), key=lambda s: -s[0])
+    spread = subsets[0][0] - subsets[-1][0]
+    heapq.heappush(heap, (-spread, t, subsets))
+  tie = len(order)
+  while len(heap) > 1:
+    _, _, a = heapq.heappop(heap)
+    _, _, b = heapq.heappop(heap)
+    merged = [(a[i][0] + b[k - 1 - i][0], a[i][1] + b[k - 1 - i][1]) for i in range(k)]
+    merged.sort(key=lambda s: -s[0])
+    tie += 1
+    heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+  subsets = heap[0][2] if heap else [(0, []) for _ in range(k)]
+  return [np.array(sorted(rows), np.int64) for _, rows in subsets]
+
+
+def local_bins(
+  lengths: Lengths, num_ranks: int, *, target: float | None = None
+) -> list[Int[np.ndarray, ' b']]:
+  """Swap refinement of the identity placement (rank k holds rows k*b..(k+1)*b-1).
+
+  Args:
+    lengths: real tokens per row.
+    num_ranks: ranks (equal row counts).
+    target: stop once the maximum load is <= target (default: KK's maximum load).
+  """
+  lengths = _check_lengths(lengths, num_ranks)
+  per = len(lengths) // num_ranks
+  if target is None:
+    target = max(int(lengths[b].sum()) for b in kk_bins(lengths, num_ranks))
+  rows = [np.arange(k * per, (k + 1) * per) for k in range(num_ranks)]
+  loads = np.array([int(lengths[r].sum()) for r in rows], np.int64)
+  for _ in range(len(lengths) * 4):
+    h = int(np.argmax(loads))
+    if loads[h] <= target:
+      break
+    lens_h = lengths[rows[h]]
+    for low in np.argsort(loads, kind='stable'):
+      low = int(low)
+      gap = int(loads[h] - loads[low])
+      if gap <= 0:
+        low = -1
+        break
+      order = np.argsort(lengths[rows[low]], kind='stable')
+      lens_l = lengths[rows[low]][order]
+      want = lens_h - gap / 2
+      j = np.clip(np.searchsorted(lens_l, want), 1, max(1, len(lens_l) - 1))
+      best = None
+      for cand in (j - 1, j):
+        cand = np.minimum(cand, len(lens_l) - 1)
+        delta = lens_h - lens_l[cand]
+        ok = (delta > 0) & (delta < gap)
+        if ok.any():
+          score = np.where(ok, np.abs(delta - gap / 2), np.inf)
+          a = int(np.argmin(score))
+          if best is None or score[a] < best[0]:
+            best = (score[a], a, int(order[cand[a]]), int(delta[a]))
+      if best is not None:
+        _, a, b, delta = best
+        rows[h][a], rows[low][b] = rows[low][b], rows[h][a]
+        loads[h] -= delta
+        loads[low] += delta
+        break
+    else:
+      low = -1
+    if low < 0:
+      break
+  return [np.sort(r) for r in rows]
+
+
+def permutation_from_bins(
+  bins: Sequence[Int[np.ndarray, ' b']], locality: Int[np.ndarray, 'B R'] | None = None
+) -> Int[np.ndarray, ' B']:
+  """The permutation that gives rank k the rows of its matched bin, in ascending row order.
+
+  Args:
+    bins: equal-size arrays of row indices that partition range(B).
+    locality: optional [B, ranks] score of keeping row r on rank k (e.g. how many of rank k's
+      devices already hold it); bins are matched to ranks to maximise the total.
+
+  Returns:
+    perm int64 [B]: rank k's rows are perm[k * B/ranks : (k + 1) * B/ranks].
+  """
+  ranks = len(bins)
+  if locality is None:
+    assignment = np.arange(ranks)
+  else:
+    score = np.stack([locality[b].sum(axis=0) for b in bins])  # [bin, rank]
+    rows, cols = linear_sum_assignment(-score)
+    assignment = np.empty(ranks, np.int64)
+    assignment[cols] = rows  # rank -> bin
+  return np.concatenate([bins[assignment[k]] for k in range(ranks)]).astype(np.int64)
+
+
+def target_ranks(dst: Layout, rows: int) -> int:
+  """How many data-parallel ranks (distinct row blocks) the target layout has."""
+  shards = {dst.row_shards(i) for i in range(len(dst.fields))}
+  if len(shards) != 1:
+    raise LayoutError(
+      f'The target layout splits rows differently across fields ({sorted(shards)}); token '
+      f'balancing needs one row split.'
+    )
+  ranks = shards.pop()
+  if rows % ranks:
+    raise LayoutError(f'{rows} rows do not split over the {ranks} row blocks of the target.')
+  return ranks
+
+
+def locality_scores(src: Layout, dst: Layout, like: Any) -> Int[np.ndarray, 'B R']:
+  """[B, ranks]: how many devices of target rank k already hold source row r (field 0)."""
+  leaves = src.check(like)
+  shape = tuple(leaves[0].shape)
+  rows = shape[0]
+  ranks = target_ranks(dst, rows)
+  per = rows // ranks
+  src_map = src.sharding(0).devices_indices_map(shape)
+  dst_map = dst.sharding(0).devices_indices_map(shape)
+  score = np.zeros((rows, ranks), np.int64)
+  for device in src.mesh.devices.flat:
+    r0, r1, _ = src_map[device][0].indices(rows)
+    k = dst_map[device][0].indices(rows)[0] // per
+    score[r0:r1, k] += 1
+  return score
+
+
+def balanced_permutation(
+  lengths_B: Lengths,
+  src: Layout,
+  dst: Layout,
+  *,
+  like: Any,
+  method: Method = 'local',
+) -> Int[np.ndarray, ' B']:
+  """A row permutation balancing real tokens over the target's data-parallel ranks.
+
+  Args:
+    lengths_B: real (unpadded) tokens per row, known on every host (0 for padding rows).
+    src: the layout the batch is on (used to keep rows where they are when it costs nothing).
+    dst: the target layout; its row blocks are the ranks.
+    like: the batch (or ShapeDtypeStructs), for shapes.
+    method: 'local' (default: KK's balance, few rows moved), 'kk' or 'lpt'.
+
+  Returns:
+    perm int64 [B] for `Dispatcher.dispatch(..., perm=perm)`.
+  """
+  leaves = jax.tree.leaves(like)
+  rows = int(leaves[0].shape[0])
+  if len(np.asarray(lengths_B)) != rows:
+    raise LayoutError(f'lengths_B has {len(np.asarray(lengths_B))} entries for {rows} rows.')
+  ranks = target_ranks(dst, rows)
+  locality = locality_scores(src, dst, like)
+  if method == 'lpt':
+    return permutation_from_bins(lpt_bins(lengths_B, ranks), locality)
+  kk = kk_bins(lengths_B, ranks)
+  if method == 'kk':
+    return permutation_from_bins(kk, locality)
+  if method != 'local':
+    raise ValueError(f"method must be 'local', 'kk' or 'lpt', got {method!r}.")
+  lengths = np.asarray(lengths_B, np.int64)
+  kk_max = max(int(lengths[b].sum()) for b in kk)
+  local = local_bins(lengths, ranks, target=kk_max)
+  if max(int(lengths[b].sum()) for b in local) > kk_max * (1 + _LOCAL_SLACK):
+    return permutation_from_bins(kk, locality)
+  # The identity placement is the starting point, so rank k keeps bin k (no matching).
+  return np.concatenate(local).astype(np.int64)
+
+
+def rank_loads(
+  lengths_B: Lengths, perm: Int[np.ndarray, ' B'] | None, num_ranks: int
+) -> Int[np.ndarray, ' R']:
+  """[ranks] real tokens each target rank holds after applying `perm` (None: identity)."""
+  lengths = _check_lengths(lengths_B, num_ranks)
+  placed = lengths if perm is None else lengths[np.asarray(perm)]
+  return placed.reshape(num_ranks, -1).sum(axis=1)

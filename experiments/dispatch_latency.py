@@ -1,0 +1,369 @@
+"""Dispatch latency, the analogue of the paper's Fig. 4: gather_scatter vs xla vs layout_aware.
+
+Moves an RL batch between two layouts in N local worker processes (jax.distributed over
+loopback, gloo collectives) and times each strategy side by side in the same run.
+
+  python experiments/dispatch_latency.py --out=runs/dispatch.json           # 8 workers x 1 device
+  python experiments/dispatch_latency.py --scale=0.1 --out=/tmp/d.json       # quick
+  python experiments/dispatch_latency.py --src=dp2.tp4:seq --dst=dp4.tp2 --permutation=none
+  python scripts/plot_dispatch.py --json=runs/dispatch.json --out=runs/dispatch.png
+
+Multi-process by default: unless it is already inside a launched group, the script re-launches
+itself as --num_workers processes with --devices_per_worker fake CPU devices each
+(earl_jax.distributed.launch_local); process 0 prints the table and writes the JSON.
+
+Payload: per worker 46, 93 and 187 MiB at 8K, 16K and 32K context (the paper's Fig. 4, which
+moved reference log-probs: f32 [B, T]); --fields=rl moves the whole RL batch instead (tokens,
+loss mask, sampling / reference log-probs, advantages, rewards, lengths, group ids) at the same
+bytes per worker. --scale multiplies the payload. Rows are rounded down to what the layouts
+split evenly.
+
+Default movement: every row goes to another process (both layouts dp8 with rows on every device,
+and the rows rotated by one process's share). 'xla' applies a rotation as `jnp.roll` (XLA lowers
+it to one collective-permute, its best case) and any other permutation as `jnp.take` (XLA lowers
+that to an all-gather); with --permutation=none it is a plain jit reshard.
+
+Timing: --warmup calls per strategy (the first compiles; its result is verified bit for bit
+against the source on every process, with the target sharding), then --reps rounds in which every
+strategy runs once (interleaved, in a rotating order, so background load on the shared machine
+hits all strategies alike), each call between barriers (`sync_global_devices`) so every process
+is timed on the same interval; a repetition's time is the max over processes; the table reports
+the median over repetitions.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from earl_jax import distributed  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('num_workers', 8, 'Worker processes (the paper counts workers).')
+flags.DEFINE_integer('devices_per_worker', 1, 'Fake CPU devices per worker process.')
+flags.DEFINE_list('lengths', ['8192', '16384', '32768'], 'Context lengths T.')
+flags.DEFINE_list('payload_mib', ['46', '93', '187'], 'Payload per worker (MiB) per length.')
+flags.DEFINE_float('scale', 1.0, 'Multiplies every payload (e.g. 0.05 for a quick run).')
+flags.DEFINE_enum('fields', 'logprobs', ['logprobs', 'rl'], 'What the batch holds.')
+flags.DEFINE_string('src', 'dp8', "Source layout, '<parallel>[:rep|rows|seq|perm]'.")
+flags.DEFINE_string('dst', 'dp8', 'Target layout, same syntax.')
+flags.DEFINE_enum(
+  'permutation',
+  'rotate',
+  ['none', 'rotate', 'random', 'balanced'],
+  'Row permutation: rotate = every row to the next process; balanced = token balancing of '
+  'random lengths (KK).',
+)
+flags.DEFINE_list('strategies', ['gather_scatter', 'xla', 'layout_aware'], 'Strategies to time.')
+flags.DEFINE_integer('reps', 5, 'Timed repetitions per strategy (median reported).')
+flags.DEFINE_integer('warmup', 1, 'Untimed calls per strategy before timing (>= 1).')
+flags.DEFINE_enum('collective', 'ppermute', ['ppermute', 'all_to_all'], 'layout_aware rounds.')
+flags.DEFINE_integer('gather_chunk_mib', 64, 'gather_scatter: largest global chunk gathered.')
+flags.DEFINE_float(
+  'pack_max_mib', 4.0, 'layout_aware: rounds up to this size travel as one packed collective.'
+)
+flags.DEFINE_integer('seed', 0, 'Seed of random permutations and lengths.')
+flags.DEFINE_string('out', None, 'Write the results JSON here.')
+flags.DEFINE_float('timeout', 3600.0, 'Seconds before the launched workers are killed.')
+
+MiB = 1 << 20
+
+
+def _fields(kind: str, rows: int, length: int):
+  import jax
+  import numpy as np
+
+  f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+  if kind == 'logprobs':
+    spec = {'ref_logprobs': ((rows, length), f32)}
+  else:
+    spec = {
+      'tokens': ((rows, length), i32),
+      'loss_mask': ((rows, length), np.dtype(bool)),
+      'logprobs': ((rows, length), f32),
+      'ref_logprobs': ((rows, length), f32),
+      'advantages': ((rows, length), f32),
+      'rewards': ((rows,), f32),
+      'lengths': ((rows,), i32),
+      'group_ids': ((rows,), i32),
+    }
+  return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in spec.items()}
+
+
+def _row_bytes(structs) -> int:
+  import numpy as np
+
+  return sum(int(np.prod(s.shape[1:], dtype=np.int64)) * s.dtype.itemsize for s in structs.values())
+
+
+def _values(salt: int, dtype, rows, cols):
+  """Deterministic content of (global rows, global cols): exact in every dtype.
+
+  Filled in row chunks with int32 arithmetic, so that a 187 MiB block needs no more than a few
+  MiB of temporaries (8 workers share this machine's memory).
+  """
+  import numpy as np
+
+  modulus = 16_777_213  # < 2**24: exact in float32
+  rows = np.asarray(rows, np.int64)
+  a = ((rows * 7919 + salt * 15_485_863) % modulus).astype(np.int32)
+  if cols is None:
+    v = a
+    return (v % 3 == 0) if dtype == np.dtype(bool) else v.astype(dtype)
+  b = ((np.asarray(cols, np.int64) * 104_729) % modulus).astype(np.int32)
+  out = np.empty((len(rows), len(b)), dtype)
+  step = max(1, (4 << 20) // max(1, 4 * len(b)))
+  for start in range(0, len(rows), step):
+    v = a[start : start + step, None] + b[None, :]  # < 2 * modulus: no int32 overflow
+    v %= modulus
+    out[start : start + step] = (v % 3 == 0) if dtype == np.dtype(bool) else v
+  return out
+
+
+def _block(salt: int, struct, index, perm=None):
+  """The block `index` (tuple of slices) of a field, rows permuted by `perm`."""
+  import numpy as np
+
+  shape = struct.shape
+  r0, r1, _ = index[0].indices(shape[0])
+  rows = np.arange(r0, r1) if perm is None else perm[r0:r1]
+  cols = None
+  if len(shape) >= 2:
+    c0, c1, _ = index[1].indices(shape[1])
+    cols = np.arange(c0, c1)
+  return _values(salt, struct.dtype, rows, cols)
+
+
+def _verify(out, structs, salts, shardings, perm) -> bool:
+  """Every addressable shard equals the source rows (permuted), bit for bit, with the target
+  sharding; compared in row chunks to keep memory low."""
+  import numpy as np
+
+  ok = True
+  for k, s in structs.items():
+    arr = out[k]
+    ok &= arr.sharding == shardings[k]
+    for shard in arr.addressable_shards:
+      got = np.asarray(shard.data)
+      r0, r1, _ = shard.index[0].indices(s.shape[0])
+      step = 64
+      for start in range(r0, r1, step):
+        stop = min(r1, start + step)
+        index = (slice(start, stop), *shard.index[1:])
+        want = _block(salts[k], s, index, perm)
+        ok &= got[start - r0 : stop - r0].tobytes() == want.tobytes()
+  return bool(ok)
+
+
+def _run_worker() -> None:
+  distributed.initialize_from_env()
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from earl_jax.dispatch import (
+    DispatchConfig,
+    Dispatcher,
+    Layout,
+    balanced_permutation,
+    hlo_received_bytes,
+    row_multiple,
+  )
+
+  n_dev = jax.device_count()
+  n_proc = jax.process_count()
+  lengths = [int(x) for x in FLAGS.lengths]
+  payloads = [float(x) for x in FLAGS.payload_mib]
+  if len(payloads) != len(lengths):
+    raise app.UsageError('--payload_mib needs one value per --lengths entry.')
+  dispatcher = Dispatcher(
+    DispatchConfig(
+      collective=FLAGS.collective,
+      gather_chunk_bytes=FLAGS.gather_chunk_mib * MiB,
+      pack_max_bytes=int(FLAGS.pack_max_mib * MiB),
+    )
+  )
+  lead = jax.process_index() == 0
+  results = []
+  for length, payload in zip(lengths, payloads):
+    probe = _fields(FLAGS.fields, n_dev, length)
+    src = Layout.parse(FLAGS.src, probe)
+    dst = Layout.parse(FLAGS.dst, probe)
+    multiple = np.lcm(row_multiple(src, dst), n_proc)
+    target_rows = payload * FLAGS.scale * MiB * n_proc / _row_bytes(probe)
+    rows = max(int(multiple), int(target_rows // multiple) * int(multiple))
+    structs = _fields(FLAGS.fields, rows, length)
+    salts = {k: i + 1 for i, k in enumerate(structs)}
+    rng = np.random.default_rng(FLAGS.seed)
+    if FLAGS.permutation == 'none':
+      perm = None
+    elif FLAGS.permutation == 'rotate':
+      perm = (np.arange(rows) + rows // n_proc) % rows
+    elif FLAGS.permutation == 'random':
+      perm = rng.permutation(rows)
+    else:
+      real = rng.integers(1, length + 1, rows)
+      perm = balanced_permutation(real, src, dst, like=structs)
+    src_sh, dst_sh = src.shardings(), dst.shardings()
+    batch = {
+      k: jax.make_array_from_callback(
+        s.shape, src_sh[k], lambda idx, salt=salts[k], s=s: _block(salt, s, idx)
+      )
+      for k, s in structs.items()
+    }
+    jax.block_until_ready(batch)
+    plan = dispatcher.plan(batch, src, dst, perm=perm)
+    entry = {
+      'context': length,
+      'rows': rows,
+      'payload_mib_per_worker': rows * _row_bytes(structs) / n_proc / MiB,
+      'median_ms': {},
+      'reps_ms': {},
+      'verified': {},
+    }
+    strategies = list(FLAGS.strategies)
+    verified = {}
+    for name in strategies:
+      ok = True
+      for w in range(max(1, FLAGS.warmup)):
+        out, _ = dispatcher.dispatch(batch, dst, perm=perm, strategy=name, account=False)
+        jax.block_until_ready(out)
+        if w == 0:
+          ok &= _verify(out, structs, salts, dst_sh, perm)
+        del out
+      verified[name] = ok
+    # Repetitions interleave the strategies (in a rotating order), so that background load on
+    # the shared machine hits them alike.
+    times = {name: [] for name in strategies}
+    for rep in range(FLAGS.reps):
+      for j in range(len(strategies)):
+        name = strategies[(rep + j) % len(strategies)]
+        multihost_utils.sync_global_devices('dispatch_latency')
+        t0 = time.perf_counter()
+        out, _ = dispatcher.dispatch(batch, dst, perm=perm, strategy=name, account=False)
+        jax.block_until_ready(out)
+        times[name].append(time.perf_counter() - t0)
+        del out
+    for name in strategies:
+      all_times = multihost_utils.process_allgather(np.array(times[name]))
+      all_times = np.asarray(all_times).reshape(n_proc, -1)
+      all_ok = np.asarray(multihost_utils.process_allgather(np.array([verified[name]]))).all()
+      per_rep = all_times.max(axis=0) * 1e3
+      entry['reps_ms'][name] = per_rep.round(3).tolist()
+      entry['median_ms'][name] = float(np.median(per_rep))
+      entry['verified'][name] = bool(all_ok)
+    med = entry['median_ms']
+    if 'layout_aware' in med:
+      for other in ('gather_scatter', 'xla'):
+        if other in med:
+          entry[f'ratio_{other}_over_layout_aware'] = med[other] / med['layout_aware']
+    entry['bytes'] = {
+      'min_sent_per_device': plan.bytes_sent.tolist(),
+      'min_received_per_device': plan.bytes_received.tolist(),
+      'layout_aware_sent_per_device': plan.scheduled_sent.tolist(),
+      'layout_aware_received_per_device': plan.scheduled_received.tolist(),
+      # The baseline's allgather brings every other device's unique rows to each process.
+      'gather_scatter_received_per_process': int(
+        rows * _row_bytes(structs) * (n_proc - 1) // n_proc
+      ),
+    }
+    if 'xla' in FLAGS.strategies:
+      text = dispatcher.compiled_text(batch, dst, perm=perm, strategy='xla')
+      entry['bytes']['xla_received_per_device'] = hlo_received_bytes(text, n_dev).tolist()
+    entry['plan'] = plan.summary()
+    entry['verified_all'] = all(entry['verified'].values())
+    results.append(entry)
+    del batch
+  if lead:
+    report = {
+      'experiment': 'dispatch_latency',
+      'processes': n_proc,
+      'devices': n_dev,
+      'flags': {
+        k: FLAGS[k].value
+        for k in (
+          'num_workers',
+          'devices_per_worker',
+          'lengths',
+          'payload_mib',
+          'scale',
+          'fields',
+          'src',
+          'dst',
+          'permutation',
+          'strategies',
+          'reps',
+          'warmup',
+          'collective',
+          'gather_chunk_mib',
+          'pack_max_mib',
+          'seed',
+        )
+      },
+      'results': results,
+      'verified': all(r['verified_all'] for r in results),
+    }
+    print(format_table(report), flush=True)
+    if FLAGS.out:
+      os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+      with open(FLAGS.out, 'w') as f:
+        json.dump(report, f, indent=2)
+      print(f'wrote {FLAGS.out}', flush=True)
+
+
+def format_table(report: dict) -> str:
+  """The results as a fixed-width table."""
+  strategies = report['flags']['strategies']
+  head = ['context', 'MiB/worker'] + [f'{s} ms' for s in strategies]
+  if 'layout_aware' in strategies:
+    head += [f'{s}/la' for s in strategies if s != 'layout_aware']
+  head += ['moved MiB/dev', 'verified']
+  rows = []
+  for r in report['results']:
+    row = [f'{r["context"] // 1024}K', f'{r["payload_mib_per_worker"]:.1f}']
+    row += [f'{r["median_ms"][s]:.1f}' for s in strategies]
+    if 'layout_aware' in strategies:
+      row += [
+        f'{r[f"ratio_{s}_over_layout_aware"]:.1f}x' for s in strategies if s != 'layout_aware'
+      ]
+    row.append(f'{max(r["bytes"]["min_received_per_device"]) / MiB:.1f}')
+    row.append(str(r['verified_all']).lower())
+    rows.append(row)
+  widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+  lines = [
+    f'dispatch latency: {report["processes"]} processes, {report["devices"]} devices, '
+    f'{report["flags"]["src"]} -> {report["flags"]["dst"]}, permutation '
+    f'{report["flags"]["permutation"]}, fields {report["flags"]["fields"]} (median of '
+    f'{report["flags"]["reps"]}, max over processes)',
+    '  '.join(h.rjust(w) for h, w in zip(head, widths)),
+  ]
+  lines += ['  '.join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
+  return '\n'.join(lines)
+
+
+def main(argv) -> None:
+  del argv
+  if distributed.process_env() is None and FLAGS.num_workers > 1:
+    distributed.launch_local(
+      [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+      num_processes=FLAGS.num_workers,
+      devices_per_process=FLAGS.devices_per_worker,
+      timeout=FLAGS.timeout,
+      stream_process=0,
+    )
+    return
+  if distributed.process_env() is None:
+    import jax
+
+    jax.config.update('jax_num_cpu_devices', FLAGS.devices_per_worker)
+  _run_worker()
+
+
+if __name__ == '__main__':
+  app.run(main)

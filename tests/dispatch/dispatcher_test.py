@@ -1,0 +1,228 @@
+"""The dispatcher on 8 fake devices: every strategy delivers the batch bit for bit, with the
+target sharding, without touching the host (layout_aware, xla), moving the bytes the plan says."""
+
+import jax
+import numpy as np
+import pytest
+
+from earl_jax.dispatch import (
+  DispatchConfig,
+  Dispatcher,
+  Layout,
+  LayoutError,
+  hlo_collective_counts,
+  hlo_received_bytes,
+)
+from earl_jax.testing import dispatch_bodies as bodies
+
+ROWS, LENGTH = 32, 16
+PARALLEL = ['dp8', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', 'dp2.fsdp2.tp2', 'dp4.fsdp2']
+KINDS = ['rep', 'rows', 'seq', 'perm']
+
+
+def _layout(text, host):
+  return Layout.parse(text, host)
+
+
+def _random_cases(count, seed):
+  rng = np.random.default_rng(seed)
+  cases = []
+  for _ in range(count):
+    src = f'{rng.choice(PARALLEL)}:{rng.choice(KINDS)}'
+    dst = f'{rng.choice(PARALLEL)}:{rng.choice(KINDS)}'
+    perm = str(rng.choice(['none', 'random', 'balanced']))
+    cases.append((src, dst, perm))
+  return cases
+
+
+def _perm(kind, host, src, dst, seed=0):
+  rng = np.random.default_rng(seed)
+  if kind == 'none':
+    return None
+  if kind == 'random':
+    return rng.permutation(ROWS)
+  from earl_jax.dispatch import balanced_permutation
+
+  return balanced_permutation(rng.integers(1, LENGTH + 1, ROWS), src, dst, like=host)
+
+
+@pytest.mark.parametrize(('src_text', 'dst_text', 'perm_kind'), _random_cases(14, seed=20251005))
+def test_layout_aware_property(src_text, dst_text, perm_kind):
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout(src_text, host), _layout(dst_text, host)
+  perm = _perm(perm_kind, host, src, dst)
+  batch = bodies.place(host, src)
+  dispatcher = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  with jax.transfer_guard('disallow'):
+    out, report = dispatcher.dispatch(batch, dst, src=src, perm=perm)
+    jax.block_until_ready(out)
+  assert bodies.check_placed(out, host, dst, perm) == []
+  plan = dispatcher.plan(batch, src, dst, perm=perm)
+  # The compiled kernel moves exactly what the plan schedules, never less than the minimum.
+  hlo = hlo_received_bytes(dispatcher.compiled_text(batch, dst, src=src, perm=perm), 8)
+  np.testing.assert_array_equal(hlo, plan.scheduled_received)
+  assert np.all(plan.scheduled_received >= plan.bytes_received)
+  assert report.bytes_received == tuple(plan.bytes_received.tolist())
+  assert report.scheduled_received == tuple(plan.scheduled_received.tolist())
+  if perm is None:
+    # Layout-only plans have exact capacities; with uniform blocks nothing is padded.
+    assert plan.scheduled_bytes == plan.min_bytes
+
+
+@pytest.mark.parametrize(
+  ('src_text', 'dst_text', 'perm_kind'),
+  [('dp2.tp4:seq', 'dp4.tp2', 'balanced'), ('dp2.tp4:rep', 'dp8:perm', 'random')],
+)
+@pytest.mark.parametrize('strategy', ['xla', 'gather_scatter', 'auto'])
+def test_other_strategies_deliver_the_same_batch(src_text, dst_text, perm_kind, strategy):
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout(src_text, host), _layout(dst_text, host)
+  perm = _perm(perm_kind, host, src, dst)
+  batch = bodies.place(host, src)
+  dispatcher = Dispatcher(DispatchConfig(gather_chunk_bytes=256))  # forces column chunks
+  guard = 'allow' if strategy == 'gather_scatter' else 'disallow'
+  with jax.transfer_guard(guard):
+    out, report = dispatcher.dispatch(batch, dst, src=src, perm=perm, strategy=strategy)
+  assert bodies.check_placed(out, host, dst, perm) == []
+  assert report.strategy == ('layout_aware' if strategy == 'auto' else strategy)
+
+
+def test_sequence_sharded_to_tp2_moves_the_minimum_and_xla_moves_more():
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp2.tp4:seq', host), _layout('dp4.tp2', host)
+  batch = bodies.place(host, src)
+  dispatcher = Dispatcher()
+  plan = dispatcher.plan(batch, src, dst)
+  # Each device holds a quarter of its target rows' columns and receives the other three
+  # quarters of B/4 rows x T of tokens (4 B), loss mask (1 B) and log-probs (4 B); [B] fields
+  # are replicated over tensor in the source and already local.
+  per_device = 3 * (ROWS // 4) * (LENGTH // 4) * (4 + 1 + 4)
+  np.testing.assert_array_equal(plan.bytes_received, [per_device] * 8)
+  assert plan.scheduled_bytes == plan.min_bytes
+  la = hlo_received_bytes(dispatcher.compiled_text(batch, dst, src=src), 8)
+  xla = hlo_received_bytes(dispatcher.compiled_text(batch, dst, src=src, strategy='xla'), 8)
+  np.testing.assert_array_equal(la, plan.bytes_received)
+  assert xla.sum() >= 2 * la.sum()
+
+
+def test_auto_picks_noop_rewrap_local_slice_and_kernel():
+  host = bodies.host_batch(ROWS, LENGTH)
+  d = Dispatcher()
+  dp8 = _layout('dp8', host)
+  batch = bodies.place(host, dp8)
+  with jax.transfer_guard('disallow'):
+    same, report = d.dispatch(batch, dp8)
+    assert report.strategy == 'noop' and same is batch
+    # Same blocks on the same devices, another mesh: re-wrapped, zero copy.
+    rows42 = _layout('dp4.tp2:rows', host)
+    out, report = d.dispatch(batch, rows42)
+    assert report.strategy == 'rewrap'
+    assert bodies.check_placed(out, host, rows42) == []
+    assert (
+      out['logprobs'].addressable_shards[3].data.unsafe_buffer_pointer()
+      == batch['logprobs'].addressable_shards[3].data.unsafe_buffer_pointer()
+    )
+    # A TP-replicated rollout batch: every target block is already local.
+    rep = _layout('dp2.tp4', host)
+    rep_batch = bodies.place(host, rep)
+    out, report = d.dispatch(rep_batch, dp8)
+    assert report.strategy == 'layout_aware' and report.min_bytes == 0
+    assert bodies.check_placed(out, host, dp8) == []
+  assert hlo_collective_counts(d.compiled_text(rep_batch, dp8), 8) == {}
+
+
+def test_new_permutation_with_same_structure_does_not_retrace():
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp2.tp4', host), _layout('dp4.tp2', host)
+  batch = bodies.place(host, src)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  rng = np.random.default_rng(3)
+  perm1 = rng.permutation(ROWS)
+  # Same rows per (source, target) pair, in another order inside each target rank.
+  perm2 = np.concatenate([rng.permutation(block) for block in perm1.reshape(4, -1)])
+  with jax.transfer_guard('disallow'):
+    out1, r1 = d.dispatch(batch, dst, perm=perm1)
+    out2, r2 = d.dispatch(batch, dst, perm=perm2)
+  assert (
+    d.plan(batch, src, dst, perm=perm1).structure()
+    == d.plan(batch, src, dst, perm=perm2).structure()
+  )
+  assert r1.compiled and not r2.compiled
+  assert d.traces == 1
+  assert bodies.check_placed(out1, host, dst, perm1) == []
+  assert bodies.check_placed(out2, host, dst, perm2) == []
+  # An RL loop: a new balancing permutation every step compiles once per capacity structure.
+  from earl_jax.dispatch import balanced_permutation
+
+  structures = set()
+  for step in range(6):
+    lengths = np.random.default_rng(100 + step).integers(1, LENGTH + 1, ROWS)
+    perm = balanced_permutation(lengths, src, dst, like=host)
+    structures.add(d.plan(batch, src, dst, perm=perm).structure())
+    with jax.transfer_guard('disallow'):
+      out, _ = d.dispatch(batch, dst, perm=perm)
+    assert bodies.check_placed(out, host, dst, perm) == []
+  assert d.traces == 1 + len(structures - {d.plan(batch, src, dst, perm=perm1).structure()})
+
+
+@pytest.mark.parametrize(
+  ('src_text', 'dst_text', 'collective', 'pack_max_bytes'),
+  [
+    ('dp2.tp4:seq', 'dp8', 'all_to_all', 1 << 20),
+    ('dp8', 'dp4.tp2', 'all_to_all', 0),
+    ('dp2.tp4:seq', 'dp2.fsdp2.tp2:perm', 'ppermute', 0),
+    ('dp4.tp2:rep', 'dp8:seq', 'ppermute', 0),
+  ],
+)
+def test_collective_kinds_and_unpacked_rounds(src_text, dst_text, collective, pack_max_bytes):
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout(src_text, host), _layout(dst_text, host)
+  batch = bodies.place(host, src)
+  config = DispatchConfig(
+    strategy='layout_aware', collective=collective, pack_max_bytes=pack_max_bytes
+  )
+  for perm in (None, np.random.default_rng(5).permutation(ROWS)):
+    d = Dispatcher(config)
+    with jax.transfer_guard('disallow'):
+      out, report = d.dispatch(batch, dst, src=src, perm=perm)
+    assert bodies.check_placed(out, host, dst, perm) == []
+    plan = d.plan(batch, src, dst, perm=perm)
+    text = d.compiled_text(batch, dst, src=src, perm=perm)
+    kind = 'all-to-all' if collective == 'all_to_all' else 'collective-permute'
+    counts = hlo_collective_counts(text, 8)
+    assert set(counts) <= {kind}
+    assert sum(counts.values()) == plan.num_collectives == report.num_collectives
+    assert all(r.packed == (pack_max_bytes > 0) for r in plan.rounds)
+    np.testing.assert_array_equal(hlo_received_bytes(text, 8), plan.scheduled_received)
+
+
+def test_timed_report_and_donation():
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout('dp2.tp4:seq', host)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', timed=True, donate=True))
+  batch = bodies.place(host, src)
+  out, report = d.dispatch(batch, dst, src=src)
+  assert report.wall_s is not None and report.wall_s > 0
+  assert report.num_collectives > 0 and report.min_bytes > 0
+  assert bodies.check_placed(out, host, dst) == []
+
+
+def test_bad_permutations_are_rejected():
+  host = bodies.host_batch(ROWS, LENGTH)
+  src = _layout('dp8', host)
+  batch = bodies.place(host, src)
+  d = Dispatcher()
+  with pytest.raises(LayoutError, match='repeats rows'):
+    d.dispatch(batch, src, perm=np.zeros(ROWS, np.int64))
+  with pytest.raises(LayoutError, match=r'shape \(32,\).*got int64 \(31,\)'):
+    d.dispatch(batch, src, perm=np.arange(ROWS - 1))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match='strategy must be one of'):
+    DispatchConfig(strategy='broadcast')
+  # Under the test suite's runtime type checker a bad Literal is a TypeError before __post_init__.
+  with pytest.raises((ValueError, TypeError), match='collective'):
+    DispatchConfig(collective='allreduce')
+  with pytest.raises(ValueError, match='buckets_per_octave'):
+    DispatchConfig(buckets_per_octave=0)

@@ -1,0 +1,22 @@
+"""The dispatcher across processes: 2 processes x 4 devices over loopback (gloo)."""
+
+import pytest
+
+from earl_jax.testing import multiprocess
+
+
+@pytest.mark.multiprocess
+def test_two_processes_dispatch_every_strategy():
+  results = multiprocess.run(
+    'earl_jax.testing.dispatch_bodies:dispatch_body',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={'rows': 32, 'length': 16},
+  )
+  assert [r['process_index'] for r in results] == [0, 1]
+  for r in results:
+    # 3 layout pairs x 2 permutations x 4 strategies, each checked shard by shard.
+    assert len(r['problems']) == 24
+    assert {k: v for k, v in r['problems'].items() if v} == {}
+    assert r['group_mean_ok']
+    assert r['num_local_rows'] == 16

@@ -1,0 +1,121 @@
+"""Routing plans (pure numpy): schedules, capacities, replica choice, determinism."""
+
+import numpy as np
+import pytest
+
+from earl_jax.dispatch import Layout, capacity_bucket, make_plan
+from earl_jax.dispatch import plan as plan_lib
+from earl_jax.testing import dispatch_bodies as bodies
+
+ROWS, LENGTH = 32, 16
+
+
+def _plan(src_text, dst_text, perm=None, **kw):
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
+  leaves = src.check(host)
+  return make_plan(src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, **kw)
+
+
+def test_capacity_buckets_bound_the_padding():
+  for per_octave in (1, 2, 4, 8):
+    previous = 0
+    for count in range(1, 600):
+      cap = capacity_bucket(count, 10_000, per_octave)
+      assert cap >= count and cap >= previous
+      if count >= per_octave:
+        assert cap - count <= count / per_octave
+      previous = cap
+  assert capacity_bucket(0, 10, 4) == 0
+  assert capacity_bucket(9, 10, 1) == 10  # never above the limit
+
+
+def test_konig_colouring_uses_max_degree_rounds_of_valid_matchings():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    n = 8
+    pairs = {(int(s), int(d)) for s, d in rng.integers(0, n, (20, 2)) if s != d}
+    edges = [(s, d, 1) for s, d in sorted(pairs)]
+    rounds = plan_lib._konig_colouring(edges, n)
+    degree = max(
+      max(sum(1 for s, _, _ in edges if s == k), sum(1 for _, d, _ in edges if d == k))
+      for k in range(n)
+    )
+    assert len(rounds) == degree
+    assert sorted((s, d) for r in rounds for s, d, _ in r) == sorted(pairs)
+    for r in rounds:
+      assert len({s for s, _, _ in r}) == len(r) == len({d for _, d, _ in r})
+
+
+def test_sequence_to_rows_takes_three_uniform_rounds():
+  plan = _plan('dp2.tp4:seq', 'dp8')
+  seq = next(i for i, g in enumerate(plan.groups) if g.fields[0].unit_shape)
+  assert len(plan.rounds) == 3
+  assert all(len(r.pairs) == 8 and r.caps[seq] for r in plan.rounds)
+  # Small rounds carry the [B, T] fields in one collective per item size (int32 tokens and f32
+  # log-probs together, the bool mask apart).
+  assert all(r.packed for r in plan.rounds) and plan.num_collectives == 6
+  assert plan.scheduled_bytes == plan.min_bytes
+  unpacked = _plan('dp2.tp4:seq', 'dp8', pack_max_bytes=0)
+  assert unpacked.num_collectives == 9 and unpacked.scheduled_bytes == plan.scheduled_bytes
+
+
+def test_whole_block_permutation_is_one_round_with_self_pairs():
+  plan = _plan('dp2.tp4:perm', 'dp8')
+  (group,) = plan.groups
+  (rnd,) = plan.rounds
+  assert (0, 0) in rnd.pairs and (7, 7) in rnd.pairs
+  assert group.send_ops[0].kind == 'full' and group.out_op.kind == 'full'
+  # Self pairs are local copies: not counted as moved.
+  assert plan.scheduled_bytes == plan.min_bytes == 6 * plan.bytes_received.max()
+
+
+def test_replicated_source_spreads_sending_over_replicas():
+  # Swap the two data halves: every target block lives on the 4 tensor replicas of the other
+  # half; each replica should send one block rather than one replica sending four.
+  perm = np.concatenate([np.arange(16, 32), np.arange(16)])
+  plan = _plan('dp2.tp4', 'dp8', perm=perm, static=True)
+  assert len(set(plan.bytes_sent.tolist())) == 1
+  assert plan.min_bytes == plan.bytes_received.sum() > 0
+
+
+def test_replicated_source_to_fewer_replicas_is_local():
+  plan = _plan('dp2.tp4', 'dp4.tp2')
+  assert plan.is_local and plan.min_bytes == 0
+
+
+def test_plans_are_deterministic_and_bucketed_structure_ignores_row_order():
+  rng = np.random.default_rng(1)
+  perm = rng.permutation(ROWS)
+  a = _plan('dp8', 'dp2.tp4:seq', perm=perm)
+  b = _plan('dp8', 'dp2.tp4:seq', perm=perm)
+  for ga, gb in zip(a.groups, b.groups):
+    for ta, tb in zip(ga.send_tables, gb.send_tables):
+      assert (ta is None and tb is None) or np.array_equal(ta, tb)
+    assert (ga.out_table is None and gb.out_table is None) or np.array_equal(
+      ga.out_table, gb.out_table
+    )
+  shuffled = np.concatenate([rng.permutation(block) for block in perm.reshape(2, -1)])
+  assert _plan('dp8', 'dp2.tp4:seq', perm=shuffled).structure() == a.structure()
+  assert not a.static
+  assert all(c == capacity_bucket(c, 10**9, 4) for r in a.rounds for c in r.caps)
+
+
+def test_every_strategy_of_schedule_routes_every_unit_once():
+  plan = _plan('dp4.tp2:seq', 'dp2.tp4:perm', perm=np.random.default_rng(2).permutation(ROWS))
+  for gi, g in enumerate(plan.groups):
+    # counts[:, d] sums to the target's units; rounds carry every remote unit.
+    np.testing.assert_array_equal(g.counts.sum(axis=0), [g.dst_units] * g.num_devices)
+    remote = g.counts.copy()
+    np.fill_diagonal(remote, 0)
+    carried = np.zeros_like(remote)
+    for r in plan.rounds:
+      for s, d in r.pairs:
+        if s != d:
+          carried[s, d] += r.caps[gi]
+    assert np.all(carried >= remote)
+
+
+def test_bad_permutation_shapes():
+  with pytest.raises(ValueError, match='outside'):
+    plan_lib.check_permutation(np.arange(1, ROWS + 1), ROWS)
