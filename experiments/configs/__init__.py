@@ -1,0 +1,1 @@
+"""Experiment presets (get by name; override fields with --config.a.b=value)."""

@@ -1,0 +1,115 @@
+"""Presets of the selector benchmarks: `selector_heatmap.py` (Fig. 3) and `context_growth.py`.
+
+  cfg = selector.get_config('cpu')      # or 'smoke'
+
+'cpu' (the default) runs on 8 fake CPU devices in a few minutes per benchmark. Its model is the
+`small-kv` preset (H = K = 8, so tp 1, 2, 4 and 8 are all valid) and its per-device budget is
+emulated: 90 MiB, chosen so that at the largest cell (64 responses x 4096) every low-tp layout
+needs ~97-99 MiB (the K/V cache is 64 MiB per device for every layout; XLA:CPU's decode also
+keeps an f32 copy of one layer's K and V, which tp8 half fuses away, and the weights are
+replicated over dp) while tp8 needs ~82 MiB: the small-tp layouts really do not fit there, as
+TP4 did not at 128 x 32K in the paper. The growth benchmark runs 16 responses with a 23 MiB
+budget: there the low-tp layouts are the fastest at short context and stop fitting at 4096.
+'smoke' is a one-minute version for checking the code.
+"""
+
+import dataclasses
+
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectorBench:
+  """One benchmark setup.
+
+  Attributes:
+    model: the model (random weights).
+    buckets: context buckets (heatmap rows; the growth schedule's table).
+    rows: numbers of responses (heatmap columns; the profile's load bins).
+    budget_mib: emulated per-device budget on CPU (a GPU uses its own limit when smaller).
+    candidates: layouts to compare (None: every valid dp x tp, plus fsdp if `with_fsdp`).
+    with_fsdp: include fsdp layouts in the default candidates.
+    decode_tokens: tokens decoded per measured call.
+    warmup, repeats, min_seconds, rounds: the profiler's measurement (the median of at least
+      rounds x repeats calls, each visit timing at least min_seconds).
+    compare: the two layouts of the paper's Eq. 1 speedup, (a, b): (TGS(b) - TGS(a)) / TGS(a).
+    growth_schedule: mean context length per step of the growth benchmark.
+    growth_rows: responses per step of the growth benchmark (its profile has this one load).
+    growth_budget_mib: per-device budget of the growth benchmark (None: budget_mib).
+    growth_spread: per-row contexts are uniform in mean x (1 +- spread).
+    calls_per_step: decode calls per growth step (a step decodes calls x decode_tokens tokens).
+    growth_passes: the growth benchmark runs every policy this many times (per-step medians).
+  """
+
+  model: ModelConfig
+  buckets: BucketConfig
+  rows: tuple[int, ...]
+  budget_mib: float
+  candidates: tuple[ParallelConfig, ...] | None = None
+  with_fsdp: bool = False
+  decode_tokens: int = 8
+  warmup: int = 1
+  repeats: int = 2
+  min_seconds: float = 0.0
+  rounds: int = 2
+  compare: tuple[ParallelConfig, ParallelConfig] = (
+    ParallelConfig(dp=2, tp=4),
+    ParallelConfig(tp=8),
+  )
+  growth_schedule: tuple[int, ...] = ()
+  growth_rows: int = 64
+  growth_budget_mib: float | None = None
+  growth_spread: float = 0.2
+  calls_per_step: int = 4
+  growth_passes: int = 1
+
+  def __post_init__(self):
+    if self.budget_mib <= 0:
+      raise ValueError(f'budget_mib must be positive, got {self.budget_mib}.')
+    if not 0 <= self.growth_spread < 1:
+      raise ValueError(f'growth_spread must be in [0, 1), got {self.growth_spread}.')
+
+
+def get_config(name: str = 'cpu') -> SelectorBench:
+  """The named preset ('cpu' or 'smoke'); ValueError names the known ones."""
+  small_kv = ModelConfig.preset('small-kv')
+  if name == 'cpu':
+    return SelectorBench(
+      model=small_kv,
+      buckets=BucketConfig(lengths=(128, 256, 512, 1024, 2048, 4096)),
+      rows=(16, 32, 64),
+      budget_mib=90.0,
+      decode_tokens=8,
+      repeats=2,
+      min_seconds=0.5,
+      rounds=4,
+      # Slow growth first (as in a real run), then the long contexts where only tp8 fits: with 16
+      # responses at 4096 the low-tp layouts need 24.7-26.0 MiB per device, tp8 21.0 MiB.
+      growth_schedule=(
+        *(100, 105, 110, 115),
+        *(200, 210, 220),
+        *(400, 420, 440),
+        *(700, 800),
+        *(1300, 1600),
+        *(2600, 3000),
+      ),
+      growth_rows=16,
+      growth_budget_mib=23.0,
+      growth_spread=0.1,
+      calls_per_step=16,
+      growth_passes=2,
+    )
+  if name == 'smoke':
+    return SelectorBench(
+      model=small_kv,
+      buckets=BucketConfig(lengths=(256, 1024)),
+      rows=(8, 16),
+      budget_mib=6.0,
+      decode_tokens=4,
+      repeats=1,
+      rounds=1,
+      growth_schedule=(200, 200, 700, 800),
+      growth_rows=16,
+      calls_per_step=2,
+    )
+  raise ValueError(f"Unknown selector preset {name!r}; known presets: ['cpu', 'smoke'].")

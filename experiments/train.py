@@ -1,0 +1,67 @@
+"""The main job: agentic RL on Connect Four with the EARL loop (selector + dispatcher).
+
+  python experiments/train.py                                  # the embedded default
+  python experiments/train.py --config=long --workdir=runs/long
+  python experiments/train.py --config.optim.learning_rate=1e-3 --config.steps=30
+  python experiments/train.py --workdir=runs/default --resume  # continue the latest checkpoint
+  python experiments/train.py --config=qwen --config.model_dir=/ckpt/Qwen2.5-0.5B-Instruct
+
+Prints one line per step (win rate, return, context lengths, tokens/s, the plan of every stage,
+stage times), writes metrics.jsonl + TensorBoard events and Orbax checkpoints under --workdir,
+and finishes with PNG plots of the learning curve and the context lengths.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+from earl_jax import config_cli, distributed, runtime
+
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Fake CPU devices when there is no GPU.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<preset>).')
+_RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
+
+
+def _presets():
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from experiments.configs import train as presets
+
+  return presets.PRESETS
+
+
+_CONFIG = config_cli.DEFINE_config('config', presets=_presets(), default='default')
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
+  env = distributed.initialize_from_env()
+  runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
+  from earl_jax import plotting, trainer  # after the runtime is set up
+
+  config = _CONFIG.value
+  workdir = _WORKDIR.value or os.path.join('runs', config.name)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(config.to_json(), f, indent=2)
+  print(f'earl_jax: {config.name} -> {workdir}', flush=True)
+  t = trainer.Trainer(config, workdir=workdir, resume=_RESUME.value, log_fn=logging.info)
+  summary = t.run()
+  if t.is_main:
+    paths = plotting.plot_training(os.path.join(workdir, 'metrics.jsonl'), workdir)
+    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+      json.dump(summary, f, indent=2, default=str)
+    first, last = summary['eval_win_rate_first'], summary['eval_win_rate_last']
+    print(
+      f'done: {summary["steps"]} steps in {summary["wall_s"]:.0f} s; eval win rate vs '
+      f'{config.eval_env.opponent}: {first:.3f} -> {last:.3f}; skipped steps: '
+      f'{summary["skipped_steps"]}; plots: {", ".join(paths)}',
+      flush=True,
+    )
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=config_cli.flags_parser)
