@@ -17,6 +17,7 @@ from earl_jax.rl.train_step import OptimConfig
 from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.selector.selector import SelectorConfig
+from earl_jax.testing import configs
 from earl_jax.trainer import ExperimentConfig
 
 # Connect Four with the built-in character tokenizer: a turn is ~58 tokens, an episode up to ~1300.
@@ -60,22 +61,7 @@ def long() -> ExperimentConfig:
 
 
 def smoke() -> ExperimentConfig:
-  c = default()
-  return dataclasses.replace(
-    c,
-    name='smoke',
-    env=dataclasses.replace(c.env, game='tic_tac_toe'),
-    eval_env=dataclasses.replace(c.eval_env, game='tic_tac_toe'),
-    rollout=dataclasses.replace(c.rollout, num_episodes=8, prompt_buckets=(16, 32)),
-    buckets=BucketConfig(lengths=(64, 128)),
-    selector=dataclasses.replace(
-      c.selector, profile_cache=None, candidates=('dp8', 'dp4.tp2'), decode_tokens=2
-    ),
-    steps=3,
-    eval_every=2,
-    eval_episodes=8,
-    checkpoint_every=2,
-  )
+  return configs.smoke_experiment()
 
 
 def qwen() -> ExperimentConfig:

@@ -1,0 +1,92 @@
+"""Candidate parallel layouts of a stage: every factorisation of its devices the model allows.
+
+A candidate is a `ParallelConfig(dp, fsdp, tp)` whose product is the stage's device count and that
+divides what it splits: heads, KV heads, MLP width and vocabulary by tp; the hidden size by fsdp;
+the rows (responses) of the stage by dp x fsdp.
+
+  cands = candidates.stage_candidates('rollout', cfg, num_devices=8, rows=(8, 16, 32))
+  [c.name for c in cands]          # ['dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', ...]
+"""
+
+from collections.abc import Sequence
+from typing import Literal
+
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.sharding import mesh as mesh_lib
+
+Stage = Literal['rollout', 'experience', 'train']
+STAGES: tuple[str, ...] = ('rollout', 'experience', 'train')
+
+
+def check_stage(stage: str) -> None:
+  """Raises ValueError naming the known stages when `stage` is not one of them."""
+  if stage not in STAGES:
+    raise ValueError(f'Unknown stage {stage!r}; stages are {STAGES}.')
+
+
+def why_invalid(
+  parallel: ParallelConfig, model: ModelConfig, rows: Sequence[int] = ()
+) -> str | None:
+  """None when `parallel` is a valid layout of `model` for every row count, else the reason."""
+  try:
+    mesh_lib.check_model_fits(parallel, model)
+    for n in rows:
+      mesh_lib.check_batch_fits(parallel, n, what='responses')
+  except mesh_lib.ShardingError as e:
+    return str(e)
+  return None
+
+
+def stage_candidates(
+  stage: str,
+  model: ModelConfig,
+  *,
+  num_devices: int,
+  rows: Sequence[int] = (),
+  with_fsdp: bool = True,
+  only: Sequence[ParallelConfig] | None = None,
+) -> list[ParallelConfig]:
+  """Every valid layout of `num_devices` devices for `stage` of `model`.
+
+  Args:
+    stage: 'rollout', 'experience' or 'train' (all three have candidates; the rules are the same,
+      the stage is checked so that a typo fails here).
+    model: the model whose dimensions the layout must divide.
+    num_devices: the stage's device count (the product of every candidate).
+    rows: row counts (responses) the layout must split over data x fsdp.
+    with_fsdp: include fsdp > 1 layouts.
+    only: restrict to these layouts (each must be valid, else ShardingError naming why).
+
+  Returns:
+    Candidates sorted by (tp, fsdp, dp), the order of `mesh.factorizations`.
+
+  Raises:
+    ShardingError: no layout is valid (the message names each layout's problem), or a layout
+      in `only` is invalid.
+  """
+  check_stage(stage)
+  if only is not None:
+    out = []
+    for p in only:
+      if p.num_devices != num_devices:
+        raise mesh_lib.ShardingError(
+          f'Candidate {p} uses {p.num_devices} devices; the {stage} stage has {num_devices}.'
+        )
+      reason = why_invalid(p, model, rows)
+      if reason is not None:
+        raise mesh_lib.ShardingError(f'Candidate {p} is not valid for {stage}: {reason}')
+      out.append(p)
+    return sorted(set(out), key=lambda p: (p.tp, p.fsdp, p.dp))
+  out, problems = [], []
+  for p in mesh_lib.factorizations(num_devices, with_fsdp=with_fsdp):
+    reason = why_invalid(p, model, rows)
+    if reason is None:
+      out.append(p)
+    else:
+      problems.append(reason)
+  if not out:
+    raise mesh_lib.ShardingError(
+      f'No layout of {num_devices} devices is valid for {stage} of model {model.name!r}: '
+      + ' | '.join(problems)
+    )
+  return out

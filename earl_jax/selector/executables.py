@@ -1,0 +1,335 @@
+"""Compiled stage programs, one per (stage, config, bucket, rows), built ahead of time.
+
+Each executable is `jit(...).lower(abstract args).compile()`: compile time and per-device memory
+are known before anything runs, and an executable that does not fit the budget is refused
+before it runs. `precompile` builds the next one in a background thread while the current step
+runs (the mesh context of `jax.set_mesh` is per thread, so this does not disturb the caller).
+Entry points enable the persistent compilation cache (`earl_jax.runtime.setup`), so a later
+process gets most compiles from disk.
+
+  exe = Executables(cfg, spec=StageSpec(decode_tokens=8))
+  rollout = exe.get('rollout', ParallelConfig(dp=2, tp=4), bucket=1024, rows=16)
+  exe.precompile('rollout', ParallelConfig(tp=8), bucket=2048, rows=16)     # returns a Future
+  params, rollout, record = switch('rollout', params, exe, ParallelConfig(tp=8), 2048, 16)
+  record.stall_ms          # what the step waited: executable (if still compiling) + reshard
+"""
+
+import dataclasses
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import jax
+from absl import logging
+
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.selector import memory as memory_lib
+from earl_jax.selector import reshard as reshard_lib
+from earl_jax.selector import stages
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Executable:
+  """A compiled stage program and what it cost.
+
+  Attributes:
+    program: the program (mesh, abstract args, tokens per call).
+    compiled: the `jax.stages.Compiled`; call it with concrete args on `program.mesh`.
+    memory: XLA's per-device memory of the program.
+    lower_ms: tracing and lowering time.
+    compile_ms: XLA compile time (a persistent-cache hit makes it small).
+    background: built by `precompile` in the background thread.
+  """
+
+  program: stages.Program
+  compiled: Any
+  memory: memory_lib.MemoryUse
+  lower_ms: float
+  compile_ms: float
+  background: bool
+
+  @property
+  def key(self) -> stages.ProgramKey:
+    return self.program.key
+
+  def __call__(self, *args: Any) -> Any:
+    return self.compiled(*args)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwitchRecord:
+  """One layout switch before a stage, as the step saw it.
+
+  Attributes:
+    stage, source, target, bucket, rows: what switched (source is None for the first layout).
+    step: the trainer's step index, if given.
+    reshard_ms: moving the weights (and optimizer state) device to device.
+    compile_ms: the executable's lower + compile time, wherever it happened.
+    wait_ms: time the step waited for the executable (0 when precompiled and finished).
+    stall_ms: wait_ms + reshard_ms: the delay the step actually saw.
+    precompiled: the executable was requested by `precompile` before the step needed it.
+  """
+
+  stage: str
+  step: int | None
+  source: str | None
+  target: str
+  bucket: int
+  rows: int
+  reshard_ms: float
+  compile_ms: float
+  wait_ms: float
+  stall_ms: float
+  precompiled: bool
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+class Executables:
+  """The executable cache of one model: compile once per key, reuse forever.
+
+  Thread-safe: `get` from the step thread and `precompile` into one background worker. A key is
+  compiled at most once; asking for a key that is being precompiled waits for that compile.
+  """
+
+  def __init__(
+    self,
+    model: ModelConfig,
+    *,
+    spec: stages.StageSpec | None = None,
+    builders: dict[str, stages.Builder] | None = None,
+    background_workers: int = 1,
+  ):
+    """Args:
+    model: the model config.
+    spec: static stage settings (decode tokens per call, micro-batches, optimizer).
+    builders: replace the program of a stage (e.g. the rollout engine's own generate program);
+      a builder is `(model, parallel, bucket, rows, spec) -> stages.Program`.
+    background_workers: threads for `precompile`.
+    """
+    self.model = model
+    self.spec = spec or stages.StageSpec()
+    self._builders = {**stages.BUILDERS, **(builders or {})}
+    self._lock = threading.Lock()
+    self._entries: dict[stages.ProgramKey, Executable] = {}
+    self._pending: dict[stages.ProgramKey, futures.Future] = {}
+    self._pool = futures.ThreadPoolExecutor(
+      max_workers=background_workers, thread_name_prefix='earl-precompile'
+    )
+    self.log: list[dict[str, Any]] = []
+    self.hits = 0
+    self.compiles = 0
+
+  # -- keys ---------------------------------------------------------------------------------------
+
+  def key(self, stage: str, config: ParallelConfig, bucket: int, rows: int) -> stages.ProgramKey:
+    return stages.ProgramKey(stage=stage, config=config, bucket=bucket, rows=rows)
+
+  def __contains__(self, key: stages.ProgramKey) -> bool:
+    with self._lock:
+      return key in self._entries
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._entries)
+
+  # -- compile ------------------------------------------------------------------------------------
+
+  def _build(self, key: stages.ProgramKey, background: bool) -> Executable:
+    t0 = time.perf_counter()
+    program = self._builders[key.stage](self.model, key.config, key.bucket, key.rows, self.spec)
+    lowered = program.lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    entry = Executable(
+      program=program,
+      compiled=compiled,
+      memory=memory_lib.xla_memory(compiled),
+      lower_ms=1e3 * (t1 - t0),
+      compile_ms=1e3 * (t2 - t1),
+      background=background,
+    )
+    record = {
+      'key': str(key),
+      'lower_ms': entry.lower_ms,
+      'compile_ms': entry.compile_ms,
+      'peak_mib': entry.memory.peak / memory_lib.MiB,
+      'background': background,
+      'thread': threading.current_thread().name,
+    }
+    with self._lock:
+      self._entries[key] = entry
+      self._pending.pop(key, None)
+      self.compiles += 1
+      self.log.append(record)
+    logging.info(
+      'compiled %s in %.0f ms (lower %.0f ms)%s, %.1f MiB per device',
+      key,
+      entry.compile_ms,
+      entry.lower_ms,
+      ' in the background' if background else '',
+      record['peak_mib'],
+    )
+    return entry
+
+  def get(
+    self,
+    stage: str,
+    config: ParallelConfig,
+    bucket: int,
+    rows: int,
+    *,
+    budget: int | None = None,
+    margin: float = 0.0,
+  ) -> Executable:
+    """The executable of a key: cached, finished by a precompile, or compiled now.
+
+    Args:
+      stage, config, bucket, rows: the key.
+      budget: per-device bytes; when given, an executable whose peak x (1 + margin) exceeds it
+        is refused (InfeasibleError) instead of being returned to run.
+      margin: safety margin on the peak.
+
+    Raises:
+      memory.InfeasibleError: over budget, with the need and the budget in the message.
+    """
+    key = self.key(stage, config, bucket, rows)
+    with self._lock:
+      entry = self._entries.get(key)
+      pending = self._pending.get(key)
+      if entry is not None:
+        self.hits += 1
+    if entry is None and pending is not None:
+      t0 = time.perf_counter()
+      entry = pending.result()
+      self.log.append({'key': str(key), 'waited_ms': 1e3 * (time.perf_counter() - t0)})
+    elif entry is None:
+      entry = self._build(key, background=False)
+    if budget is not None and not memory_lib.fits(entry.memory.peak, budget, margin=margin):
+      raise memory_lib.InfeasibleError(
+        f'{key} needs {entry.memory.peak / memory_lib.MiB:.1f} MiB per device'
+        f'{f" (+{margin:.0%} margin)" if margin else ""}; the budget is '
+        f'{budget / memory_lib.MiB:.1f} MiB. Refused before running.'
+      )
+    return entry
+
+  def precompile(
+    self, stage: str, config: ParallelConfig, bucket: int, rows: int, *, tree: Any = None
+  ) -> futures.Future:
+    """Starts compiling a key in the background (no-op if cached or in flight).
+
+    Args:
+      stage, config, bucket, rows: the key.
+      tree: the program's first argument as it is laid out now (the weights, or the train
+        state); when given, the device-to-device move onto the new layout is compiled too, so
+        that a later `switch` pays only for moving the bytes.
+    """
+    key = self.key(stage, config, bucket, rows)
+    layout = None
+    if tree is not None:
+      layout = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+      )
+    with self._lock:
+      entry = self._entries.get(key)
+      if entry is None and key not in self._pending:
+        self._pending[key] = self._pool.submit(self._build, key, True)
+      future = self._pending.get(key)
+    if layout is not None:
+      # Queued after the build (one worker, first in first out), so the build is done first.
+      return self._pool.submit(self._prepare_move, key, layout)
+    if future is None:
+      future = futures.Future()
+      future.set_result(entry)
+    return future
+
+  def _prepare_move(self, key: stages.ProgramKey, layout: Any) -> Executable:
+    entry = self.get(key.stage, key.config, key.bucket, key.rows)
+    reshard_lib.prepare(layout, entry.program.in_shardings[0])
+    return entry
+
+  def is_ready(self, stage: str, config: ParallelConfig, bucket: int, rows: int) -> bool:
+    return self.key(stage, config, bucket, rows) in self
+
+  def requested(self, key: stages.ProgramKey) -> bool:
+    """Compiled, or being compiled in the background."""
+    with self._lock:
+      return key in self._entries or key in self._pending
+
+  def wait(self) -> None:
+    """Waits for every background compile (re-raising the first error)."""
+    with self._lock:
+      pending = list(self._pending.values())
+    for f in pending:
+      f.result()
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
+
+  def __enter__(self) -> 'Executables':
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+def switch(
+  stage: str,
+  tree: Any,
+  executables: Executables,
+  config: ParallelConfig,
+  bucket: int,
+  rows: int,
+  *,
+  source: ParallelConfig | None = None,
+  step: int | None = None,
+  budget: int | None = None,
+  margin: float = 0.0,
+) -> tuple[Any, Executable, SwitchRecord]:
+  """Gets the stage's executable for the new layout and moves `tree` onto it.
+
+  `tree` is the program's first argument: the parameters for rollout and experience, the whole
+  TrainState (parameters and optimizer moments) for train. It is donated when it has to move.
+
+  Returns:
+    (tree on the new layout, the executable, the switch record with reshard/compile/stall ms).
+
+  Raises:
+    memory.InfeasibleError: the executable does not fit `budget` (checked before any move).
+  """
+  key = executables.key(stage, config, bucket, rows)
+  precompiled = executables.requested(key)
+  t0 = time.perf_counter()
+  entry = executables.get(stage, config, bucket, rows, budget=budget, margin=margin)
+  t1 = time.perf_counter()
+  targets = entry.program.in_shardings[0]
+  tree, reshard_ms = reshard_lib.timed_reshard(tree, targets)
+  wait_ms = 1e3 * (t1 - t0)
+  record = SwitchRecord(
+    stage=stage,
+    step=step,
+    source=None if source is None else source.name,
+    target=config.name,
+    bucket=bucket,
+    rows=rows,
+    reshard_ms=reshard_ms,
+    compile_ms=entry.lower_ms + entry.compile_ms,
+    wait_ms=wait_ms,
+    stall_ms=wait_ms + reshard_ms,
+    precompiled=precompiled,
+  )
+  logging.info(
+    'switch %s %s -> %s (S=%d, R=%d): reshard %.1f ms, compile %.0f ms, stall %.1f ms',
+    stage,
+    record.source,
+    record.target,
+    bucket,
+    rows,
+    reshard_ms,
+    record.compile_ms,
+    record.stall_ms,
+  )
+  return tree, entry, record

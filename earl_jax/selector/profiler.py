@@ -1,0 +1,460 @@
+"""Start-up profiling: throughput of every feasible candidate per (stage, context bucket, rows).
+
+For each stage, bucket and number of responses (rows), every candidate layout is compiled
+ahead of time; a layout whose XLA per-device peak exceeds the budget is recorded as OOM and
+never run. The others are measured: decode tokens per device per second (TGS) for rollout,
+tokens per device per second for experience and train. Every measurement is warmed up and
+repeated; the median is kept. To keep background load on a shared machine from favouring one
+layout, the candidates of a cell are visited in `rounds` passes, in a rotating order.
+
+The result is a `Profile`, cached as JSON keyed by hardware, model, candidate set, grid, budget
+and measurement settings: a later run on the same setup reuses it, and a file made for another
+model or machine is detected and rebuilt, never trusted.
+
+  profile = profiler.run(cfg, ProfileConfig(buckets=..., rows=(8, 16), budget_bytes=...),
+                         cache_path='runs/profile.json')
+  profile.cell('rollout', 1024, 16, ParallelConfig(tp=8)).throughput
+"""
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.models import qwen2
+from earl_jax.selector import memory as memory_lib
+from earl_jax.selector import reshard as reshard_lib
+from earl_jax.selector import stages as stages_lib
+from earl_jax.selector.candidates import check_stage, stage_candidates
+from earl_jax.selector.executables import Executables
+from earl_jax.sharding import mesh as mesh_lib
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+  """What to profile.
+
+  Attributes:
+    stages: stages to profile.
+    buckets: the context-length table (every bucket is profiled).
+    rows: numbers of responses (the load bins), strictly increasing.
+    budget_bytes: per-device memory budget; cells over it are OOM and not run (None: unlimited).
+    candidates: restrict the layouts (default: every valid factorisation of the devices).
+    with_fsdp: include fsdp > 1 layouts in the default candidates.
+    warmup: untimed calls before timing, per visit (the first call after a switch is slower).
+    repeats: timed calls per visit (at least).
+    min_seconds: keep timing a visit until its calls add up to this (short calls are noisier).
+    rounds: visits per candidate and cell, in a rotating order (samples >= rounds x repeats).
+    spec: static stage settings (decode tokens per call, micro-batches, optimizer).
+    seed: seed of the random weights and inputs.
+  """
+
+  stages: tuple[str, ...] = ('rollout',)
+  buckets: BucketConfig
+  rows: tuple[int, ...]
+  budget_bytes: int | None
+  candidates: tuple[ParallelConfig, ...] | None = None
+  with_fsdp: bool = True
+  warmup: int = 1
+  repeats: int = 3
+  min_seconds: float = 0.0
+  rounds: int = 2
+  spec: stages_lib.StageSpec = dataclasses.field(default_factory=stages_lib.StageSpec)
+  seed: int = 0
+
+  def __post_init__(self):
+    if not self.stages:
+      raise ValueError('ProfileConfig.stages is empty.')
+    for s in self.stages:
+      check_stage(s)
+    rows = tuple(self.rows)
+    if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
+      raise ValueError(f'ProfileConfig.rows must be positive ints, got {rows}.')
+    if list(rows) != sorted(set(rows)):
+      raise ValueError(f'ProfileConfig.rows must be strictly increasing, got {rows}.')
+    object.__setattr__(self, 'rows', rows)
+    if self.budget_bytes is not None and (
+      not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
+    ):
+      raise ValueError(
+        f'ProfileConfig.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
+      )
+    if self.warmup < 1:
+      raise ValueError(
+        f'ProfileConfig.warmup must be >= 1 (compile and first-call costs), got {self.warmup}.'
+      )
+    for name in ('repeats', 'rounds'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'ProfileConfig.{name} must be >= 1, got {getattr(self, name)}.')
+    if self.min_seconds < 0:
+      raise ValueError(f'ProfileConfig.min_seconds must be >= 0, got {self.min_seconds}.')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cell:
+  """One (stage, bucket, rows, config) measurement.
+
+  Attributes:
+    peak_bytes: XLA's per-device peak of the program.
+    oom: over the budget: not run.
+    throughput: median tokens per device per second (None when OOM).
+    times_ms: every timed call.
+    compile_ms: lower + compile time of the executable.
+    measured: a measurement (False: an analytic estimate and a preference score).
+  """
+
+  stage: str
+  config: str
+  bucket: int
+  rows: int
+  peak_bytes: int
+  oom: bool
+  throughput: float | None
+  times_ms: tuple[float, ...] = ()
+  compile_ms: float = 0.0
+  measured: bool = True
+
+  @property
+  def spread(self) -> float | None:
+    """(p75 - p25) / median of the timed calls: the within-run noise of this cell."""
+    if len(self.times_ms) < 2:
+      return None
+    q25, q50, q75 = np.percentile(self.times_ms, [25, 50, 75])
+    return float((q75 - q25) / q50)
+
+
+CellKey = tuple[str, int, int, str]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Profile:
+  """The measured table: cells by (stage, bucket, rows, config name), and what it is valid for."""
+
+  key: dict[str, Any]
+  cells: dict[CellKey, Cell]
+  wall_s: float = 0.0
+
+  def cell(self, stage: str, bucket: int, rows: int, config: ParallelConfig | str) -> Cell:
+    name = config if isinstance(config, str) else config.name
+    try:
+      return self.cells[(stage, bucket, rows, name)]
+    except KeyError:
+      raise KeyError(
+        f'The profile has no cell ({stage}, bucket {bucket}, rows {rows}, {name}); it covers '
+        f'buckets {self.buckets}, rows {self.rows} and configs {self.key["candidates"].get(stage)}.'
+      ) from None
+
+  @property
+  def stages(self) -> tuple[str, ...]:
+    return tuple(self.key['stages'])
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return tuple(self.key['buckets'])
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    return tuple(self.key['rows'])
+
+  def candidates(self, stage: str) -> list[ParallelConfig]:
+    if stage not in self.key['candidates']:
+      raise KeyError(f'The profile has no {stage!r} stage; it has {self.stages}.')
+    return [ParallelConfig.parse(n) for n in self.key['candidates'][stage]]
+
+  def rows_bin(self, num_responses: int) -> int:
+    """The smallest profiled row count that holds `num_responses` (the load bin)."""
+    for r in self.rows:
+      if r >= num_responses:
+        return r
+    raise ValueError(
+      f'{num_responses} responses is more than the largest profiled load {self.rows[-1]} '
+      f'(profiled rows: {self.rows}); profile a larger load.'
+    )
+
+  def best(self, stage: str, bucket: int, rows: int) -> Cell | None:
+    cells = [self.cell(stage, bucket, rows, c) for c in self.candidates(stage)]
+    cells = [c for c in cells if c.throughput is not None]
+    return max(cells, key=lambda c: c.throughput) if cells else None
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      'format': FORMAT_VERSION,
+      'key': self.key,
+      'wall_s': self.wall_s,
+      'cells': [dataclasses.asdict(c) for c in self.cells.values()],
+    }
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> 'Profile':
+    cells = {}
+    for c in data['cells']:
+      cell = Cell(**{**c, 'times_ms': tuple(c['times_ms'])})
+      cells[(cell.stage, cell.bucket, cell.rows, cell.config)] = cell
+    return cls(key=data['key'], cells=cells, wall_s=data.get('wall_s', 0.0))
+
+  def save(self, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f:
+      json.dump(self.to_json(), f, indent=1)
+    os.replace(tmp, path)
+
+
+def hardware() -> dict[str, Any]:
+  """What the measurements depend on: platform, device kind and count, software, host."""
+  devices = jax.devices()
+  info = {
+    'platform': devices[0].platform,
+    'device_kind': devices[0].device_kind,
+    'num_devices': len(devices),
+    'num_processes': jax.process_count(),
+    'jax': jax.__version__,
+    'machine': platform.machine(),
+  }
+  if devices[0].platform == 'cpu':
+    info['host_cpus'] = os.cpu_count()
+    info['cpu_model'] = _cpu_model()
+  return info
+
+
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or 'unknown'
+
+
+def profile_key(
+  model: ModelConfig, config: ProfileConfig, candidates: dict[str, list[ParallelConfig]]
+) -> dict[str, Any]:
+  """The JSON-able identity of a profile: a cached file is reused only when this matches."""
+  spec = config.spec
+  return {
+    'hardware': hardware(),
+    'model': dataclasses.asdict(model),
+    'stages': list(config.stages),
+    'candidates': {s: [c.name for c in cands] for s, cands in candidates.items()},
+    'buckets': list(config.buckets.lengths),
+    'rows': list(config.rows),
+    'budget_bytes': config.budget_bytes,
+    'spec': {
+      'decode_tokens': spec.decode_tokens,
+      'micro_batches': spec.micro_batches,
+      'optim': dataclasses.asdict(spec.optim),
+      'loss': dataclasses.asdict(spec.loss),
+    },
+    'measure': {
+      'warmup': config.warmup,
+      'repeats': config.repeats,
+      'min_seconds': config.min_seconds,
+      'rounds': config.rounds,
+    },
+  }
+
+
+def key_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
+  """The top-level fields (and hardware/model sub-fields) that differ, for the log."""
+  out = []
+  for k in sorted(set(expected) | set(found)):
+    a, b = expected.get(k), found.get(k)
+    if a == b:
+      continue
+    if isinstance(a, dict) and isinstance(b, dict):
+      sub = [s for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+      out.append(f'{k}.{{{", ".join(sub)}}}')
+    else:
+      out.append(k)
+  return out
+
+
+def load_cached(path: str, key: dict[str, Any]) -> Profile | None:
+  """The profile at `path` if it was made for exactly `key`; None (logged) when it was not."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    if data.get('format') != FORMAT_VERSION:
+      raise ValueError(f'format {data.get("format")} != {FORMAT_VERSION}')
+    found = data['key']
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    logging.warning('Profile cache %s is unreadable (%s); rebuilding it.', path, e)
+    return None
+  diff = key_mismatch(key, found)
+  if diff:
+    logging.warning(
+      'Profile cache %s was made for another setup (differs in %s); rebuilding it.', path, diff
+    )
+    return None
+  return Profile.from_json(data)
+
+
+def _carry(stage: str, args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
+  """The next call's arguments: donated inputs are replaced by the outputs that alias them."""
+  if stage == 'rollout':
+    # Later calls write past the capacity (dropped); the cost per token is the same.
+    return (args[0], out[1], *args[2:])
+  if stage == 'train':
+    return (out[0], args[1])
+  return args
+
+
+def measure(
+  executable: Any, args: tuple[Any, ...], *, warmup: int, repeats: int, min_seconds: float = 0.0
+) -> tuple[list[float], tuple[Any, ...]]:
+  """Times calls after `warmup` untimed ones: at least `repeats`, and until `min_seconds` of calls.
+
+  Returns (ms per call, the carried arguments).
+  """
+  stage = executable.key.stage
+  for _ in range(warmup):
+    out = jax.block_until_ready(executable(*args))
+    args = _carry(stage, args, out)
+  times: list[float] = []
+  while len(times) < repeats or (sum(times) < 1e3 * min_seconds and len(times) < 64):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(executable(*args))
+    times.append(1e3 * (time.perf_counter() - t0))
+    args = _carry(stage, args, out)
+  return times, args
+
+
+def default_candidates(
+  model: ModelConfig, config: ProfileConfig, num_devices: int | None = None
+) -> dict[str, list[ParallelConfig]]:
+  n = num_devices or len(mesh_lib.canonical_devices())
+  return {
+    s: stage_candidates(
+      s,
+      model,
+      num_devices=n,
+      rows=config.rows,
+      with_fsdp=config.with_fsdp,
+      only=config.candidates,
+    )
+    for s in config.stages
+  }
+
+
+def run(
+  model: ModelConfig,
+  config: ProfileConfig,
+  *,
+  executables: Executables | None = None,
+  params: nnx.State | None = None,
+  cache_path: str | None = None,
+  progress: Callable[[Cell], None] | None = None,
+) -> Profile:
+  """Profiles every (stage, bucket, rows, candidate), or loads a matching cached profile.
+
+  Args:
+    model: the model (random weights unless `params` is given).
+    config: the grid, budget and measurement settings.
+    executables: the compile cache to use (and fill); its spec must equal `config.spec`.
+    params: weights on any layout of the canonical devices (consumed: they are moved between
+      candidate layouts); default: random weights.
+    cache_path: JSON file to reuse when it matches this setup, and to write otherwise.
+    progress: called with every finished cell.
+
+  Returns:
+    The profile. Every cell over budget is OOM; every other cell has a median throughput.
+  """
+  candidates = default_candidates(model, config)
+  key = profile_key(model, config, candidates)
+  if cache_path:
+    cached = load_cached(cache_path, key)
+    if cached is not None:
+      logging.info('Reusing the profile in %s (%d cells).', cache_path, len(cached.cells))
+      return cached
+  own = executables is None
+  exe = executables if executables is not None else Executables(model, spec=config.spec)
+  if exe.spec != config.spec:
+    raise ValueError(f'Executables spec {exe.spec} differs from the profile spec {config.spec}.')
+  t_start = time.perf_counter()
+  if params is None:
+    first = next(iter(candidates.values()))[0]
+    _, params = qwen2.init_model(model, mesh_lib.make_mesh(first), seed=config.seed)
+  cells: dict[CellKey, Cell] = {}
+  try:
+    for stage in config.stages:
+      for bucket in config.buckets.lengths:
+        for rows in config.rows:
+          params = _profile_cell(
+            exe, stage, bucket, rows, candidates[stage], config, params, cells, progress
+          )
+  finally:
+    if own:
+      exe.close()
+  profile = Profile(key=key, cells=cells, wall_s=time.perf_counter() - t_start)
+  if cache_path:
+    profile.save(cache_path)
+  return profile
+
+
+def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, progress):
+  entries, feasible = {}, []
+  for c in candidates:
+    entry = exe.get(stage, c, bucket, rows)
+    entries[c] = entry
+    if config.budget_bytes is None or memory_lib.fits(entry.memory.peak, config.budget_bytes):
+      feasible.append(c)
+    else:
+      cell = Cell(
+        stage=stage,
+        config=c.name,
+        bucket=bucket,
+        rows=rows,
+        peak_bytes=entry.memory.peak,
+        oom=True,
+        throughput=None,
+        compile_ms=entry.lower_ms + entry.compile_ms,
+      )
+      cells[(stage, bucket, rows, c.name)] = cell
+      if progress:
+        progress(cell)
+  times: dict[ParallelConfig, list[float]] = {c: [] for c in feasible}
+  for r in range(config.rounds):
+    order = feasible[r % len(feasible) :] + feasible[: r % len(feasible)] if feasible else []
+    for c in order:
+      entry = entries[c]
+      params = reshard_lib.reshard_tree(params, entry.program.param_shardings)
+      args = stages_lib.make_inputs(entry.program, params, seed=config.seed)
+      ts, _ = measure(
+        entry, args, warmup=config.warmup, repeats=config.repeats, min_seconds=config.min_seconds
+      )
+      times[c].extend(ts)
+      del args
+  for c in feasible:
+    entry = entries[c]
+    median_s = statistics.median(times[c]) / 1e3
+    cell = Cell(
+      stage=stage,
+      config=c.name,
+      bucket=bucket,
+      rows=rows,
+      peak_bytes=entry.memory.peak,
+      oom=False,
+      throughput=entry.program.tokens / median_s / c.num_devices,
+      times_ms=tuple(times[c]),
+      compile_ms=entry.lower_ms + entry.compile_ms,
+    )
+    cells[(stage, bucket, rows, c.name)] = cell
+    if progress:
+      progress(cell)
+  return params

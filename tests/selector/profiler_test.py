@@ -1,0 +1,169 @@
+"""Profiling: measured cells, OOM cells, the JSON cache and its key, and the selector on top."""
+
+import dataclasses
+import json
+
+import pytest
+from absl import logging
+
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.selector import memory, profiler, stages
+from earl_jax.selector.candidates import stage_candidates
+from earl_jax.selector.executables import Executables
+from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
+from earl_jax.sharding import mesh as mesh_lib
+
+CFG = ModelConfig.preset('tiny')
+SPEC = stages.StageSpec(decode_tokens=4)
+TABLE = BucketConfig(lengths=(32, 2048))  # K/V dominates the memory at 2048
+DP8, DP2TP4 = ParallelConfig(dp=8), ParallelConfig(dp=2, tp=4)
+MiB = memory.MiB
+
+
+def _read(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write(path, text):
+  with open(path, 'w') as f:
+    f.write(text)
+
+
+def _config(budget: int, **kw) -> profiler.ProfileConfig:
+  return profiler.ProfileConfig(
+    stages=('rollout',),
+    buckets=TABLE,
+    rows=(8,),
+    budget_bytes=budget,
+    candidates=(DP8, DP2TP4),
+    warmup=1,
+    repeats=2,
+    rounds=1,
+    spec=SPEC,
+    **kw,
+  )
+
+
+@pytest.fixture(scope='module')
+def exe():
+  with Executables(CFG, spec=SPEC) as e:
+    yield e
+
+
+@pytest.fixture(scope='module')
+def budget(exe):
+  """Between dp2.tp4's and dp8's peak at the longest bucket: dp8 is OOM there, nothing else."""
+  need = {c: exe.get('rollout', c, 2048, 8).memory.peak for c in (DP8, DP2TP4)}
+  assert need[DP2TP4] < need[DP8]
+  assert exe.get('rollout', DP8, 32, 8).memory.peak < need[DP2TP4]
+  exe.get('rollout', DP2TP4, 32, 8)
+  return (need[DP8] + need[DP2TP4]) // 2
+
+
+def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
+  path = str(tmp_path / 'profile.json')
+  compiles = exe.compiles
+  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  assert exe.compiles == compiles  # every executable came from the cache
+  assert len(prof.cells) == 4
+  oom = prof.cell('rollout', 2048, 8, DP8)
+  assert oom.oom and oom.throughput is None and oom.peak_bytes > budget and not oom.times_ms
+  for bucket, c in ((32, DP8), (32, DP2TP4), (2048, DP2TP4)):
+    cell = prof.cell('rollout', bucket, 8, c)
+    assert not cell.oom and cell.throughput > 0 and len(cell.times_ms) == 2
+    # Throughput is decoded tokens per device per second from the median call.
+    median_s = sorted(cell.times_ms)[0] / 2e3 + sorted(cell.times_ms)[1] / 2e3
+    assert cell.throughput == pytest.approx(8 * 4 / median_s / 8)
+  assert prof.best('rollout', 2048, 8).config == 'dp2.tp4'
+  saved = _read(path)
+  assert saved['key']['hardware']['platform'] == 'cpu'
+  assert saved['key']['candidates'] == {'rollout': ['dp8.tp1', 'dp2.tp4']}
+
+  # Same setup: reused as is, nothing measured again.
+  again = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  assert again.wall_s == prof.wall_s and again.cells == prof.cells
+
+  # The selector on top: the faster one at 32, dp2.tp4 when the longest context needs 2048.
+  sel = Selector(
+    SelectorConfig(budget_mib=budget / MiB, safety_margin=0.0),
+    buckets=TABLE,
+    rows=8,
+    profile=prof,
+    model=CFG,
+  )
+  short = sel.decide('rollout', StepStats(episode_lengths=(20, 30), num_responses=8))
+  assert short.config.name == prof.best('rollout', 32, 8).config
+  long = sel.decide('rollout', StepStats(episode_lengths=(20, 1500), num_responses=8))
+  assert long.config == DP2TP4 and 'infeasible: dp8.tp1' in long.reason
+
+
+def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatch):
+  path = str(tmp_path / 'profile.json')
+  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  warnings = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *a: warnings.append(msg % a))
+  # Another machine: the file claims an H100.
+  data = _read(path)
+  data['key']['hardware']['device_kind'] = 'NVIDIA H100 80GB HBM3'
+  data['cells'][0]['throughput'] = 1e9  # a poisoned number that must not be trusted
+  _write(path, json.dumps(data))
+  rebuilt = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  assert rebuilt.wall_s != prof.wall_s
+  assert max(c.throughput or 0 for c in rebuilt.cells.values()) < 1e9
+  assert 'made for another setup (differs in' in warnings[-1]
+  assert 'hardware.{device_kind}' in warnings[-1]
+  assert _read(path)['key']['hardware']['device_kind'] == 'cpu'
+  # Another model: the key differs in the model's fields, so the file is not loaded.
+  other = CFG.replace(name='tiny-wide', intermediate_size=256)
+  cands = {'rollout': stage_candidates('rollout', other, num_devices=8, only=(DP8, DP2TP4))}
+  key = profiler.profile_key(other, _config(budget), cands)
+  assert profiler.load_cached(path, key) is None
+  assert 'model.{intermediate_size, name}' in warnings[-1]
+  # A corrupt file is rebuilt too.
+  _write(path, '{not json')
+  assert profiler.load_cached(path, key) is None
+  assert 'unreadable' in warnings[-1]
+
+
+def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
+  tiny_budget = exe.get('rollout', DP2TP4, 32, 8).memory.peak // 2
+  prof = profiler.run(CFG, _config(tiny_budget), executables=exe)
+  assert all(c.oom for c in prof.cells.values())
+  sel = Selector(
+    SelectorConfig(budget_mib=tiny_budget / MiB), buckets=TABLE, rows=8, profile=prof, model=CFG
+  )
+  need = exe.get('rollout', DP2TP4, 32, 8).memory.peak
+  with pytest.raises(
+    memory.InfeasibleError, match=rf'smallest need is dp2\.tp4 with {need / MiB:.1f} MiB'
+  ):
+    sel.decide('rollout', StepStats(episode_lengths=(30,), num_responses=8))
+
+
+def test_experience_and_train_are_profiled_in_tokens_per_second(exe):
+  config = dataclasses.replace(
+    _config(None), stages=('experience', 'train'), buckets=BucketConfig(lengths=(32,)), repeats=1
+  )
+  prof = profiler.run(CFG, config, executables=exe)
+  assert len(prof.cells) == 4
+  for stage in ('experience', 'train'):
+    for c in (DP8, DP2TP4):
+      cell = prof.cell(stage, 32, 8, c)
+      assert not cell.oom and cell.measured and cell.peak_bytes > 0
+      # Every one of the rows x bucket tokens counts, per device and second.
+      assert cell.throughput == pytest.approx(8 * 32 / (cell.times_ms[0] / 1e3) / 8)
+  # The train step holds the AdamW moments: more memory than the log-prob forward.
+  assert prof.cell('train', 32, 8, DP8).peak_bytes > prof.cell('experience', 32, 8, DP8).peak_bytes
+
+
+def test_profile_config_validation():
+  with pytest.raises(ValueError, match='rows must be strictly increasing'):
+    _config(MiB).__class__(buckets=TABLE, rows=(16, 8), budget_bytes=MiB)
+  with pytest.raises(ValueError, match='warmup must be >= 1'):
+    dataclasses.replace(_config(MiB), warmup=0)
+  with pytest.raises(ValueError, match="Unknown stage 'decode'"):
+    dataclasses.replace(_config(MiB), stages=('decode',))
+  with pytest.raises(mesh_lib.ShardingError, match='num_kv_heads'):
+    profiler.default_candidates(
+      CFG, dataclasses.replace(_config(MiB), candidates=(ParallelConfig(tp=8),))
+    )

@@ -1,0 +1,128 @@
+"""Weights and optimizer state move between every pair of layouts, on device, unchanged."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax._src import array as array_impl
+
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.models import qwen2
+from earl_jax.rl import train_step as train_lib
+from earl_jax.selector import reshard, stages
+from earl_jax.selector.candidates import stage_candidates
+from earl_jax.sharding import mesh as mesh_lib
+
+# One layer and K = H = 8 so that tp = 8 is valid too: every factorisation of 8 devices.
+CFG = ModelConfig.preset('small-kv').replace(name='small-kv-1l', num_layers=1, vocab_size=64)
+
+
+class HostBounces:
+  """Counts device-to-host reads (`np.asarray(jax.Array)` and friends go through `_value`).
+
+  The CPU transfer guard does not flag device-to-host reads (host and device share memory), so
+  the tests watch the one place JAX turns a device array into host numpy.
+  """
+
+  def __init__(self, monkeypatch):
+    self.count = 0
+    original = array_impl.ArrayImpl._value
+
+    def counted(arr):
+      self.count += 1
+      return original.fget(arr)
+
+    monkeypatch.setattr(array_impl.ArrayImpl, '_value', property(counted))
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _euler_circuit(nodes):
+  """A walk that takes every ordered pair (a, b), a != b, exactly once as a step (Hierholzer)."""
+  out_edges = {a: [b for b in nodes if b != a] for a in nodes}
+  stack, walk = [nodes[0]], []
+  while stack:
+    v = stack[-1]
+    if out_edges[v]:
+      stack.append(out_edges[v].pop())
+    else:
+      walk.append(stack.pop())
+  return walk[::-1]
+
+
+def test_params_between_every_pair_of_candidates(monkeypatch):
+  cands = stage_candidates('rollout', CFG, num_devices=8)
+  assert len(cands) == 10  # every ordered (dp, fsdp, tp) with product 8
+  shardings = {c: reshard.param_shardings(CFG, c) for c in cands}
+  walk = _euler_circuit(cands)
+  steps = list(itertools.pairwise(walk))
+  assert sorted(steps, key=str) == sorted(itertools.permutations(cands, 2), key=str)
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(walk[0]), seed=3)
+  expected = _host(params)
+  bounces = HostBounces(monkeypatch)
+  for a, b in steps:
+    src = params
+    assert not reshard.needs_reshard(src, shardings[a])
+    with jax.transfer_guard('disallow'):
+      params = reshard.reshard_tree(src, shardings[b])
+    leaf = params['layers'][0]['self_attn']['q_proj'][...]
+    assert leaf.addressable_data(0).shape == (
+      CFG.hidden_size // b.fsdp,
+      CFG.num_heads // b.tp,
+      CFG.head_dim,
+    ), (a, b)
+    assert not reshard.needs_reshard(params, shardings[b])
+    assert src['embed_tokens'][...].is_deleted()  # donated: the old layout is freed
+  assert bounces.count == 0
+  for got, want in zip(_host(params), expected):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_host_bounce_detector_catches_device_put(monkeypatch):
+  # device_put between two shardings over the same devices reads through the host here: the
+  # detector must see it, or the test above would prove nothing.
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(ParallelConfig(dp=8)))
+  bounces = HostBounces(monkeypatch)
+  jax.block_until_ready(jax.device_put(params, reshard.param_shardings(CFG, ParallelConfig(tp=8))))
+  assert bounces.count > 0
+
+
+@pytest.mark.parametrize(
+  'src,dst',
+  [
+    (ParallelConfig(dp=8), ParallelConfig(dp=2, fsdp=2, tp=2)),
+    (ParallelConfig(tp=8), ParallelConfig(fsdp=8)),
+  ],
+)
+def test_train_state_moves_with_its_optimizer_moments(monkeypatch, src, dst):
+  optim = train_lib.OptimConfig()
+  optimizer = train_lib.make_optimizer(optim)
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(src), seed=1)
+  state = train_lib.init_train_state(params, optimizer)
+  # Non-zero moments, so that a lost or mixed-up leaf would show.
+  state = state.replace(opt_state=jax.tree.map(lambda x: x + 0.5, state.opt_state))
+  expected = _host(state)
+  bounces = HostBounces(monkeypatch)
+  target = stages.train_state_shardings(CFG, dst, optim)
+  with jax.transfer_guard('disallow'):
+    moved = reshard.reshard_tree(state, target)
+  assert bounces.count == 0
+  mu = moved.opt_state[1][0].mu['layers'][0]['mlp']['up_proj'][...]
+  p = moved.params['layers'][0]['mlp']['up_proj'][...]
+  assert mu.sharding.is_equivalent_to(p.sharding, 2)
+  assert p.addressable_data(0).shape == (
+    CFG.hidden_size // dst.fsdp,
+    CFG.intermediate_size // dst.tp,
+  )
+  for got, want in zip(_host(moved), expected):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_no_move_is_a_no_op():
+  pc = ParallelConfig(dp=2, tp=4)
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(pc))
+  assert not reshard.needs_reshard(params, reshard.param_shardings(CFG, pc))
+  assert reshard.reshard_tree(params, reshard.param_shardings(CFG, pc)) is params

@@ -1,0 +1,243 @@
+"""The decision rule on a synthetic profile: statistic, feasibility, hysteresis, errors, records."""
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.selector import memory
+from earl_jax.selector.profiler import Cell, Profile
+from earl_jax.selector.selector import (
+  Selector,
+  SelectorConfig,
+  StepStats,
+  context_statistic,
+)
+
+MiB = memory.MiB
+TABLE = BucketConfig(lengths=(1024, 2048, 4096, 8192))
+DP8, DP2TP4, TP8 = ParallelConfig(dp=8), ParallelConfig(dp=2, tp=4), ParallelConfig(tp=8)
+
+# Paper-like numbers: the low-tp layout is fastest at short context but holds the weights 8x
+# (more memory), so it stops fitting first; tp8 is slowest at short context and fits everywhere.
+#             bucket: (tgs, MiB) for dp8, dp2.tp4, tp8
+_CELLS = {
+  1024: ((300.0, 40), (250.0, 25), (200.0, 20)),
+  2048: ((200.0, 60), (190.0, 45), (150.0, 40)),
+  4096: ((100.0, 100), (110.0, 85), (120.0, 80)),
+  8192: ((50.0, 180), (60.0, 165), (80.0, 160)),
+}
+
+
+def _profile(rows=(16, 64)) -> Profile:
+  cells = {}
+  for bucket, triples in _CELLS.items():
+    for r in rows:
+      for c, (tgs, mib) in zip((DP8, DP2TP4, TP8), triples):
+        scale = r / rows[0]
+        cells[('rollout', bucket, r, c.name)] = Cell(
+          stage='rollout',
+          config=c.name,
+          bucket=bucket,
+          rows=r,
+          peak_bytes=int(mib * scale * MiB),
+          oom=False,
+          throughput=tgs,
+        )
+  key = {
+    'stages': ['rollout'],
+    'candidates': {'rollout': [DP8.name, DP2TP4.name, TP8.name]},
+    'buckets': list(TABLE.lengths),
+    'rows': list(rows),
+  }
+  return Profile(key=key, cells=cells)
+
+
+def _selector(**kw) -> Selector:
+  kw.setdefault('budget_mib', 170)
+  kw.setdefault('safety_margin', 0.0)
+  return Selector(SelectorConfig(**kw), buckets=TABLE, rows=(16, 64), profile=_profile())
+
+
+def _stats(*lengths, n=16, free=None) -> StepStats:
+  return StepStats(episode_lengths=lengths, num_responses=n, free_memory_bytes=free)
+
+
+def test_fastest_feasible_per_bucket_and_the_record():
+  sel = _selector()
+  d = sel.decide('rollout', _stats(900, 1000))
+  assert (d.config, d.bucket, d.run_bucket, d.rows) == (DP8, 1024, 1024, 16)
+  assert d.throughput == 300.0 and not d.switched and d.previous is None
+  assert 'first decision' in d.reason and 'bucket 1024' in d.reason
+  d = sel.decide('rollout', _stats(3000, 4000))
+  assert (d.config, d.bucket) == (TP8, 4096)
+  assert d.switched and d.previous == DP8
+  assert 'tp8 is 20% faster than dp8.tp1' in d.reason
+  assert [x.config for x in sel.history] == [DP8, TP8]
+  assert d.as_dict()['config'] == 'dp1.tp8'
+
+
+def test_the_statistic_picks_the_ranking_row():
+  lengths = (1000,) * 18 + (3000, 8000)  # mean 1450, p95 ~3250, max 8000
+  assert context_statistic(lengths, 'mean') == pytest.approx(1450)
+  assert 3000 < context_statistic(lengths, 'p95') < 8000
+  for statistic, bucket in (('mean', 2048), ('p95', 4096), ('max', 8192)):
+    d = _selector(statistic=statistic).decide('rollout', _stats(*lengths))
+    assert d.bucket == bucket, statistic
+    assert d.run_bucket == 8192  # memory is always checked where the longest episode runs
+  with pytest.raises(ValueError, match='statistic must be one of'):
+    context_statistic(lengths, 'median')
+
+
+def test_memory_is_checked_at_the_longest_context_even_with_the_mean():
+  # The mean reads bucket 1024 where dp8 is fastest, but the longest episode needs 8192, where
+  # dp8 needs 180 MiB > 170: it would run out of memory mid-step, so it is not chosen. Of the two
+  # that fit there, dp2.tp4 is the faster at 1024.
+  d = _selector(statistic='mean').decide('rollout', _stats(*(500,) * 31, 8000))
+  assert d.bucket == 1024 and d.run_bucket == 8192
+  assert d.config == DP2TP4
+  assert 'infeasible: dp8.tp1' in d.reason
+  assert {o.config: o.feasible for o in d.options} == {
+    'dp8.tp1': False,
+    'dp2.tp4': True,
+    'dp1.tp8': True,
+  }
+
+
+def test_safety_margin_and_free_memory():
+  # 165 MiB (dp2.tp4 at 8192) fits 170 MiB bare, not with a 5% margin (173.25).
+  bare = _selector().decide('rollout', _stats(3000, 8000, n=16))
+  assert bare.config == TP8  # fastest anyway at 8192
+  sel = _selector(safety_margin=0.05)
+  d = sel.decide('rollout', _stats(8000, n=16))
+  assert d.config == TP8
+  assert [o.feasible for o in d.options] == [False, False, True]
+  # Free memory below the budget shrinks it: at 2048 dp8 needs 60 MiB, so 50 MiB free rules it out.
+  d = _selector().decide('rollout', _stats(1500, n=16, free=50 * MiB))
+  assert d.config == DP2TP4 and d.budget_bytes == 50 * MiB
+  assert 'free memory 50.0 MiB' in d.reason
+
+
+def test_switch_threshold_keeps_a_near_tie():
+  sel = _selector(switch_threshold=0.06, budget_mib=1000)
+  assert sel.decide('rollout', _stats(1500)).config == DP8  # 200 vs 190 vs 150 at 2048
+  d = sel.decide('rollout', _stats(1500))
+  assert d.config == DP8 and not d.switched and 'kept dp8.tp1 (fastest feasible)' in d.reason
+  # At 4096 tp8 (120) beats dp8 (100) by 20% > 6%: switch.
+  d = sel.decide('rollout', _stats(3500))
+  assert d.config == TP8 and d.switched
+  # With a 20% band the same move keeps dp8 (100 >= 0.8 x 120).
+  sel = _selector(switch_threshold=0.2, budget_mib=1000)
+  sel.decide('rollout', _stats(1500))
+  d = sel.decide('rollout', _stats(3500))
+  assert d.config == DP8 and not d.switched
+  assert 'kept dp8.tp1 (within 20% of best dp1.tp8' in d.reason
+
+
+def test_hysteresis_never_flip_flops_around_a_bucket_boundary():
+  sel = _selector(patience=3, budget_mib=1000)
+  # The mean oscillates around 4096 (between the 4096 and 8192 rows): the bucket goes up at
+  # once, and comes down only after three consecutive lower readings.
+  readings = [3000, 5000, 4000, 5000, 4000, 5000, 4000, 4000, 4000, 4000]
+  decisions = [sel.decide('rollout', _stats(n)) for n in readings]
+  buckets = [d.bucket for d in decisions]
+  assert buckets == [4096, 8192, 8192, 8192, 8192, 8192, 8192, 8192, 4096, 4096]
+  assert sum(d.switched for d in decisions) <= 1
+  assert 'held bucket 8192' in decisions[2].reason and '1/3 lower readings' in decisions[2].reason
+  # Each config change would need a bucket change, and those are monotone here: no A -> B -> A.
+  configs = [d.config for d in decisions]
+  changes = [i for i in range(1, len(configs)) if configs[i] != configs[i - 1]]
+  for i, j in itertools.pairwise(changes):
+    assert configs[j] != configs[i - 1] or j - i >= sel.config.patience
+
+
+def test_load_bins_and_bad_inputs():
+  sel = _selector()
+  assert sel.decide('rollout', _stats(1000, n=20)).rows == 64
+  with pytest.raises(ValueError, match='100 responses is more than the largest profiled load 64'):
+    sel.decide('rollout', _stats(1000, n=100))
+  with pytest.raises(ValueError, match=r'context too long.*9000.*largest bucket 8192'):
+    sel.decide('rollout', _stats(1000, 9000))
+  with pytest.raises(ValueError, match="Unknown stage 'decode'"):
+    sel.decide('decode', _stats(1000))
+  # The trainer checkpoints the statistics as JSON and rebuilds them.
+  stats = StepStats(episode_lengths=[900, 1000], turn_lengths=[300, 300], num_responses=16)
+  assert StepStats(**json.loads(json.dumps(dataclasses.asdict(stats)))) == stats
+  with pytest.raises(ValueError, match='episode_lengths is empty'):
+    StepStats(episode_lengths=(), num_responses=4)
+  # (The runtime type checker of the tests rejects the Literal first; without it, __post_init__.)
+  with pytest.raises((ValueError, TypeError), match='median'):
+    SelectorConfig(statistic='median')
+  with pytest.raises(ValueError, match='safety_margin must be in'):
+    SelectorConfig(safety_margin=-0.1)
+  with pytest.raises(ValueError, match='budget_mib must be positive'):
+    SelectorConfig(budget_mib=0)
+  with pytest.raises(ValueError, match="Cannot parse parallel config 'dp2xtp4'"):
+    SelectorConfig(candidates=('dp2xtp4',))
+  with pytest.raises(ValueError, match='differ from the profiled buckets'):
+    Selector(SelectorConfig(), buckets=BucketConfig(lengths=(1024,)), rows=16, profile=_profile())
+
+
+@pytest.mark.parametrize(
+  'lengths,match',
+  [((), 'is empty'), ((2048, 1024), 'strictly increasing.*did you mean \\(1024, 2048\\)')],
+)
+def test_bucket_table_must_be_sorted_and_non_empty(lengths, match):
+  with pytest.raises(ValueError, match=match):
+    BucketConfig(lengths=lengths)
+
+
+def test_budget_too_small_names_the_smallest_need():
+  sel = _selector(budget_mib=100, safety_margin=0.05)
+  with pytest.raises(memory.InfeasibleError) as e:
+    sel.decide('rollout', _stats(6000))
+  msg = str(e.value)
+  assert 'No rollout layout fits the per-device budget of 100.0 MiB at bucket 8192' in msg
+  assert 'smallest need is dp1.tp8 with 160.0 MiB per device' in msg
+  assert '168.0 MiB' in msg  # with the margin
+
+
+def test_lookahead_names_the_next_buckets_best():
+  sel = _selector(budget_mib=1000)
+  d = sel.decide('rollout', _stats(1500))
+  # The next bucket's fastest (tp8), and the current layout there in case hysteresis keeps it.
+  assert sel.lookahead(d) == [
+    ('rollout', DP8, 2048, 16),
+    ('rollout', TP8, 4096, 16),
+    ('rollout', DP8, 4096, 16),
+  ]
+  d = sel.decide('rollout', _stats(8000))
+  assert sel.lookahead(d) == [('rollout', TP8, 8192, 16)]  # no larger bucket
+
+
+def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
+  cfg = ModelConfig.preset('small-kv')
+  table = BucketConfig(lengths=(128, 4096))
+  need = {
+    c: memory.estimate('rollout', cfg, c, 4096, 8).total for c in (DP8, ParallelConfig(dp=4, tp=2))
+  }
+  budget_mib = (need[DP8] + need[ParallelConfig(dp=4, tp=2)]) / 2 / MiB
+  # Nothing is compiled or measured: analytic memory, the fewest-splits preference.
+  config = SelectorConfig(profile_stages=(), budget_mib=budget_mib, safety_margin=0.0)
+  sel = Selector(config, model=cfg, buckets=table, rows=8)
+  first = sel.initial_decisions()
+  assert set(first) == {'rollout', 'experience', 'train'} and not sel.history
+  assert first['rollout'].config == DP8 and not first['rollout'].measured
+  assert sel.decide('rollout', None).config == DP8  # before any statistics: the initial context
+  d = sel.decide('rollout', _stats(4000, n=8))
+  assert d.config == ParallelConfig(dp=4, tp=2) and d.switched
+  assert 'dp8.tp1 no longer fits' in d.reason and 'infeasible: dp8.tp1' in d.reason
+  # Train holds the AdamW moments too: replicated 8 ways they do not fit even at 128 tokens.
+  t = sel.decide('train', _stats(100, n=8))
+  assert t.config == ParallelConfig(dp=4, tp=2) and 'infeasible: dp8.tp1' in t.reason
+  state = json.loads(json.dumps(sel.state_dict()))
+  other = Selector(config, model=cfg, buckets=table, rows=8)
+  other.load_state_dict(state)
+  assert other.current('rollout') == d.config and other.current('train') == t.config
+  log = json.loads(json.dumps(sel.log()))
+  assert [x['config'] for x in log] == ['dp8.tp1', 'dp4.tp2', 'dp4.tp2']
+  # Without the model, a stage the profile does not cover cannot be decided.
+  with pytest.raises(ValueError, match="no ranking for 'train'"):
+    _selector().decide('train', _stats(1000))
