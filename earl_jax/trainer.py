@@ -219,9 +219,7 @@ class Trainer:
     self.ref_params = (
       jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
     )  # the frozen reference policy
-    self.state = reshard_lib.reshard_tree(
-      train_step.init_train_state(params, self.optimizer), self._state_shardings(self.train_config)
-    )
+    self.state = train_step.init_train_state(params, self.optimizer)
 
     self.engine = engine.RolloutEngine(
       self.model_cfg, self.graphdef, self.tokenizer, config.env, config.rollout, config.buckets

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from earl_jax.models import qwen2
@@ -67,24 +68,36 @@ class TrainState:
   skipped: Int[Array, '']
 
 
-def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
-  """Optimizer state created under jit, so every moment is sharded like its parameter."""
-
-  def init(params):
-    return TrainState(
-      params=params,
-      opt_state=optimizer.init(params),
-      step=jnp.zeros((), jnp.int32),
-      skipped=jnp.zeros((), jnp.int32),
-    )
-
-  return jax.jit(init)(params)
-
-
 def abstract_train_state(
   abstract_params: nnx.State, optimizer: optax.GradientTransformation
 ) -> TrainState:
-  """ShapeDtypeStructs with shardings of the train state, for AOT lowering (no allocation)."""
+  """ShapeDtypeStructs with shardings of the train state, for AOT lowering (no allocation).
+
+  The layout is stated, not left to XLA (which would replicate the moments): every optimizer
+  moment is sharded like its parameter (`optax.tree_map_params`), and scalars such as the step
+  counts are replicated on the parameters' mesh.
+  """
+  param_sh = jax.tree.map(lambda a: a.sharding, abstract_params)
+  mesh = jax.tree.leaves(param_sh)[0].mesh
+  rep = NamedSharding(mesh, PartitionSpec())
+  opt_shapes = jax.eval_shape(optimizer.init, abstract_params)
+  opt_sh = optax.tree_map_params(
+    optimizer, lambda _, sh: sh, opt_shapes, param_sh, transform_non_params=lambda _: rep
+  )
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  shapes = TrainState(params=abstract_params, opt_state=opt_shapes, step=scalar, skipped=scalar)
+  shardings = TrainState(params=param_sh, opt_state=opt_sh, step=rep, skipped=rep)
+  return jax.tree.map(
+    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
+  )
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+  """A fresh train state whose moments are sharded like their parameters (see above)."""
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+  )
+  shardings = jax.tree.map(lambda a: a.sharding, abstract_train_state(abstract, optimizer))
 
   def init(params):
     return TrainState(
@@ -94,13 +107,7 @@ def abstract_train_state(
       skipped=jnp.zeros((), jnp.int32),
     )
 
-  compiled = jax.jit(init).lower(abstract_params).compile()
-  shapes = jax.eval_shape(init, abstract_params)
-  return jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    shapes,
-    compiled.output_shardings,
-  )
+  return jax.jit(init, out_shardings=shardings)(params)
 
 
 def loss_fn(

@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -224,27 +223,9 @@ def experience_program(
 def _abstract_train_state(
   model: ModelConfig, parallel: ParallelConfig, optim: train_lib.OptimConfig
 ) -> train_lib.TrainState:
-  """The train state's ShapeDtypeStructs, every optimizer moment sharded like its parameter.
-
-  (`train_step.abstract_train_state` lets XLA choose the moments' layout, and it replicates
-  them; here the layout is stated: `optax.tree_map_params` pairs each moment with its
-  parameter's sharding, and scalars such as the step count are replicated.)
-  """
-  mesh = mesh_lib.make_mesh(parallel)
-  _, abstract_params = qwen2.abstract_model(model, mesh)
-  optimizer = train_lib.make_optimizer(optim)
-  param_sh = qwen2.state_shardings(abstract_params)
-  rep = _replicated(mesh)
-  opt_shapes = jax.eval_shape(optimizer.init, abstract_params)
-  opt_sh = optax.tree_map_params(
-    optimizer, lambda _, sh: sh, opt_shapes, param_sh, transform_non_params=lambda _: rep
-  )
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  shapes = train_lib.TrainState(
-    params=abstract_params, opt_state=opt_shapes, step=scalar, skipped=scalar
-  )
-  shardings = train_lib.TrainState(params=param_sh, opt_state=opt_sh, step=rep, skipped=rep)
-  return _with_shardings(shapes, shardings)
+  """The train state's ShapeDtypeStructs on a layout (moments sharded like their parameters)."""
+  _, abstract_params = qwen2.abstract_model(model, mesh_lib.make_mesh(parallel))
+  return train_lib.abstract_train_state(abstract_params, train_lib.make_optimizer(optim))
 
 
 def train_state_shardings(
