@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then runs the main job on its embedded default.
-# Extra arguments go to the experiment (e.g. scripts/demo.sh --mesh=4x2).
+# Sets up .venv if needed, then runs the main job on its embedded default: agentic RL on Connect
+# Four with the EARL loop, 8 fake CPU devices (see README.md). Extra arguments go to the job, e.g.
+#   scripts/demo.sh --config.steps=20 --workdir=runs/try
 source "$(dirname "$0")/_env.sh"
-exec python experiments/generate.py "$@"
+exec python experiments/train.py "$@"

@@ -222,6 +222,7 @@ def test_blockwise_causal_attention_matches_dense_values_and_grads(block):
     lambda *x: loss('dot_product', *x), argnums=(0, 1, 2), has_aux=True
   )(q, k, v)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
   for x, y in zip(ga, gb):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-4)
   # Causality: the output at t does not depend on keys after t.
