@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from earl_jax import metrics, trainer
+from earl_jax.config import BucketConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.sharding.mesh import ShardingError
+from earl_jax.testing import fixture_path
 from earl_jax.testing.configs import smoke_experiment
 from earl_jax.testing.typecheck import unchecked
 
@@ -95,3 +97,32 @@ def test_bad_input_is_refused_before_compiling(tmp_path):
     trainer.Trainer(six, workdir=str(tmp_path))
   with pytest.raises(ValueError, match="Unknown model preset 'huge'"):
     smoke_experiment(model='huge')
+
+
+def test_a_hf_checkpoint_trains_with_the_qwen_chat_template(tmp_path):
+  """--model_dir: weights and tokenizer from a HF directory, replies parsed leniently."""
+  base = smoke_experiment()
+  env = dataclasses.replace(base.env, parse='lenient')
+  config = smoke_experiment(
+    model_dir=fixture_path('qwen2_tiny'),
+    env=env,
+    eval_env=env,
+    rollout=dataclasses.replace(
+      base.rollout,
+      sampling=dataclasses.replace(base.rollout.sampling, max_new_tokens=4),
+      prompt_buckets=(64, 128),
+    ),
+    buckets=BucketConfig(lengths=(128, 256, 512)),
+    steps=1,
+    eval_every=0,
+    checkpoint_every=0,
+  )
+  t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
+  assert t.model_cfg.vocab_size == 512 and t.tokenizer.eot_id == 499
+  before = [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
+  t.run(progress=False)
+  row = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))[-1]
+  assert row['ctx/turn_len_mean'] > 20  # the chat template's turn prompt
+  assert np.isfinite(row['loss/loss'])
+  after = [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
+  assert any(not np.array_equal(a, b) for a, b in zip(before, after))
