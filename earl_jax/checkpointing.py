@@ -14,7 +14,6 @@ process with fewer devices (jax-notes §4).
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 
@@ -79,8 +78,3 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
-
-
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with the same shardings) of a tree of arrays."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -12,7 +12,6 @@ Dimension letters used across the package:
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 DType = Literal['float32', 'bfloat16']
@@ -331,9 +330,3 @@ class BucketConfig:
       n *= 2
     out.append(hi)
     return cls(lengths=tuple(sorted(set(out))))
-
-
-def as_tuple(value: Sequence[int] | int) -> tuple[int, ...]:
-  if isinstance(value, int):
-    return (value,)
-  return tuple(value)

@@ -47,12 +47,20 @@ class MetricsWriter:
       return
     clean = {k: _scalar(v) for k, v in record.items()}
     with open(self.path, 'a') as f:
-      f.write(json.dumps({'step': step, **clean}) + '\n')
+      f.write(json.dumps({**clean, 'step': step}) + '\n')
     if self._tb is not None:
       for k, v in clean.items():
         if isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+
+  def rewrite(self, records: list[Mapping[str, Any]]) -> None:
+    """Replaces metrics.jsonl with `records` (each has its 'step'), e.g. after a resume."""
+    if not self.enabled:
+      return
+    with open(self.path, 'w') as f:
+      for record in records:
+        f.write(json.dumps({k: _scalar(v) for k, v in record.items()}) + '\n')
 
   def close(self) -> None:
     if self._tb is not None:

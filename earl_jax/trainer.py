@@ -33,7 +33,7 @@ from absl import logging
 
 from earl_jax import checkpointing, metrics
 from earl_jax import dispatch as dispatch_lib
-from earl_jax.config import BucketConfig, DType, ModelConfig, ParallelConfig
+from earl_jax.config import BucketConfig, DType, ModelConfig, ParallelConfig, _check_positive
 from earl_jax.envs import base as envs
 from earl_jax.models import hf_import, qwen2, tokenizer
 from earl_jax.rl import advantages as advantages_lib
@@ -68,7 +68,9 @@ class ExperimentConfig:
     dispatch: the Data Dispatcher (strategy).
     steps: training steps.
     micro_batches: gradient-accumulation slices of each update.
-    balance: balance real tokens across the train data-parallel ranks when dispatching.
+    balance: permute rows inside the experience -> train dispatch so that every train
+      data-parallel rank gets the same number of real (unpadded) tokens. Off by default: the
+      train program runs on padded buckets, so balanced real tokens do not change its time yet.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
     seed: seeds the environment and the sampler of every step.
@@ -97,7 +99,7 @@ class ExperimentConfig:
   )
   steps: int = 20
   micro_batches: int = 1
-  balance: bool = True
+  balance: bool = False
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
@@ -107,9 +109,7 @@ class ExperimentConfig:
   init_seed: int = 0
 
   def __post_init__(self):
-    for field in ('steps', 'micro_batches', 'eval_episodes'):
-      if getattr(self, field) <= 0:
-        raise ValueError(f'ExperimentConfig.{field} must be positive, got {getattr(self, field)}.')
+    _check_positive(self, 'steps', 'micro_batches', 'eval_episodes')
     for field in ('eval_every', 'checkpoint_every', 'seed', 'init_seed', 'eval_seed'):
       if getattr(self, field) < 0:
         raise ValueError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
@@ -120,11 +120,13 @@ class ExperimentConfig:
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
         f'{self.rollout.num_episodes}.'
       )
-    if self.rollout.sampling.max_new_tokens >= self.buckets.max_length:
+    first_turn = self.rollout.prompt_buckets[0] + self.rollout.sampling.max_new_tokens
+    if first_turn > self.buckets.max_length:
       raise ValueError(
         f'The per-turn token limit rollout.sampling.max_new_tokens='
-        f'{self.rollout.sampling.max_new_tokens} does not fit the largest bucket '
-        f'{self.buckets.max_length}.'
+        f'{self.rollout.sampling.max_new_tokens} plus the smallest prompt bucket '
+        f'{self.rollout.prompt_buckets[0]} does not fit the largest context bucket '
+        f'{self.buckets.max_length}; raise buckets.lengths or lower the limit.'
       )
 
   def to_json(self) -> dict:
@@ -191,6 +193,7 @@ class Trainer:
       micro_batches=config.micro_batches,
       optim=config.optim,
       loss=config.loss,
+      temperature=config.rollout.sampling.temperature,
     )
     self.executables = executables_lib.Executables(self.model_cfg, spec=spec)
     self.selector = selector_lib.Selector(
@@ -210,15 +213,15 @@ class Trainer:
     self.train_config = start['train'].config
     train_mesh = self.mesh(self.train_config)
     if config.model_dir:
-      _, self.graphdef, params = hf_import.load(
-        config.model_dir, train_mesh, param_dtype=config.param_dtype
-      )
+      self.graphdef, params = hf_import.load_params(config.model_dir, self.model_cfg, train_mesh)
     else:
       self.graphdef, params = qwen2.init_model(self.model_cfg, train_mesh, seed=config.init_seed)
     self.optimizer = train_step.make_optimizer(config.optim)
-    self.ref_params = (
-      jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
-    )  # the frozen reference policy
+    # The frozen reference policy lives on the experience layout (the only stage that reads it).
+    self.ref_params = None
+    self.ref_config = self.train_config
+    if config.loss.kl_coef > 0:
+      self.ref_params = jax.tree.map(jnp.copy, params)
     self.state = train_step.init_train_state(params, self.optimizer)
 
     self.engine = engine.RolloutEngine(
@@ -234,8 +237,6 @@ class Trainer:
       self.model_cfg, self.graphdef, self.tokenizer, config.eval_env, eval_rollout, config.buckets
     )
     self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
-    self._param_cache: dict[ParallelConfig, tuple[int, Any]] = {}
-    self._version = 0  # bumps whenever the train parameters change
 
     self.step = 0
     self.prev_stats: selector_lib.StepStats | None = None
@@ -262,24 +263,21 @@ class Trainer:
   def _param_shardings(self, parallel: ParallelConfig):
     return reshard_lib.param_shardings(self.model_cfg, parallel)
 
-  def _state_shardings(self, parallel: ParallelConfig):
-    return stages_lib.train_state_shardings(self.model_cfg, parallel, self.config.optim)
-
   def params_on(self, parallel: ParallelConfig):
-    """The current train parameters laid out on `parallel`'s mesh (a device-to-device copy)."""
+    """The train parameters laid out on `parallel`'s mesh: the state's own arrays on the train
+    layout, else a device-to-device copy that the caller drops as soon as its stage is done."""
     if parallel == self.train_config:
       return self.state.params
-    cached = self._param_cache.get(parallel)
-    if cached is not None and cached[0] == self._version:
-      return cached[1]
-    params = reshard_lib.reshard_tree(
+    return reshard_lib.reshard_tree(
       self.state.params, self._param_shardings(parallel), donate=False
     )
-    self._param_cache = {parallel: (self._version, params)}  # keep one copy only
-    return params
 
   def _ref_on(self, parallel: ParallelConfig):
-    return reshard_lib.reshard_tree(self.ref_params, self._param_shardings(parallel), donate=False)
+    """The reference parameters, moved (donated) to `parallel` when the experience layout changes."""
+    if parallel != self.ref_config:
+      self.ref_params = reshard_lib.reshard_tree(self.ref_params, self._param_shardings(parallel))
+      self.ref_config = parallel
+    return self.ref_params
 
   def _executable(self, decision: selector_lib.Decision, bucket: int):
     """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
@@ -292,13 +290,16 @@ class Trainer:
       margin=self.config.selector.safety_margin,
     )
 
-  def _layout(self, batch: Batch, parallel: ParallelConfig) -> dispatch_lib.Layout:
-    """Rows split over data x fsdp, replicated over tensor (what every stage consumes)."""
-    return dispatch_lib.Layout.rows(self.mesh(parallel), batch)
+  def _layout(self, parallel: ParallelConfig) -> dispatch_lib.Layout:
+    """The batch layout every stage program is compiled for (`Batch.shardings`)."""
+    mesh = self.mesh(parallel)
+    return dispatch_lib.Layout(
+      mesh=mesh, specs=jax.tree.map(lambda s: s.spec, Batch.shardings(mesh))
+    )
 
-  def _switch_train(self, decision: selector_lib.Decision, bucket: int) -> float:
-    """Moves the train state (params + optimizer moments) to a new layout; returns ms."""
-    self.state, _, record = executables_lib.switch(
+  def _switch_train(self, decision: selector_lib.Decision, bucket: int):
+    """Moves the train state (params + AdamW moments) to the new layout; returns the program."""
+    self.state, program, record = executables_lib.switch(
       'train',
       self.state,
       self.executables,
@@ -310,14 +311,9 @@ class Trainer:
       budget=self.selector.budget_bytes,
       margin=self.config.selector.safety_margin,
     )
-    if self.ref_params is not None:
-      self.ref_params = reshard_lib.reshard_tree(
-        self.ref_params, self._param_shardings(decision.config)
-      )
     self.train_config = decision.config
-    self._param_cache = {}
     self.switches.append(record.as_dict())
-    return record.stall_ms
+    return program, record.stall_ms
 
   # ----------------------------------------------------------------------------------------------
   # One step.
@@ -351,38 +347,43 @@ class Trainer:
       num_responses=traj.num_episodes,
     )
 
-    # 4. Experience: old (and reference) log-probs, on the layout planned from this step's lengths.
+    del params_r  # the rollout copy of the weights is not needed past the rollout
+
+    # 4. Experience: old (and reference) log-probs, on the layout planned from this step's
+    # lengths. The trajectories are on the host (the environments are), so they go straight to
+    # the experience layout.
     d_exp = self._plan('experience', stats)
     T = max(d_exp.run_bucket, cfg.buckets.bucket_for(int(traj.tokens.shape[1])))
     host = traj.to_batch(bucket=T, rows=cfg.rollout.num_episodes)
-    src = self._layout(host, d_roll.config)
-    batch = timer('h2d', _put, host, src)
-    exp_layout = self._layout(host, d_exp.config)
-    batch, rep_e = timer('dispatch', self.dispatcher.dispatch, batch, exp_layout, src=src)
+    exp_layout = self._layout(d_exp.config)
+    batch = timer('h2d', _put, host, exp_layout)
     params_e = timer('reshard', self.params_on, d_exp.config)
     logprobs = self._executable(d_exp, T)
     old = timer('experience', logprobs, params_e, batch.tokens)
+    del params_e
     ref = old
     if self.ref_params is not None:
       ref = timer('experience', logprobs, self._ref_on(d_exp.config), batch.tokens)
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
 
-    # 5. Train plan; switch the train state if the layout changed; dispatch, balancing tokens.
+    # 5. Train plan; switch the train state if the layout changed; dispatch the batch from the
+    # experience layout to the train layout (optionally balancing real tokens across ranks).
     d_train = self._plan('train', stats)
     switch_ms = 0.0
     if d_train.config != self.train_config:
-      switch_ms = self._switch_train(d_train, T)
+      update, switch_ms = self._switch_train(d_train, T)
       timer.times['reshard'] = timer.times.get('reshard', 0.0) + switch_ms / 1e3
-    update = self._executable(d_train, T)
+    else:
+      update = self._executable(d_train, T)
     for key in self.selector.lookahead(d_train)[1:]:  # the next bucket, in the background
-      self.executables.precompile(*key)
-    train_layout = self._layout(host, d_train.config)
+      self.executables.precompile(*key, tree=self.state)
+    train_layout = self._layout(d_train.config)
     perm = (
       dispatch_lib.balanced_permutation(host.lengths, exp_layout, train_layout, like=host)
       if cfg.balance
       else None
     )
-    batch, rep_t = timer(
+    batch, report = timer(
       'dispatch', self.dispatcher.dispatch, batch, train_layout, src=exp_layout, perm=perm
     )
 
@@ -393,8 +394,7 @@ class Trainer:
         'advantages', advantages_lib.advantage_fn(mesh_t, self.num_groups, cfg.advantages), batch
       )
     self.state, m = timer('train', update, self.state, batch)
-    self._version += 1
-    m = jax.device_get(m)
+    m, skipped = jax.device_get((m, self.state.skipped))
     self.step += 1
     self.prev_stats = stats
 
@@ -411,9 +411,9 @@ class Trainer:
         'tokens_per_s': float(np.sum(traj.lengths)) / elapsed,
         'rollout_tokens_per_s': traj.generated_tokens / max(timer.times['rollout'], 1e-9),
         **{f'loss/{k}': float(v) for k, v in m.items()},
-        'skipped_steps': int(self.state.skipped),
-        'dispatch/bytes_moved': float(_report_bytes(rep_e) + _report_bytes(rep_t)),
-        'dispatch/ms': float(_report_ms(rep_e) + _report_ms(rep_t)),
+        'skipped_steps': int(skipped),
+        'dispatch/strategy': report.strategy,
+        'dispatch/bytes_moved': float(report.min_bytes or 0),
         'switch_ms': switch_ms,
         **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
         **{f'time/{k}_s': v for k, v in timer.times.items()},
@@ -469,18 +469,18 @@ class Trainer:
         'same preset and overrides, or a new --workdir.'
       )
     parallel = ParallelConfig.parse(meta['train_config'])
-    if parallel != self.train_config:
-      self.state = reshard_lib.reshard_tree(self.state, self._state_shardings(parallel))
-      self.train_config = parallel
-    self.state, meta = self.ckpt.restore(checkpointing.abstract_like(self.state))
+    abstract = stages_lib.abstract_train_state(self.model_cfg, parallel, self.config.optim)
+    del self.state  # the fresh state is replaced, not moved
+    self.state, meta = self.ckpt.restore(abstract)
+    self.train_config = parallel
     self.step = int(meta['step'])
     self.selector.load_state_dict(meta['selector'])
     self.prev_stats = (
       None if meta['prev_stats'] is None else selector_lib.StepStats(**meta['prev_stats'])
     )
     self.history = list(meta['history'])
-    self._version += 1
-    self._param_cache = {}
+    # Rows logged after this checkpoint (by a run that then died) are dropped, not repeated.
+    self.writer.rewrite(self.history)
     self.log(f'resumed from step {self.step} ({self.ckpt.directory})')
 
   def run(self, progress: bool = True) -> dict:
@@ -516,6 +516,7 @@ class Trainer:
     if self.ckpt is not None:
       self.ckpt.wait()
     self.writer.close()
+    self.executables.wait()
     evals = [r['eval/win_rate'] for r in self.history if 'eval/win_rate' in r]
     return {
       'steps': self.step,
@@ -539,14 +540,6 @@ def _put(host: Batch, layout: dispatch_lib.Layout) -> Batch:
     host,
     shardings,
   )
-
-
-def _report_bytes(report: dispatch_lib.DispatchReport) -> float:
-  return float(report.min_bytes or 0)
-
-
-def _report_ms(report: dispatch_lib.DispatchReport) -> float:
-  return 0.0 if report.wall_s is None else 1e3 * report.wall_s
 
 
 def format_line(r: dict) -> str:

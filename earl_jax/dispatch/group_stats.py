@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from earl_jax.sharding import rules
 from earl_jax.sharding.mesh import BATCH_AXES
 
 
@@ -83,9 +84,7 @@ def group_stats(
   for axis in batch_axes:
     if axis not in mesh.shape:
       raise ValueError(f'group_stats: batch axis {axis!r} is not an axis of the mesh {mesh.shape}.')
-  shards = 1
-  for axis in batch_axes:
-    shards *= mesh.shape[axis]
+  shards = rules.axis_size(mesh, tuple(batch_axes))
   if rewards_B.shape[0] % shards:
     raise ValueError(
       f'group_stats: {rewards_B.shape[0]} rows do not split over the {shards} shards of '

@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding.mesh import BATCH_AXES, ShardingError
 
 
@@ -68,11 +69,6 @@ def mesh_description(mesh: Mesh) -> str:
   axes = ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())
   ids = [d.id for d in mesh.devices.flat]
   return f'mesh ({axes}) over devices {ids}'
-
-
-def same_device_order(a: Mesh, b: Mesh) -> bool:
-  """Whether two meshes hold the same devices in the same flattened order."""
-  return [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +376,7 @@ def check_compatible(src: Layout, dst: Layout) -> None:
   They must have the same fields, the same devices in the same order and, where both record
   them, the same dtypes.
   """
-  if not same_device_order(src.mesh, dst.mesh):
+  if not mesh_lib.same_devices(src.mesh, dst.mesh):
     a, b = set(src.device_ids), set(dst.device_ids)
     kind = 'device order' if a == b else 'device set'
     raise LayoutError(

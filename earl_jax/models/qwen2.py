@@ -19,6 +19,7 @@ K KV heads, G = H / K, Dh head dim, V vocab.
 """
 
 import dataclasses
+import functools
 import typing
 
 import flax.struct
@@ -131,22 +132,8 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, capacity: int, mesh: jax.sharding.Mesh) -> 'KVCache':
-    """A zero cache created directly in its sharded layout."""
-    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-    dtype = dtype_of(cfg.dtype)
-
-    def make():
-      zeros = jnp.zeros(shape, dtype)
-      return cls(
-        k=(zeros,) * cfg.num_layers,
-        v=(zeros,) * cfg.num_layers,
-        lengths=jnp.zeros((batch,), jnp.int32),
-      )
-
-    return jax.jit(make, out_shardings=cls.shardings(cfg, mesh))()
-
-  def bytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+    """A zero cache created directly in its sharded layout (one compile per shape and mesh)."""
+    return _zero_cache(cfg, batch, capacity, mesh)()
 
 
 def _write_rows(
@@ -200,6 +187,15 @@ def causal_attention(
     mask = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [block, hi]
     outs.append(jax.checkpoint(_attend)(qg[:, lo:hi], k[:, :hi], v[:, :hi], mask))
   return jnp.concatenate(outs, axis=1).reshape(B, T, H, Dh).astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_cache(cfg: ModelConfig, batch: int, capacity: int, mesh: jax.sharding.Mesh):
+  abstract = KVCache.abstract(cfg, batch, capacity)
+  return jax.jit(
+    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+    out_shardings=KVCache.shardings(cfg, mesh),
+  )
 
 
 class Attention(nnx.Module):
@@ -359,9 +355,13 @@ class Qwen2(nnx.Module):
     return jnp.einsum('...D,DV->...V', h, self.lm_head[...].astype(jnp.float32))
 
 
-def token_logprobs(model: Qwen2, tokens: Int[Array, 'B T']) -> Float[Array, 'B T']:
-  """log p(tokens[b, t] | tokens[b, :t]) for t >= 1; column 0 is 0.
+def token_logprobs(
+  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float = 1.0
+) -> Float[Array, 'B T']:
+  """log p(tokens[b, t] | tokens[b, :t]) for t >= 1 under softmax(logits / temperature); col 0 is 0.
 
+  `temperature` is the sampling temperature of the rollout that produced the tokens, so that
+  these are the log-probs of the policy that actually sampled them (the sampler records the same).
   Right padding never changes the log-probs of real tokens (attention is causal). The LM head and
   the log-softmax run on chunks of `cfg.logprob_chunk` positions under `jax.checkpoint`, so the
   forward holds one [B, C, V] chunk at a time and the backward recomputes it.
@@ -382,6 +382,8 @@ def token_logprobs(model: Qwen2, tokens: Int[Array, 'B T']) -> Float[Array, 'B T
   @jax.checkpoint
   def chunk_logprobs(h_BxCxD, t_BxC):
     logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
+    if temperature != 1.0:
+      logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
     return picked - lse

@@ -9,7 +9,6 @@ then rows are averaged; long replies do not dominate).
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -79,19 +78,17 @@ def ppo_loss(
   clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + high)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
   pg_loss = -aggregate(surrogate, mask, config.aggregation)
-  kl = aggregate(kl_k3(logp, ref_logp), mask, config.aggregation)
-  loss = pg_loss + config.kl_coef * kl if config.kl_coef else pg_loss
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
   metrics = {
     'pg_loss': pg_loss,
-    'kl_ref': kl,
     'clip_frac': jnp.sum((jnp.abs(ratio - clipped) > 0) * m) / n,
     'approx_kl_old': jnp.sum(0.5 * jnp.square(log_ratio) * m) / n,
     'entropy_proxy': -jnp.sum(logp * m) / n,
   }
+  loss = pg_loss
+  if config.kl_coef:  # without a KL term `ref_logp` is not a reference policy; report nothing
+    kl = aggregate(kl_k3(logp, ref_logp), mask, config.aggregation)
+    metrics['kl_ref'] = kl
+    loss = pg_loss + config.kl_coef * kl
   return loss, metrics
-
-
-def stop_gradient_tree(tree):
-  return jax.tree.map(jax.lax.stop_gradient, tree)

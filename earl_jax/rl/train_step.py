@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from earl_jax.models import qwen2
 from earl_jax.rl import losses
 from earl_jax.rl.trajectory import Batch
+from earl_jax.sharding import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,10 +95,8 @@ def abstract_train_state(
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
   """A fresh train state whose moments are sharded like their parameters (see above)."""
-  abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-  )
-  shardings = jax.tree.map(lambda a: a.sharding, abstract_train_state(abstract, optimizer))
+  abstract = abstract_train_state(mesh_lib.abstract_arrays(params), optimizer)
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
 
   def init(params):
     return TrainState(
@@ -111,13 +110,23 @@ def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation)
 
 
 def loss_fn(
-  params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, config: losses.LossConfig
+  params: nnx.State,
+  graphdef: nnx.GraphDef,
+  batch: Batch,
+  config: losses.LossConfig,
+  temperature: float = 1.0,
 ) -> tuple[Float[Array, ''], dict]:
   model = nnx.merge(graphdef, params)
-  logp = qwen2.token_logprobs(model, batch.tokens)
-  return losses.ppo_loss(
+  logp = qwen2.token_logprobs(model, batch.tokens, temperature)
+  loss, metrics = losses.ppo_loss(
     logp, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask, config
   )
+  # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
+  # the training forward disagree (numerics, a temperature mismatch, stale weights).
+  m = batch.loss_mask.astype(jnp.float32)
+  gap = jnp.abs(batch.sample_logprobs - batch.old_logprobs) * m
+  metrics['sampler_logprob_gap'] = jnp.sum(gap) / jnp.maximum(jnp.sum(m), 1.0)
+  return loss, metrics
 
 
 def _split_micro(batch: Batch, n: int) -> Batch:
@@ -136,36 +145,37 @@ def train_step(
   optimizer: optax.GradientTransformation,
   loss_config: losses.LossConfig,
   micro_batches: int = 1,
+  temperature: float = 1.0,
 ) -> tuple[TrainState, dict[str, Float[Array, '']]]:
-  """One optimizer update on `batch`, averaging gradients over `micro_batches` slices."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  """One optimizer update on `batch`, averaging gradients over `micro_batches` slices.
+
+  The policy is softmax(logits / temperature), the distribution the rollout sampled from.
+  """
+
+  def grad_fn(mb):
+    fn = jax.value_and_grad(loss_fn, has_aux=True)
+    return fn(state.params, graphdef, mb, loss_config, temperature)
+
   if micro_batches == 1:
-    (loss, aux), grads = grad_fn(state.params, graphdef, batch, loss_config)
+    (loss, aux), grads = grad_fn(batch)
   else:
     micro = _split_micro(batch, micro_batches)
-    # Weight each micro-batch by its share of loss tokens, so token aggregation stays exact.
-    tokens = jnp.sum(micro.loss_mask, axis=(1, 2)).astype(jnp.float32)
-    weights = (
-      tokens / jnp.maximum(jnp.sum(tokens), 1.0)
-      if loss_config.aggregation == 'token'
-      else jnp.full((micro_batches,), 1.0 / micro_batches)
-    )
-
-    def micro_grad(mb):
-      return grad_fn(state.params, graphdef, mb, loss_config)
+    # Weight each micro-batch by its share of what the aggregation averages over (loss tokens,
+    # or rows that have any), so the accumulated gradient is exactly the full batch's.
+    if loss_config.aggregation == 'token':
+      counts = jnp.sum(micro.loss_mask, axis=(1, 2))
+    else:
+      counts = jnp.sum(jnp.any(micro.loss_mask, axis=2), axis=1)
+    counts = counts.astype(jnp.float32)
+    weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
 
     def body(acc, xs):
       mb, w = xs
-      (loss, aux), g = micro_grad(mb)
+      (loss, aux), g = grad_fn(mb)
       return jax.tree.map(lambda a, b: a + w * b, acc, (loss, aux, g)), None
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    acc0 = jax.tree.map(
-      lambda s: jnp.zeros(s.shape, s.dtype),
-      jax.eval_shape(
-        lambda mb: (micro_grad(mb)[0][0], micro_grad(mb)[0][1], micro_grad(mb)[1]), first
-      ),
-    )
+    (loss0, aux0), g0 = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
+    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, aux0, g0))
     (loss, aux, grads), _ = jax.lax.scan(body, acc0, (micro, weights))
 
   grad_norm = optax.tree.norm(grads)
@@ -189,8 +199,10 @@ def make_train_step(
   loss_config: losses.LossConfig,
   *,
   micro_batches: int = 1,
+  temperature: float = 1.0,
   state_shardings: TrainState | None = None,
   batch_shardings: Batch | None = None,
+  metrics_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """`train_step` jitted with the state donated (and explicit shardings when given).
 
@@ -203,9 +215,10 @@ def make_train_step(
     optimizer=optimizer,
     loss_config=loss_config,
     micro_batches=micro_batches,
+    temperature=temperature,
   )
   kwargs = {}
   if state_shardings is not None:
     kwargs['in_shardings'] = (state_shardings, batch_shardings)
-    kwargs['out_shardings'] = (state_shardings, None)
+    kwargs['out_shardings'] = (state_shardings, metrics_sharding)
   return jax.jit(fn, donate_argnums=(0,), **kwargs)

@@ -15,7 +15,6 @@ column t holds log p(tokens[t] | tokens[:t]); column 0 is 0.
 import typing
 
 import flax.struct
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
@@ -91,9 +90,6 @@ class Batch:
       group_ids=f((rows,), xp.int32),
       valid=f((rows,), bool),
     )
-
-  def num_loss_tokens(self):
-    return jnp.sum(self.loss_mask)
 
 
 _FIELDS = tuple(f.name for f in Batch.__dataclass_fields__.values())

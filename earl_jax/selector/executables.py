@@ -20,13 +20,13 @@ import time
 from concurrent import futures
 from typing import Any
 
-import jax
 from absl import logging
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.selector import memory as memory_lib
 from earl_jax.selector import reshard as reshard_lib
 from earl_jax.selector import stages
+from earl_jax.sharding import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -228,11 +228,7 @@ class Executables:
         that a later `switch` pays only for moving the bytes.
     """
     key = self.key(stage, config, bucket, rows)
-    layout = None
-    if tree is not None:
-      layout = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
-      )
+    layout = None if tree is None else mesh_lib.abstract_arrays(tree)
     with self._lock:
       entry = self._entries.get(key)
       if entry is None and key not in self._pending:

@@ -67,14 +67,14 @@ def prepare(tree: Any, target_shardings: Any, *, donate: bool = True) -> None:
   `tree` may hold arrays or ShapeDtypeStructs with shardings: only structure, shapes, dtypes and
   shardings are used.
   """
+  if not needs_reshard(tree, target_shardings):
+    return
   leaves, treedef = jax.tree.flatten(tree)
   targets = tuple(treedef.flatten_up_to(target_shardings))
   key = _PREPARED.key(leaves, treedef, targets, donate)
   if _PREPARED.get(key) is not None:
     return
-  abstract = jax.tree.unflatten(
-    treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-  )
+  abstract = mesh_lib.abstract_arrays(tree)
   with warnings.catch_warnings():
     warnings.filterwarnings('ignore', message=_DONATION_WARNING)
     compiled = _identity(treedef, targets, donate).lower(abstract).compile()
@@ -108,7 +108,7 @@ def reshard_tree(tree: Any, target_shardings: Any, *, donate: bool = True) -> An
   """
   leaves, treedef = jax.tree.flatten(tree)
   targets = tuple(treedef.flatten_up_to(target_shardings))
-  if not any(not x.sharding.is_equivalent_to(t, x.ndim) for x, t in zip(leaves, targets)):
+  if not needs_reshard(tree, target_shardings):
     return tree
   fn = _PREPARED.get(_PREPARED.key(leaves, treedef, targets, donate))
   if fn is None:
@@ -124,9 +124,6 @@ def reshard_tree(tree: Any, target_shardings: Any, *, donate: bool = True) -> An
   return out
 
 
-reshard = reshard_tree  # the short name
-
-
 def timed_reshard(tree: Any, target_shardings: Any, *, donate: bool = True) -> tuple[Any, float]:
   """`reshard_tree`, waited for; returns (tree, milliseconds)."""
   t0 = time.perf_counter()
@@ -134,8 +131,12 @@ def timed_reshard(tree: Any, target_shardings: Any, *, donate: bool = True) -> t
   return out, 1e3 * (time.perf_counter() - t0)
 
 
+@functools.lru_cache(maxsize=64)
 def param_shardings(model: ModelConfig, parallel: ParallelConfig) -> Any:
-  """The model's parameter shardings on the mesh of `parallel` (over the canonical devices)."""
+  """The model's parameter shardings on the mesh of `parallel` (over the canonical devices).
+
+  Cached: the trainer asks for them every step, and building them traces the whole model.
+  """
   mesh = mesh_lib.make_mesh(parallel)
   _, abstract = qwen2.abstract_model(model, mesh)
   return qwen2.state_shardings(abstract)

@@ -51,14 +51,19 @@ class StageSpec:
     micro_batches: gradient-accumulation slices of the train step.
     optim: optimizer of the train step (its state is part of the train program's memory).
     loss: loss settings of the train step.
+    temperature: the rollout's sampling temperature: experience and train log-probs are those of
+      softmax(logits / temperature), the policy that sampled the tokens.
   """
 
   decode_tokens: int = 8
   micro_batches: int = 1
   optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+  temperature: float = 1.0
 
   def __post_init__(self):
+    if not self.temperature > 0:
+      raise ValueError(f'StageSpec.temperature must be > 0, got {self.temperature}.')
     for name in ('decode_tokens', 'micro_batches'):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -204,7 +209,7 @@ def experience_program(
   tokens = _sds((rows, bucket), jnp.int32, bt)
 
   def step(params, tokens):
-    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens)
+    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, spec.temperature)
 
   abstract_args = (abstract_params, tokens)
   fn = jax.jit(step, in_shardings=(qwen2.state_shardings(abstract_params), bt), out_shardings=bt)
@@ -220,7 +225,7 @@ def experience_program(
 
 
 @functools.lru_cache(maxsize=32)
-def _abstract_train_state(
+def abstract_train_state(
   model: ModelConfig, parallel: ParallelConfig, optim: train_lib.OptimConfig
 ) -> train_lib.TrainState:
   """The train state's ShapeDtypeStructs on a layout (moments sharded like their parameters)."""
@@ -232,7 +237,7 @@ def train_state_shardings(
   model: ModelConfig, parallel: ParallelConfig, optim: train_lib.OptimConfig
 ) -> train_lib.TrainState:
   """Target shardings of a whole train state (params and optimizer moments) on a layout."""
-  return jax.tree.map(lambda a: a.sharding, _abstract_train_state(model, parallel, optim))
+  return jax.tree.map(lambda a: a.sharding, abstract_train_state(model, parallel, optim))
 
 
 def train_program(
@@ -242,27 +247,18 @@ def train_program(
   if rows % spec.micro_batches:
     raise ValueError(f'rows={rows} is not divisible by micro_batches={spec.micro_batches}.')
   mesh, graphdef, _ = _setup(model, parallel, rows)
-  state = _abstract_train_state(model, parallel, spec.optim)
+  state = abstract_train_state(model, parallel, spec.optim)
   batch_sh = Batch.shardings(mesh)
   batch = _with_shardings(Batch.zeros(rows, bucket), batch_sh)
-  optimizer = train_lib.make_optimizer(spec.optim)
-
-  def step(state, batch):
-    return train_lib.train_step(
-      state,
-      batch,
-      graphdef=graphdef,
-      optimizer=optimizer,
-      loss_config=spec.loss,
-      micro_batches=spec.micro_batches,
-    )
-
-  state_sh = jax.tree.map(lambda a: a.sharding, state)
-  fn = jax.jit(
-    step,
-    in_shardings=(state_sh, batch_sh),
-    out_shardings=(state_sh, _replicated(mesh)),
-    donate_argnums=(0,),
+  fn = train_lib.make_train_step(
+    graphdef,
+    train_lib.make_optimizer(spec.optim),
+    spec.loss,
+    micro_batches=spec.micro_batches,
+    temperature=spec.temperature,
+    state_shardings=jax.tree.map(lambda a: a.sharding, state),
+    batch_shardings=batch_sh,
+    metrics_sharding=_replicated(mesh),
   )
   return Program(
     key=ProgramKey(stage='train', config=parallel, bucket=bucket, rows=rows),
@@ -325,25 +321,20 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
       out_shardings=shardings[1],
     )()
     return (params, tokens)
-  optimizer = train_lib.make_optimizer(program.spec.optim)
+  state = train_lib.init_train_state(
+    jax.tree.map(jnp.copy, params), train_lib.make_optimizer(program.spec.optim)
+  )
 
-  def make_train(params):
-    state = train_lib.TrainState(
-      params=jax.tree.map(jnp.copy, params),
-      opt_state=optimizer.init(params),
-      step=jnp.zeros((), jnp.int32),
-      skipped=jnp.zeros((), jnp.int32),
-    )
+  def make_batch():
     k1, k2 = jax.random.split(rng)
     mask = jnp.broadcast_to(jnp.arange(S) > 0, (B, S))
-    batch = Batch.zeros(B, S, xp=jnp).replace(
+    return Batch.zeros(B, S, xp=jnp).replace(
       tokens=jax.random.randint(k1, (B, S), 0, model.vocab_size, jnp.int32),
       loss_mask=mask,
       advantages=jnp.where(mask, jax.random.normal(k2, (B, S)), 0.0),
       lengths=jnp.full((B,), S, jnp.int32),
       valid=jnp.ones((B,), jnp.bool_),
     )
-    return state, batch
 
   with jax.set_mesh(program.mesh):
-    return jax.jit(make_train, out_shardings=shardings)(params)
+    return state, jax.jit(make_batch, out_shardings=shardings[1])()

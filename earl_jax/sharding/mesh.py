@@ -71,6 +71,17 @@ def same_devices(a: Mesh, b: Mesh) -> bool:
   return list(a.devices.flat) == list(b.devices.flat)
 
 
+def abstract_arrays(tree):
+  """ShapeDtypeStructs with the same shapes, dtypes and shardings as a tree of arrays.
+
+  Used wherever a program is lowered ahead of time or a checkpoint is restored "like" live arrays.
+  Leaves that are already ShapeDtypeStructs are returned as they are.
+  """
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, 'sharding', None)), tree
+  )
+
+
 def factorizations(n: int, *, with_fsdp: bool = True) -> list[ParallelConfig]:
   """Every (dp, fsdp, tp) with dp * fsdp * tp == n, sorted by (tp, fsdp, dp)."""
   out = []

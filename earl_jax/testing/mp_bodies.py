@@ -54,3 +54,42 @@ def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:
     'addressable_devices': len(state['embed_tokens'][...].addressable_shards),
     'global_devices': jax.device_count(),
   }
+
+
+def rollout_peaks_near_a_budget(bucket: int, rows: int) -> dict:
+  """XLA's per-device peak of two rollout layouts against their measured peak when run.
+
+  Runs in a fresh process: the measurement reads this process's resident memory, which earlier
+  work in a long-lived test process would disturb.
+  """
+  from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.models import qwen2
+  from earl_jax.selector import memory, stages
+  from earl_jax.selector.executables import Executables
+
+  cfg = ModelConfig.preset('small-kv')
+  small, big = ParallelConfig(tp=8), ParallelConfig(dp=2, tp=4)
+  out = {}
+  with Executables(cfg, spec=stages.StageSpec(decode_tokens=4)) as exe:
+    need = {c: exe.get('rollout', c, bucket, rows).memory.peak for c in (small, big)}
+    budget = (need[small] + need[big]) // 2
+    exe.get('rollout', small, bucket, rows, budget=budget)
+    try:
+      exe.get('rollout', big, bucket, rows, budget=budget)
+      out['refused'] = None
+    except memory.InfeasibleError as e:
+      out['refused'] = str(e)
+    _, params = qwen2.init_model(cfg, exe.get('rollout', small, bucket, rows).program.mesh)
+    for c in (small, big):
+      entry = exe.get('rollout', c, bucket, rows)
+      p = jax.jit(lambda x: x, out_shardings=entry.program.in_shardings[0])(params)
+      args = stages.make_inputs(entry.program, p)
+      measured, result = memory.measure_run_peak(entry.compiled, args)
+      out[c.name] = {
+        'need': need[c],
+        'measured': measured,
+        'decoded_to': int(result[1].lengths[0]),
+      }
+      del args, result
+  out['budget'] = budget
+  return out

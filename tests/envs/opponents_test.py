@@ -1,7 +1,5 @@
 """Opponents: random is uniform and legal, greedy wins and blocks, minimax sees further."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -243,21 +241,3 @@ def test_make_opponent():
     opponents.make_opponent('mcts', C4)
   with pytest.raises(ValueError, match='depth must be in'):
     opponents.make_opponent('minimax', C4, depth=0)
-
-
-def test_minimax_depth_4_is_a_few_ms_per_connect_four_move():
-  positions = _random_positions(C4, connect_four, 32, seed=7, plies=10)
-  boards = np.stack([b for b, _ in positions])
-  opponent = opponents.MinimaxOpponent(C4, 4)
-  noise = np.random.default_rng(0).random((32, 7))
-  opponent.select(boards[:1], OPP, noise[:1])  # warm up
-  start = time.perf_counter()
-  for i in range(8):
-    opponent.select(boards[i : i + 1], OPP, noise[i : i + 1])
-  per_game_alone = (time.perf_counter() - start) / 8
-  start = time.perf_counter()
-  opponent.select(boards, OPP, noise)
-  per_game_batched = (time.perf_counter() - start) / 32
-  # Measured about 1.2 ms alone and 0.8 ms batched on this 2-core machine; 20 ms leaves room for
-  # a busy machine and the test-time type checker.
-  assert per_game_alone < 0.02 and per_game_batched < 0.02, (per_game_alone, per_game_batched)
