@@ -20,18 +20,25 @@ DIGITS = [TOK.encode(str(d))[0] for d in range(1, 10)]
 
 
 def _engine(
-  graphdef, *, cfg=CFG, tok=TOK, episodes=8, buckets=(128, 256, 512, 1024), max_new=1, **env_kw
+  graphdef,
+  *,
+  cfg=CFG,
+  tok=TOK,
+  episodes=8,
+  buckets=(128, 256, 512, 1024),
+  max_new=1,
+  temperature=1.0,
+  **env_kw,
 ):
   env = envs.EnvConfig(game='tic_tac_toe', **env_kw)
-  rollout = engine.RolloutConfig(
-    num_episodes=episodes, sampling=sampler.SamplingConfig(temperature=1.0, max_new_tokens=max_new)
-  )
+  sampling = sampler.SamplingConfig(temperature=temperature, max_new_tokens=max_new)
+  rollout = engine.RolloutConfig(num_episodes=episodes, sampling=sampling)
   return engine.RolloutEngine(cfg, graphdef, tok, env, rollout, BucketConfig(lengths=buckets))
 
 
-def _full_logprobs(graphdef, params, mesh, tokens):
+def _full_logprobs(graphdef, params, mesh, tokens, temperature=1.0):
   def fn(params, tokens):
-    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens)
+    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, temperature)
 
   padded = np.zeros((tokens.shape[0], 1024), np.int32)
   padded[:, : tokens.shape[1]] = tokens
@@ -57,10 +64,11 @@ def digit_policy():
   return mesh, graphdef, params
 
 
-def test_logprobs_recorded_while_sampling_match_a_full_forward(digit_policy):
+@pytest.mark.parametrize('temperature', [1.0, 0.7])
+def test_logprobs_recorded_while_sampling_match_a_full_forward(digit_policy, temperature):
   mesh, graphdef, params = digit_policy
-  traj = _engine(graphdef).run(params, mesh, seed=3)
-  full = _full_logprobs(graphdef, params, mesh, traj.tokens)
+  traj = _engine(graphdef, temperature=temperature).run(params, mesh, seed=3)
+  full = _full_logprobs(graphdef, params, mesh, traj.tokens, temperature)
   m = traj.loss_mask
   assert m.any()
   np.testing.assert_allclose(traj.logprobs[m], full[m], atol=2e-4)
