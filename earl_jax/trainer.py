@@ -354,7 +354,7 @@ class Trainer:
     # the experience layout.
     d_exp = self._plan('experience', stats)
     T = max(d_exp.run_bucket, cfg.buckets.bucket_for(int(traj.tokens.shape[1])))
-    host = traj.to_batch(bucket=T, rows=cfg.rollout.num_episodes)
+    host = traj.to_batch(bucket=T, rows=cfg.rollout.num_episodes, gamma=cfg.advantages.gamma)
     exp_layout = self._layout(d_exp.config)
     batch = timer('h2d', _put, host, exp_layout)
     params_e = timer('reshard', self.params_on, d_exp.config)

@@ -3,7 +3,11 @@
 No controller gathers the rewards: `dispatch.group_stats` reduces each device's rows into
 per-group sums and completes them with a psum over the batch axes of the train mesh.
 
-Estimators (the episode return R of each row, broadcast over the tokens the policy generated):
+Credit: with credit='episode' the value of every generated token is its episode's return R
+(`Batch.rewards`); with credit='turn' it is the discounted reward-to-go G_t of the token's turn
+(`Batch.returns`, gamma set where the batch is built), so a move is judged by what followed it.
+
+Estimators, applied to those values (statistics over valid rows, or over generated tokens):
   'reinforce'     A = R - mean(R over the batch)                 (EARL's REINFORCE with a baseline)
   'reinforce_pp'  A = (R - mean) / (std + eps) over the batch     (REINFORCE++ normalisation)
   'grpo'          A = (R - mean_g) / (std_g + eps) over the row's group g (episodes that share
@@ -24,11 +28,25 @@ from earl_jax.sharding import rules
 
 Estimator = Literal['reinforce', 'reinforce_pp', 'grpo']
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+Credit = Literal['episode', 'turn']
+CREDITS: tuple[str, ...] = get_args(Credit)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
+  """How advantages are formed.
+
+  Attributes:
+    estimator: 'reinforce', 'reinforce_pp' or 'grpo' (see the module docstring).
+    credit: 'episode' (every token gets its episode's return) or 'turn' (its turn's
+      discounted reward-to-go).
+    gamma: the discount of the reward-to-go over turns (credit='turn').
+    eps: added to the std.
+  """
+
   estimator: Estimator = 'reinforce'
+  credit: Credit = 'episode'
+  gamma: float = 1.0
   eps: float = 1e-6
 
   def __post_init__(self):
@@ -36,28 +54,68 @@ class AdvantageConfig:
       raise ValueError(
         f'AdvantageConfig.estimator={self.estimator!r} is unknown; known: {list(ESTIMATORS)}.'
       )
+    if self.credit not in CREDITS:
+      raise ValueError(
+        f'AdvantageConfig.credit={self.credit!r} is unknown; known: {list(CREDITS)}.'
+      )
+    if not 0 < self.gamma <= 1:
+      raise ValueError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
     if not self.eps > 0:
       raise ValueError(f'AdvantageConfig.eps must be > 0, got {self.eps}.')
 
 
-def row_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig):
-  """Per-row advantages [B] (0 for invalid rows), computed with collectives on `mesh`."""
-  if config.estimator == 'grpo':
-    groups, G = batch.group_ids, num_groups
-  else:
-    groups, G = jnp.zeros_like(batch.group_ids), 1
-  mean, std, _ = group_stats(batch.rewards, groups, batch.valid, num_groups=G, mesh=mesh)
-  adv = batch.rewards - mean
+def _normalise(values, groups, valid, *, mesh, num_groups, config):
+  """(values - mean) [/ (std + eps)] with per-group statistics over the valid entries."""
+  mean, std, _ = group_stats(values, groups, valid, num_groups=num_groups, mesh=mesh)
+  adv = values - mean
   if config.estimator != 'reinforce':
     adv = adv / (std + config.eps)
-  return jnp.where(batch.valid, adv, 0.0)
+  return jnp.where(valid, adv, 0.0)
+
+
+def row_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig):
+  """Per-row advantages [B] from the episode returns (0 for invalid rows)."""
+  grpo = config.estimator == 'grpo'
+  groups = batch.group_ids if grpo else jnp.zeros_like(batch.group_ids)
+  return _normalise(
+    batch.rewards,
+    groups,
+    batch.valid,
+    mesh=mesh,
+    num_groups=num_groups if grpo else 1,
+    config=config,
+  )
+
+
+def token_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig):
+  """Per-token advantages [B, T] from each turn's reward-to-go (0 off the generated tokens).
+
+  The statistics run over every generated token of the group (or batch), with the same
+  collective group statistics as the rows: [B, T] is viewed as B*T entries whose leading
+  dimension keeps the rows' sharding.
+  """
+  B, T = batch.returns.shape
+  grpo = config.estimator == 'grpo'
+  groups = batch.group_ids if grpo else jnp.zeros_like(batch.group_ids)
+  flat = _normalise(
+    batch.returns.reshape(B * T),
+    jnp.repeat(groups, T),
+    (batch.loss_mask & batch.valid[:, None]).reshape(B * T),
+    mesh=mesh,
+    num_groups=num_groups if grpo else 1,
+    config=config,
+  )
+  return flat.reshape(B, T)
 
 
 def with_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig) -> Batch:
-  """The batch with `advantages` filled: the row advantage on every generated token."""
-  adv = row_advantages(batch, mesh=mesh, num_groups=num_groups, config=config)
-  tokens = jnp.where(batch.loss_mask, adv[:, None], 0.0).astype(jnp.float32)
-  return batch.replace(advantages=rules.constrain(tokens, ('batch', 'seq')))
+  """The batch with `advantages` filled on every generated token."""
+  if config.credit == 'turn':
+    tokens = token_advantages(batch, mesh=mesh, num_groups=num_groups, config=config)
+  else:
+    adv = row_advantages(batch, mesh=mesh, num_groups=num_groups, config=config)
+    tokens = jnp.where(batch.loss_mask, adv[:, None], 0.0)
+  return batch.replace(advantages=rules.constrain(tokens.astype(jnp.float32), ('batch', 'seq')))
 
 
 @functools.lru_cache(maxsize=32)

@@ -3,7 +3,9 @@
 Rows are whole multi-turn conversations (prompt, observations and the policy's replies) in one
 token sequence; `loss_mask` marks the positions the policy generated. Every stage adds fields:
 
-  rollout     tokens, loss_mask, sample_logprobs, rewards, lengths, group_ids, valid
+  rollout     tokens, loss_mask, sample_logprobs, rewards (the episode return), returns (each
+              generated token's discounted reward-to-go from its turn on), lengths, group_ids,
+              valid
   experience  old_logprobs (current params), ref_logprobs (frozen reference)
   advantages  advantages (per token)
 
@@ -39,6 +41,7 @@ class Batch:
   old_logprobs: Float[Arr, 'B T']
   ref_logprobs: Float[Arr, 'B T']
   advantages: Float[Arr, 'B T']
+  returns: Float[Arr, 'B T']
   rewards: Float[Arr, ' B']
   lengths: Int[Arr, ' B']
   group_ids: Int[Arr, ' B']
@@ -62,6 +65,7 @@ class Batch:
       old_logprobs=ROW_TOKEN,
       ref_logprobs=ROW_TOKEN,
       advantages=ROW_TOKEN,
+      returns=ROW_TOKEN,
       rewards=ROW,
       lengths=ROW,
       group_ids=ROW,
@@ -85,6 +89,7 @@ class Batch:
       old_logprobs=f((rows, bucket), xp.float32),
       ref_logprobs=f((rows, bucket), xp.float32),
       advantages=f((rows, bucket), xp.float32),
+      returns=f((rows, bucket), xp.float32),
       rewards=f((rows,), xp.float32),
       lengths=f((rows,), xp.int32),
       group_ids=f((rows,), xp.int32),

@@ -77,7 +77,8 @@ class Trajectories:
   loss_mask: np.ndarray  # bool [B, L]: tokens the policy generated
   logprobs: np.ndarray  # f32 [B, L]: their sampling log-probs (0 elsewhere)
   lengths: np.ndarray  # int32 [B]: episode-level context length (tokens)
-  returns: np.ndarray  # f32 [B]
+  returns: np.ndarray  # f32 [B]: the episode return (sum of its rewards)
+  turn_rewards: list[list[float]]  # the reward each turn earned
   group_ids: np.ndarray  # int32 [B]
   turn_starts: list[list[int]]  # token index where each turn's prompt starts
   turn_tokens: list[list[int]]  # tokens of each turn (prompt + reply): turn-level context length
@@ -107,8 +108,28 @@ class Trajectories:
       'turns_mean': float(np.mean([len(t) for t in self.turn_tokens])),
     }
 
-  def to_batch(self, *, bucket: int, rows: int) -> Batch:
-    """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`."""
+  def token_returns(self, gamma: float) -> np.ndarray:
+    """[B, L] f32: on every generated token, the discounted reward-to-go from its turn on.
+
+    G_t = sum_k gamma^(k - t) r_k over the episode's turns k >= t; 0 on template tokens.
+    """
+    out = np.zeros(self.tokens.shape, np.float32)
+    for i, rewards in enumerate(self.turn_rewards):
+      g, returns = 0.0, [0.0] * len(rewards)
+      for t in range(len(rewards) - 1, -1, -1):
+        g = rewards[t] + gamma * g
+        returns[t] = g
+      starts = [*self.turn_starts[i], int(self.lengths[i])]
+      for t, g in enumerate(returns):
+        lo, hi = starts[t], starts[t + 1]
+        out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], g, 0.0)
+    return out
+
+  def to_batch(self, *, bucket: int, rows: int, gamma: float = 1.0) -> Batch:
+    """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
+
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`).
+    """
     B, L = self.tokens.shape
     if bucket < L:
       raise ValueError(f'to_batch: bucket {bucket} is shorter than the longest episode ({L}).')
@@ -120,6 +141,7 @@ class Trajectories:
       tokens=pad(self.tokens).astype(np.int32),
       loss_mask=pad(self.loss_mask, False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
+      returns=pad(self.token_returns(gamma)),
       rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
       lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
       group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
@@ -219,6 +241,7 @@ class RolloutEngine:
     turn_tokens: list[list[int]] = [[] for _ in range(B)]
     outcomes: list[str] = ['truncated'] * B
     returns = np.zeros(B, np.float32)
+    turn_rewards: list[list[float]] = [[] for _ in range(B)]
     active = np.ones(B, bool)
     unterminated = np.zeros(B, bool)  # last reply hit the limit without an end-of-turn token
     fill = np.zeros(B, np.int64)  # host mirror of the cache lengths
@@ -288,6 +311,11 @@ class RolloutEngine:
         result = env.step(replies)
         timings['env_s'] += time.perf_counter() - t0
         returns += result.rewards
+        for i in np.flatnonzero(run_rows).tolist():
+          turn_rewards[i].append(float(result.rewards[i]))
+        for i in np.flatnonzero(overflow).tolist():  # the forfeit lands on the last turn played
+          if turn_rewards[i]:
+            turn_rewards[i][-1] += float(result.rewards[i])
         for i in np.flatnonzero(active & result.dones).tolist():
           outcomes[i] = 'overflow' if overflow[i] else (result.infos[i]['outcome'] or 'truncated')
         active &= ~result.dones
@@ -308,6 +336,7 @@ class RolloutEngine:
       logprobs=logprobs,
       lengths=np.array([len(r) for r in rows], np.int32),
       returns=returns,
+      turn_rewards=turn_rewards,
       group_ids=(np.arange(B) // cfg.group_size).astype(np.int32),
       turn_starts=turn_starts,
       turn_tokens=turn_tokens,

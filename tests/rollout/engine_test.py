@@ -163,3 +163,19 @@ def test_bad_inputs_are_refused_before_compiling():
     )
   with pytest.raises(ValueError, match='group_size=3 must be a positive divisor'):
     engine.RolloutConfig(num_episodes=8, group_size=3)
+
+
+def test_token_returns_are_discounted_rewards_to_go(digit_policy):
+  mesh, graphdef, params = digit_policy
+  traj = _engine(graphdef, legal_move_reward=0.1).run(params, mesh, seed=2)
+  gamma = 0.5
+  returns = traj.token_returns(gamma)
+  for i in range(traj.num_episodes):
+    r = traj.turn_rewards[i]
+    assert len(r) == len(traj.turn_starts[i])
+    np.testing.assert_allclose(sum(r), traj.returns[i], rtol=1e-6)
+    gen = np.flatnonzero(traj.loss_mask[i])  # one generated token per turn here
+    expected = [sum(gamma ** (k - t) * r[k] for k in range(t, len(r))) for t in range(len(r))]
+    np.testing.assert_allclose(returns[i, gen], expected, rtol=1e-6)
+    assert (returns[i][~traj.loss_mask[i]] == 0).all()
+  assert max(len(r) for r in traj.turn_rewards) > 1  # several turns were played
