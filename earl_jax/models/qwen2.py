@@ -366,6 +366,25 @@ def token_logprobs(
   the log-softmax run on chunks of `cfg.logprob_chunk` positions under `jax.checkpoint`, so the
   forward holds one [B, C, V] chunk at a time and the backward recomputes it.
   """
+  return _next_token_stats(model, tokens, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float = 1.0
+) -> tuple[Float[Array, 'B T'], Float[Array, 'B T']]:
+  """`token_logprobs`, and the entropy (nats) of the tempered distribution each token came from.
+
+  entropy[b, t] = H(softmax(logits(tokens[b, :t]) / temperature)) for t >= 1; col 0 is 0. It is
+  computed in the same [B, C, V] chunks as the log-probs (one extra reduction per chunk).
+  """
+  logp, ent = _next_token_stats(model, tokens, temperature, entropy=True)
+  assert ent is not None
+  return logp, ent
+
+
+def _next_token_stats(
+  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float, *, entropy: bool
+) -> tuple[Float[Array, 'B T'], Float[Array, 'B T'] | None]:
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   h, _ = model(tokens, positions)
@@ -380,17 +399,26 @@ def token_logprobs(
   t_chunks = targets.reshape(B, n, C).swapaxes(0, 1)  # [n, B, C]
 
   @jax.checkpoint
-  def chunk_logprobs(h_BxCxD, t_BxC):
+  def chunk_stats(h_BxCxD, t_BxC):
     logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
     if temperature != 1.0:
       logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
-    return picked - lse
+    if not entropy:
+      return picked - lse, None
+    # H = lse - E_p[logits], with p = exp(logits - lse).
+    mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+    return picked - lse, lse - mean_logit
 
-  lp = jax.lax.map(lambda args: chunk_logprobs(*args), (h_chunks, t_chunks))  # [n, B, C]
-  lp_next = lp.swapaxes(0, 1).reshape(B, T)
-  return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp_next[:, :-1]], axis=1)
+  # [n, B, C] each.
+  lp, ent = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, t_chunks))
+
+  def shift(x):  # [n, B, C] -> [B, T], moved one position right (the value for token t + 1)
+    x = x.swapaxes(0, 1).reshape(B, T)
+    return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), x[:, :-1]], axis=1)
+
+  return shift(lp), None if ent is None else shift(ent)
 
 
 def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:

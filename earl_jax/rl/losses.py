@@ -24,12 +24,18 @@ class LossConfig:
     clip_eps: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high or clip_eps].
     clip_eps_high: optional asymmetric upper clip (DAPO's clip-higher); None = clip_eps.
     kl_coef: weight of the k3 KL estimate to the reference policy (0 disables it).
+    entropy_coef: weight of an entropy bonus (the mean entropy of the policy's next-token
+      distribution at generated positions is subtracted from the loss). It keeps a policy from
+      collapsing onto one reply before it has learnt when that reply is wrong: once p(a) ~ 1 the
+      policy gradient of a, (1 - p(a)), vanishes and a bad habit can no longer be unlearnt. 0
+      disables it (and the train forward then skips the entropy).
     aggregation: 'token' or 'sequence'.
   """
 
   clip_eps: float = 0.2
   clip_eps_high: float | None = None
   kl_coef: float = 0.0
+  entropy_coef: float = 0.0
   aggregation: Aggregation = 'token'
 
   def __post_init__(self):
@@ -39,6 +45,8 @@ class LossConfig:
       raise ValueError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
     if self.kl_coef < 0:
       raise ValueError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
+    if not self.entropy_coef >= 0:
+      raise ValueError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(
         f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
@@ -70,8 +78,12 @@ def ppo_loss(
   advantages: Float[Array, 'B T'],
   mask: Bool[Array, 'B T'],
   config: LossConfig,
+  entropy: Float[Array, 'B T'] | None = None,
 ) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
-  """The clipped surrogate (to minimise) plus kl_coef * KL, and diagnostics."""
+  """The clipped surrogate (to minimise) plus kl_coef * KL minus entropy_coef * entropy.
+
+  `entropy` (the policy's next-token entropy per position) is needed when `entropy_coef` > 0.
+  """
   log_ratio = jnp.where(mask, logp - old_logp, 0.0)
   ratio = jnp.exp(log_ratio)
   high = config.clip_eps_high if config.clip_eps_high is not None else config.clip_eps
@@ -91,4 +103,10 @@ def ppo_loss(
     kl = aggregate(kl_k3(logp, ref_logp), mask, config.aggregation)
     metrics['kl_ref'] = kl
     loss = pg_loss + config.kl_coef * kl
+  if entropy is not None:
+    ent = aggregate(entropy, mask, config.aggregation)
+    metrics['entropy'] = ent
+    loss = loss - config.entropy_coef * ent
+  elif config.entropy_coef:
+    raise ValueError('LossConfig.entropy_coef > 0 needs the per-token entropy.')
   return loss, metrics

@@ -117,9 +117,19 @@ def loss_fn(
   temperature: float = 1.0,
 ) -> tuple[Float[Array, ''], dict]:
   model = nnx.merge(graphdef, params)
-  logp = qwen2.token_logprobs(model, batch.tokens, temperature)
+  entropy = None
+  if config.entropy_coef:
+    logp, entropy = qwen2.token_logprobs_and_entropy(model, batch.tokens, temperature)
+  else:
+    logp = qwen2.token_logprobs(model, batch.tokens, temperature)
   loss, metrics = losses.ppo_loss(
-    logp, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask, config
+    logp,
+    batch.old_logprobs,
+    batch.ref_logprobs,
+    batch.advantages,
+    batch.loss_mask,
+    config,
+    entropy=entropy,
   )
   # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
   # the training forward disagree (numerics, a temperature mismatch, stale weights).

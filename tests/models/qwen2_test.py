@@ -67,6 +67,31 @@ def test_token_logprobs_match_log_softmax_of_reference(reference, dp, tp):
   assert np.all(lp[:, 0] == 0)
 
 
+@pytest.mark.parametrize('temperature', [1.0, 0.7])
+def test_entropy_matches_dense_softmax(temperature):
+  """The chunked entropy equals H(softmax(logits / temperature)) of the full forward."""
+  cfg = ModelConfig.preset('tiny').replace(logprob_chunk=16)
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh, seed=5)
+  tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (4, 64)), jnp.int32)
+
+  def both(state, tokens):
+    model = nnx.merge(graphdef, state)
+    return qwen2.token_logprobs_and_entropy(model, tokens, temperature), qwen2.token_logprobs(
+      model, tokens, temperature
+    )
+
+  with jax.set_mesh(mesh):
+    (lp, ent), lp_only = jax.jit(both)(state, tokens)
+    logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, tokens)
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1)
+  expected = -np.sum(np.exp(logp) * logp, axis=-1)  # [B, T]: the distribution of token t + 1
+  np.testing.assert_allclose(np.asarray(ent)[:, 1:], expected[:, :-1], atol=1e-4, rtol=1e-5)
+  assert np.all(np.asarray(ent)[:, 0] == 0)
+  assert np.all(np.asarray(ent)[:, 1:] > 0) and np.all(np.asarray(ent) <= np.log(cfg.vocab_size))
+  np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_only))
+
+
 def test_chunked_logprobs_equal_unchunked():
   """The chunk size changes memory, never values."""
   cfg = ModelConfig.preset('tiny')

@@ -37,6 +37,23 @@ def test_ppo_loss_matches_numpy(aggregation):
   np.testing.assert_allclose(float(m['clip_frac']), clipped.sum() / mask.sum(), rtol=1e-6)
 
 
+@pytest.mark.parametrize('aggregation', ['token', 'sequence'])
+def test_entropy_bonus_is_subtracted(aggregation):
+  logp, old, ref, adv, mask = _inputs(1)
+  entropy = np.random.RandomState(2).rand(3, 6).astype(np.float32)
+  args = tuple(map(jnp.asarray, (logp, old, ref, adv, mask)))
+  base_loss, _ = losses.ppo_loss(*args, losses.LossConfig(aggregation=aggregation))
+  config = losses.LossConfig(entropy_coef=0.05, aggregation=aggregation)
+  loss, m = losses.ppo_loss(*args, config, entropy=jnp.asarray(entropy))
+  agg = float(losses.aggregate(jnp.asarray(entropy), jnp.asarray(mask), aggregation))
+  if aggregation == 'token':
+    np.testing.assert_allclose(agg, (entropy * mask).sum() / mask.sum(), rtol=1e-6)
+  np.testing.assert_allclose(float(m['entropy']), agg, rtol=1e-6)
+  np.testing.assert_allclose(float(loss), float(base_loss) - 0.05 * agg, rtol=1e-5)
+  with pytest.raises(ValueError, match='entropy_coef > 0 needs the per-token entropy'):
+    losses.ppo_loss(*args, config)
+
+
 def test_gradient_is_zero_outside_the_clip_region_for_positive_advantage():
   import jax
 
@@ -62,3 +79,5 @@ def test_bad_config():
     losses.LossConfig(clip_eps=1.5)
   with pytest.raises(ValueError, match='kl_coef must be >= 0'):
     losses.LossConfig(kl_coef=-1.0)
+  with pytest.raises(ValueError, match=r'entropy_coef must be >= 0, got -0\.1'):
+    losses.LossConfig(entropy_coef=-0.1)

@@ -65,6 +65,24 @@ def test_loss_decreases_on_a_fixed_batch():
   assert mu.addressable_data(0).shape == up.addressable_data(0).shape == (64, 96)
 
 
+def test_entropy_bonus_raises_entropy_with_zero_advantages():
+  """With no policy-gradient signal, the entropy term alone drives the update: entropy goes up."""
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, params = qwen2.init_model(CFG, mesh, seed=2)
+  batch = _batch(mesh=mesh)
+  batch = _with_old_logprobs(graphdef, params, batch.replace(advantages=batch.advantages * 0), mesh)
+  opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
+  state = train_step.init_train_state(params, opt)
+  step = train_step.make_train_step(graphdef, opt, losses.LossConfig(entropy_coef=0.1))
+  seen = []
+  with jax.set_mesh(mesh):
+    for _ in range(4):
+      state, m = step(state, batch)
+      seen.append(float(m['entropy']))
+  assert seen[-1] > seen[0] + 1e-3, seen
+  assert all(abs(float(m['loss']) + 0.1 * e) < 1e-3 for e in seen[-1:]), (float(m['loss']), seen)
+
+
 @pytest.mark.parametrize('aggregation', ['token', 'sequence'])
 def test_micro_batches_give_the_same_update(aggregation):
   mesh = small_mesh(dp=2, tp=1)
