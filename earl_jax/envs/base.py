@@ -91,6 +91,10 @@ class EnvConfig:
     observation: 'board' shows the whole board every turn (the default); 'last_move' shows only
       the opponent's last move ('o:4' or 'o:-' when it has not moved), for long-context runs in
       which the agent must track the game from its own history.
+    show_legal: end every observation of a running episode with a line listing the legal moves
+      ('legal:1237'), as text-game environments for LLM agents usually do. The policy then finds
+      out whether a column is full from a short list next to its reply, instead of from one cell
+      of the board far back in the context.
     parse: 'strict' accepts a reply only if, stripped of surrounding whitespace, it is exactly one
       in-range digit; 'lenient' takes the last in-range digit that stands alone (no ASCII letter
       or digit right before or after it) anywhere in the reply, for chatty LLM replies.
@@ -106,6 +110,7 @@ class EnvConfig:
   legal_move_reward: float = 0.0
   agent_first: AgentFirst = 'random'
   observation: ObservationMode = 'board'
+  show_legal: bool = False
   parse: ParseMode = 'strict'
 
   def __post_init__(self):
@@ -114,6 +119,8 @@ class EnvConfig:
     _check_choice('agent_first', self.agent_first, AGENT_FIRST)
     _check_choice('observation', self.observation, OBSERVATION_MODES)
     _check_choice('parse', self.parse, PARSE_MODES)
+    if not isinstance(self.show_legal, bool):
+      raise ValueError(f'EnvConfig.show_legal must be a bool, got {self.show_legal!r}.')
     depth = self.minimax_depth
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_MINIMAX_DEPTH:
       raise ValueError(

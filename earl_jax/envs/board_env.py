@@ -173,6 +173,12 @@ class BoardGameEnv(base.TextEnv):
       texts = self.game.render(self._boards[idx])
     else:
       texts = ['o:-\n' if a < 0 else f'o:{a + 1}\n' for a in self._last_opponent[idx].tolist()]
+    if self.config.show_legal:
+      legal = self.game.legal_mask(self._boards[idx])
+      texts = [
+        text if o is not None else f'{text}legal:{"".join(str(a + 1) for a in np.flatnonzero(m))}\n'
+        for text, o, m in zip(texts, outcomes, legal)
+      ]
     return [text if o is None else f'{text}{o}\n' for text, o in zip(texts, outcomes)]
 
   def step(self, actions: Sequence[str]) -> base.StepResult:

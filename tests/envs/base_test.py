@@ -17,6 +17,7 @@ def test_config_defaults():
   assert (config.win_reward, config.draw_reward, config.loss_reward) == (1.0, 0.0, -1.0)
   assert config.invalid_penalty == -1.0
   assert (config.agent_first, config.observation, config.parse) == ('random', 'board', 'strict')
+  assert config.show_legal is False
   assert config.replace(opponent='greedy').opponent == 'greedy'
 
 

@@ -125,6 +125,22 @@ def test_a_full_column_is_an_invalid_reply_that_ends_the_episode():
   assert result.infos[1]['legal'] and result.infos[1]['outcome'] is None
 
 
+@pytest.mark.parametrize('observation', ['board', 'last_move'])
+def test_show_legal_lists_the_legal_moves_of_running_episodes(observation):
+  env = _env(show_legal=True, observation=observation)
+  plain = _env(observation=observation)
+  start = _grid('O......\nX......\n' * 3)  # column 1 is full
+  open_start = np.zeros_like(start)
+  first = env.reset(2, seed=0, start_boards=np.stack([start, open_start]))
+  assert first[0].endswith('legal:234567\n') and first[1].endswith('legal:1234567\n')
+  plain_first = plain.reset(2, seed=0, start_boards=np.stack([start, open_start]))
+  assert [f.removesuffix(f.splitlines()[-1] + '\n') for f in first] == plain_first
+  result = env.step(['1', '2'])  # episode 0: a full column ends it; no list after the outcome
+  assert result.observations[0].endswith('invalid\n') and 'legal:' not in result.observations[0]
+  legal = ''.join(str(a + 1) for a in np.flatnonzero(env.legal_mask()[1]))
+  assert result.observations[1].endswith(f'legal:{legal}\n')
+
+
 @pytest.mark.parametrize(
   ('game', 'reply'),
   [
@@ -343,12 +359,15 @@ def test_last_move_observations():
 
 @pytest.mark.parametrize('game', ['connect_four', 'tic_tac_toe'])
 @pytest.mark.parametrize('observation', ['board', 'last_move'])
-def test_every_observation_uses_only_the_alphabet(game, observation):
+@pytest.mark.parametrize('show_legal', [False, True])
+def test_every_observation_uses_only_the_alphabet(game, observation, show_legal):
   alphabet = set(base.ALPHABET)
   seen = set()
   longest = 0
   for parse, seed in (('strict', 0), ('lenient', 1)):
-    env = _env(game=game, observation=observation, parse=parse, agent_first='random')
+    env = _env(
+      game=game, observation=observation, parse=parse, agent_first='random', show_legal=show_legal
+    )
     first, results = _play_out(env, 64, seed=seed)
     texts = first + [t for r in results for t in r.observations]
     # Force every ending: an invalid reply, then play out the rest.
@@ -364,7 +383,7 @@ def test_every_observation_uses_only_the_alphabet(game, observation):
     assert {'X', 'O', '.'} <= seen
   else:
     assert {'o', ':', '-'} <= seen
-  assert longest <= (64 if game == 'connect_four' else 20)
+  assert longest <= (64 if game == 'connect_four' else 20) + (16 if show_legal else 0)
 
 
 def test_start_boards_are_validated():

@@ -44,18 +44,28 @@ def _with_old_logprobs(graphdef, params, batch, mesh):
   return batch.replace(old_logprobs=lp, ref_logprobs=lp)
 
 
-def test_loss_decreases_on_a_fixed_batch():
+def _run_steps(loss_config, n, *, seed, zero_advantages=False):
+  """`n` AdamW updates (lr 3e-3) on one fixed batch; returns the final state and each step's metrics."""
   mesh = small_mesh(dp=2, tp=2)
-  graphdef, params = qwen2.init_model(CFG, mesh, seed=0)
-  batch = _with_old_logprobs(graphdef, params, _batch(mesh=mesh), mesh)
+  graphdef, params = qwen2.init_model(CFG, mesh, seed=seed)
+  batch = _batch(mesh=mesh)
+  if zero_advantages:
+    batch = batch.replace(advantages=batch.advantages * 0)
+  batch = _with_old_logprobs(graphdef, params, batch, mesh)
   opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
   state = train_step.init_train_state(params, opt)
-  step = train_step.make_train_step(graphdef, opt, losses.LossConfig(kl_coef=0.01))
-  losses_seen = []
+  step = train_step.make_train_step(graphdef, opt, loss_config)
+  seen = []
   with jax.set_mesh(mesh):
-    for _ in range(6):
+    for _ in range(n):
       state, m = step(state, batch)
-      losses_seen.append(float(m['loss']))
+      seen.append({k: float(v) for k, v in m.items()})
+  return state, seen
+
+
+def test_loss_decreases_on_a_fixed_batch():
+  state, seen = _run_steps(losses.LossConfig(kl_coef=0.01), 6, seed=0)
+  losses_seen = [m['loss'] for m in seen]
   assert losses_seen[-1] < losses_seen[0] - 0.05, losses_seen
   assert int(state.step) == 6 and int(state.skipped) == 0
   # The moments are sharded like their parameters (not replicated).
@@ -67,20 +77,12 @@ def test_loss_decreases_on_a_fixed_batch():
 
 def test_entropy_bonus_raises_entropy_with_zero_advantages():
   """With no policy-gradient signal, the entropy term alone drives the update: entropy goes up."""
-  mesh = small_mesh(dp=2, tp=2)
-  graphdef, params = qwen2.init_model(CFG, mesh, seed=2)
-  batch = _batch(mesh=mesh)
-  batch = _with_old_logprobs(graphdef, params, batch.replace(advantages=batch.advantages * 0), mesh)
-  opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
-  state = train_step.init_train_state(params, opt)
-  step = train_step.make_train_step(graphdef, opt, losses.LossConfig(entropy_coef=0.1))
-  seen = []
-  with jax.set_mesh(mesh):
-    for _ in range(4):
-      state, m = step(state, batch)
-      seen.append(float(m['entropy']))
-  assert seen[-1] > seen[0] + 1e-3, seen
-  assert all(abs(float(m['loss']) + 0.1 * e) < 1e-3 for e in seen[-1:]), (float(m['loss']), seen)
+  _, seen = _run_steps(losses.LossConfig(entropy_coef=0.1), 4, seed=2, zero_advantages=True)
+  entropies = [m['entropy'] for m in seen]
+  assert entropies[-1] > entropies[0] + 1e-3, entropies
+  # pg_loss is 0 with zero advantages, so the loss is exactly the entropy term.
+  for m in seen:
+    np.testing.assert_allclose(m['loss'], -0.1 * m['entropy'], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize('aggregation', ['token', 'sequence'])
