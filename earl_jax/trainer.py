@@ -222,7 +222,9 @@ class Trainer:
     self.ref_config = self.train_config
     if config.loss.kl_coef > 0:
       self.ref_params = jax.tree.map(jnp.copy, params)
-    self.state = train_step.init_train_state(params, self.optimizer)
+    self.state = train_step.init_train_state(
+      params, self.optimizer, entropy_coef=config.loss.entropy_coef
+    )
 
     self.engine = engine.RolloutEngine(
       self.model_cfg, self.graphdef, self.tokenizer, config.env, config.rollout, config.buckets

@@ -9,6 +9,7 @@ then rows are averaged; long replies do not dominate).
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -28,7 +29,16 @@ class LossConfig:
       distribution at generated positions is subtracted from the loss). It keeps a policy from
       collapsing onto one reply before it has learnt when that reply is wrong: once p(a) ~ 1 the
       policy gradient of a, (1 - p(a)), vanishes and a bad habit can no longer be unlearnt. 0
-      disables it (and the train forward then skips the entropy).
+      disables it (and the train forward then skips the entropy). With `entropy_target` it is
+      the starting value of an adapted coefficient.
+    entropy_target: optional target entropy (nats per generated token, of the tempered policy).
+      The coefficient then adapts after every update, as in adaptive entropy control:
+      coef <- clip(coef * exp(entropy_adapt_rate * (target - entropy)), entropy_coef_min,
+      entropy_coef_max), so the policy stays sharp enough to win but never collapses (needs
+      entropy_coef > 0). The floor keeps the coefficient able to recover within a few steps
+      after a long stretch above the target (an untrained policy starts far above it).
+    entropy_adapt_rate: how fast the coefficient adapts (per nat of entropy error per step).
+    entropy_coef_min, entropy_coef_max: the range the adapted coefficient stays in.
     aggregation: 'token' or 'sequence'.
   """
 
@@ -36,6 +46,10 @@ class LossConfig:
   clip_eps_high: float | None = None
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
+  entropy_target: float | None = None
+  entropy_adapt_rate: float = 1.0
+  entropy_coef_min: float = 1e-4
+  entropy_coef_max: float = 0.5
   aggregation: Aggregation = 'token'
 
   def __post_init__(self):
@@ -47,10 +61,39 @@ class LossConfig:
       raise ValueError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
     if not self.entropy_coef >= 0:
       raise ValueError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
+    if self.entropy_target is not None:
+      if not self.entropy_target > 0:
+        raise ValueError(f'LossConfig.entropy_target must be > 0, got {self.entropy_target}.')
+      lo, hi = self.entropy_coef_min, self.entropy_coef_max
+      if not 0 < lo <= self.entropy_coef <= hi:
+        raise ValueError(
+          'LossConfig.entropy_target adapts entropy_coef multiplicatively within '
+          f'[entropy_coef_min, entropy_coef_max] = [{lo}, {hi}], which must hold entropy_coef '
+          f'and be positive; got entropy_coef={self.entropy_coef}.'
+        )
+      if not self.entropy_adapt_rate > 0:
+        raise ValueError(
+          f'LossConfig.entropy_adapt_rate must be > 0, got {self.entropy_adapt_rate}.'
+        )
+
+  @property
+  def uses_entropy(self) -> bool:
+    """Whether the train forward computes the policy's entropy."""
+    return self.entropy_coef > 0
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(
         f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
       )
+
+
+def adapt_entropy_coef(
+  coef: Float[Array, ''], entropy: Float[Array, ''], config: LossConfig
+) -> Float[Array, '']:
+  """The next entropy coefficient (unchanged without `config.entropy_target`)."""
+  if config.entropy_target is None:
+    return coef
+  step = jnp.exp(config.entropy_adapt_rate * (config.entropy_target - entropy))
+  return jnp.clip(coef * step, config.entropy_coef_min, config.entropy_coef_max)
 
 
 def aggregate(
@@ -79,10 +122,12 @@ def ppo_loss(
   mask: Bool[Array, 'B T'],
   config: LossConfig,
   entropy: Float[Array, 'B T'] | None = None,
+  entropy_coef: Float[Array, ''] | float | None = None,
 ) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
   """The clipped surrogate (to minimise) plus kl_coef * KL minus entropy_coef * entropy.
 
   `entropy` (the policy's next-token entropy per position) is needed when `entropy_coef` > 0.
+  `entropy_coef` overrides `config.entropy_coef` (the adapted coefficient of the train state).
   """
   log_ratio = jnp.where(mask, logp - old_logp, 0.0)
   ratio = jnp.exp(log_ratio)
@@ -106,7 +151,8 @@ def ppo_loss(
   if entropy is not None:
     ent = aggregate(entropy, mask, config.aggregation)
     metrics['entropy'] = ent
-    loss = loss - config.entropy_coef * ent
+    coef = config.entropy_coef if entropy_coef is None else entropy_coef
+    loss = loss - jax.lax.stop_gradient(coef) * ent
   elif config.entropy_coef:
     raise ValueError('LossConfig.entropy_coef > 0 needs the per-token entropy.')
   return loss, metrics

@@ -67,6 +67,9 @@ class TrainState:
   opt_state: optax.OptState
   step: Int[Array, '']
   skipped: Int[Array, '']
+  # The entropy bonus's coefficient: LossConfig.entropy_coef, adapted after every update when
+  # LossConfig.entropy_target is set (checkpointed with the rest, so resume is exact).
+  entropy_coef: Float[Array, '']
 
 
 def abstract_train_state(
@@ -86,14 +89,22 @@ def abstract_train_state(
     optimizer, lambda _, sh: sh, opt_shapes, param_sh, transform_non_params=lambda _: rep
   )
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  shapes = TrainState(params=abstract_params, opt_state=opt_shapes, step=scalar, skipped=scalar)
-  shardings = TrainState(params=param_sh, opt_state=opt_sh, step=rep, skipped=rep)
+  shapes = TrainState(
+    params=abstract_params,
+    opt_state=opt_shapes,
+    step=scalar,
+    skipped=scalar,
+    entropy_coef=jax.ShapeDtypeStruct((), jnp.float32),
+  )
+  shardings = TrainState(params=param_sh, opt_state=opt_sh, step=rep, skipped=rep, entropy_coef=rep)
   return jax.tree.map(
     lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
   )
 
 
-def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+def init_train_state(
+  params: nnx.State, optimizer: optax.GradientTransformation, *, entropy_coef: float = 0.0
+) -> TrainState:
   """A fresh train state whose moments are sharded like their parameters (see above)."""
   abstract = abstract_train_state(mesh_lib.abstract_arrays(params), optimizer)
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
@@ -104,6 +115,7 @@ def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation)
       opt_state=optimizer.init(params),
       step=jnp.zeros((), jnp.int32),
       skipped=jnp.zeros((), jnp.int32),
+      entropy_coef=jnp.asarray(entropy_coef, jnp.float32),
     )
 
   return jax.jit(init, out_shardings=shardings)(params)
@@ -115,10 +127,11 @@ def loss_fn(
   batch: Batch,
   config: losses.LossConfig,
   temperature: float = 1.0,
+  entropy_coef: Float[Array, ''] | None = None,
 ) -> tuple[Float[Array, ''], dict]:
   model = nnx.merge(graphdef, params)
   entropy = None
-  if config.entropy_coef:
+  if config.uses_entropy:
     logp, entropy = qwen2.token_logprobs_and_entropy(model, batch.tokens, temperature)
   else:
     logp = qwen2.token_logprobs(model, batch.tokens, temperature)
@@ -130,6 +143,7 @@ def loss_fn(
     batch.loss_mask,
     config,
     entropy=entropy,
+    entropy_coef=entropy_coef,
   )
   # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
   # the training forward disagree (numerics, a temperature mismatch, stale weights).
@@ -164,7 +178,7 @@ def train_step(
 
   def grad_fn(mb):
     fn = jax.value_and_grad(loss_fn, has_aux=True)
-    return fn(state.params, graphdef, mb, loss_config, temperature)
+    return fn(state.params, graphdef, mb, loss_config, temperature, state.entropy_coef)
 
   if micro_batches == 1:
     (loss, aux), grads = grad_fn(batch)
@@ -193,13 +207,19 @@ def train_step(
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
   keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+  coef = state.entropy_coef
+  if loss_config.uses_entropy:
+    coef = keep(losses.adapt_entropy_coef(coef, aux['entropy'], loss_config), coef)
   new_state = TrainState(
     params=jax.tree.map(keep, new_params, state.params),
     opt_state=jax.tree.map(keep, new_opt, state.opt_state),
     step=state.step + finite.astype(jnp.int32),
     skipped=state.skipped + (~finite).astype(jnp.int32),
+    entropy_coef=coef,
   )
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'finite': finite.astype(jnp.float32), **aux}
+  if loss_config.uses_entropy:
+    metrics['entropy_coef'] = state.entropy_coef
   return new_state, metrics
 
 

@@ -81,3 +81,25 @@ def test_bad_config():
     losses.LossConfig(kl_coef=-1.0)
   with pytest.raises(ValueError, match=r'entropy_coef must be >= 0, got -0\.1'):
     losses.LossConfig(entropy_coef=-0.1)
+  with pytest.raises(ValueError, match=r'\[0\.0001, 0\.5\], which must hold entropy_coef'):
+    losses.LossConfig(entropy_target=0.3)
+  with pytest.raises(ValueError, match='must hold entropy_coef and be positive'):
+    losses.LossConfig(entropy_coef=0.01, entropy_target=0.3, entropy_coef_min=0.0)
+  with pytest.raises(ValueError, match='entropy_target must be > 0'):
+    losses.LossConfig(entropy_coef=0.01, entropy_target=0.0)
+  with pytest.raises(ValueError, match='entropy_adapt_rate must be > 0'):
+    losses.LossConfig(entropy_coef=0.01, entropy_target=0.3, entropy_adapt_rate=0.0)
+
+
+def test_adapt_entropy_coef():
+  config = losses.LossConfig(entropy_coef=0.01, entropy_target=0.5, entropy_coef_max=0.05)
+  coef = jnp.float32(0.01)
+  up = float(losses.adapt_entropy_coef(coef, jnp.float32(0.1), config))
+  down = float(losses.adapt_entropy_coef(coef, jnp.float32(1.5), config))
+  np.testing.assert_allclose(up, 0.01 * np.exp(0.4), rtol=1e-6)
+  np.testing.assert_allclose(down, 0.01 * np.exp(-1.0), rtol=1e-6)
+  assert losses.adapt_entropy_coef(jnp.float32(0.04), jnp.float32(0.0), config) == np.float32(0.05)
+  floor = losses.adapt_entropy_coef(jnp.float32(0.01), jnp.float32(30.0), config)
+  assert floor == np.float32(config.entropy_coef_min)
+  fixed = losses.LossConfig(entropy_coef=0.01)
+  assert float(losses.adapt_entropy_coef(coef, jnp.float32(0.1), fixed)) == np.float32(0.01)

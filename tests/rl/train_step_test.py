@@ -53,7 +53,7 @@ def _run_steps(loss_config, n, *, seed, zero_advantages=False):
     batch = batch.replace(advantages=batch.advantages * 0)
   batch = _with_old_logprobs(graphdef, params, batch, mesh)
   opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
-  state = train_step.init_train_state(params, opt)
+  state = train_step.init_train_state(params, opt, entropy_coef=loss_config.entropy_coef)
   step = train_step.make_train_step(graphdef, opt, loss_config)
   seen = []
   with jax.set_mesh(mesh):
@@ -83,6 +83,20 @@ def test_entropy_bonus_raises_entropy_with_zero_advantages():
   # pg_loss is 0 with zero advantages, so the loss is exactly the entropy term.
   for m in seen:
     np.testing.assert_allclose(m['loss'], -0.1 * m['entropy'], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('target', [0.5, 8.0])
+def test_adaptive_entropy_coefficient_follows_the_target(target):
+  """Entropy below the target raises the coefficient, above it lowers it; the state carries it."""
+  config = losses.LossConfig(entropy_coef=0.02, entropy_target=target, entropy_adapt_rate=0.5)
+  state, seen = _run_steps(config, 3, seed=3)
+  coefs = [m['entropy_coef'] for m in seen] + [float(state.entropy_coef)]
+  np.testing.assert_allclose(coefs[0], 0.02, rtol=1e-6)
+  for m, before, after in zip(seen, coefs, coefs[1:]):
+    expected = before * np.exp(0.5 * (target - m['entropy']))
+    np.testing.assert_allclose(after, min(expected, config.entropy_coef_max), rtol=1e-4)
+  # A random tiny model's entropy is ~ln(V) = 4.85 nats: above 0.5, below 8.
+  assert (coefs[-1] < 0.02) if target < 4 else (coefs[-1] > 0.02), coefs
 
 
 @pytest.mark.parametrize('aggregation', ['token', 'sequence'])
@@ -118,14 +132,16 @@ def test_non_finite_step_is_skipped_and_params_untouched():
   bad = batch.replace(advantages=batch.advantages.at[0, 5].set(jnp.nan).at[0, 6].set(jnp.nan))
   bad = bad.replace(loss_mask=bad.loss_mask.at[0, 5].set(True))
   opt = train_step.make_optimizer(train_step.OptimConfig())
-  state = train_step.init_train_state(params, opt)
-  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-  step = train_step.make_train_step(graphdef, opt, losses.LossConfig())
+  config = losses.LossConfig(entropy_coef=0.01, entropy_target=0.5)
+  state = train_step.init_train_state(params, opt, entropy_coef=0.01)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.entropy_coef))
+  step = train_step.make_train_step(graphdef, opt, config)
   with jax.set_mesh(mesh):
     state, m = step(state, bad)
   assert float(m['finite']) == 0.0
   assert int(state.skipped) == 1 and int(state.step) == 0
-  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+  after = (state.params, state.opt_state, state.entropy_coef)
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(x, np.asarray(y))
   with jax.set_mesh(mesh):
     state, m = step(state, batch)
