@@ -75,15 +75,15 @@ class LossConfig:
         raise ValueError(
           f'LossConfig.entropy_adapt_rate must be > 0, got {self.entropy_adapt_rate}.'
         )
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(
+        f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
+      )
 
   @property
   def uses_entropy(self) -> bool:
     """Whether the train forward computes the policy's entropy."""
     return self.entropy_coef > 0
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(
-        f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
-      )
 
 
 def adapt_entropy_coef(

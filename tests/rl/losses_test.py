@@ -103,3 +103,11 @@ def test_adapt_entropy_coef():
   assert floor == np.float32(config.entropy_coef_min)
   fixed = losses.LossConfig(entropy_coef=0.01)
   assert float(losses.adapt_entropy_coef(coef, jnp.float32(0.1), fixed)) == np.float32(0.01)
+
+
+def test_unknown_aggregation_is_rejected_by_the_config_itself():
+  # The tests' runtime type checker would reject the Literal first; production meets __post_init__.
+  config = losses.LossConfig()
+  object.__setattr__(config, 'aggregation', 'per_batch')
+  with pytest.raises(ValueError, match=r"aggregation must be one of \('token', 'sequence'\)"):
+    config.__post_init__()
