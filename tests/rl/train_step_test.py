@@ -94,7 +94,8 @@ def test_adaptive_entropy_coefficient_follows_the_target(target):
   np.testing.assert_allclose(coefs[0], 0.02, rtol=1e-6)
   for m, before, after in zip(seen, coefs, coefs[1:]):
     expected = before * np.exp(0.5 * (target - m['entropy']))
-    np.testing.assert_allclose(after, min(expected, config.entropy_coef_max), rtol=1e-4)
+    bounded = np.clip(expected, config.entropy_coef_min, config.entropy_coef_max)
+    np.testing.assert_allclose(after, bounded, rtol=1e-4)
   # A random tiny model's entropy is ~ln(V) = 4.85 nats: above 0.5, below 8.
   assert (coefs[-1] < 0.02) if target < 4 else (coefs[-1] > 0.02), coefs
 
