@@ -194,6 +194,9 @@ class Trainer:
       optim=config.optim,
       loss=config.loss,
       temperature=config.rollout.sampling.temperature,
+      token_ids=engine.reply_token_ids(
+        self.tokenizer, config.rollout.reply_tokens, self.model_cfg.vocab_size
+      ),
     )
     self.executables = executables_lib.Executables(self.model_cfg, spec=spec)
     self.selector = selector_lib.Selector(

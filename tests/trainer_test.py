@@ -39,6 +39,26 @@ def test_smoke_run_uses_selector_and_dispatcher(tmp_path):
   assert os.path.exists(tmp_path / 'tb')
 
 
+def test_reply_tokens_constrain_every_stage(tmp_path):
+  """The experience and train forwards use the rollout's restricted policy: the recorded sampling
+  log-probs match them (an unrestricted forward would be off by log P(digits), several nats)."""
+  base = smoke_experiment()
+  config = smoke_experiment(
+    steps=2,
+    eval_every=0,
+    checkpoint_every=0,
+    rollout=dataclasses.replace(base.rollout, reply_tokens=tuple('123456789')),
+    loss=LossConfig(kl_coef=0.01, entropy_coef=0.01),
+  )
+  t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
+  t.run(progress=False)
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))
+  assert len(rows) == 2
+  for r in rows:
+    assert r['loss/sampler_logprob_gap'] < 1e-4
+    assert 0 < r['loss/entropy'] <= np.log(9) + 1e-5
+
+
 def _params(t):
   return [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
 

@@ -25,11 +25,15 @@ import typing
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from earl_jax.config import ModelConfig
 from earl_jax.sharding import rules
+
+# Logit of a token outside a restricted vocabulary: finite, so exp() is 0 and 0 * it is not NaN.
+_MASKED_LOGIT = -1e30
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -356,34 +360,58 @@ class Qwen2(nnx.Module):
 
 
 def token_logprobs(
-  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float = 1.0
+  model: Qwen2,
+  tokens: Int[Array, 'B T'],
+  temperature: float = 1.0,
+  token_ids: tuple[int, ...] | None = None,
 ) -> Float[Array, 'B T']:
   """log p(tokens[b, t] | tokens[b, :t]) for t >= 1 under softmax(logits / temperature); col 0 is 0.
 
   `temperature` is the sampling temperature of the rollout that produced the tokens, so that
   these are the log-probs of the policy that actually sampled them (the sampler records the same).
-  Right padding never changes the log-probs of real tokens (attention is causal). The LM head and
-  the log-softmax run on chunks of `cfg.logprob_chunk` positions under `jax.checkpoint`, so the
-  forward holds one [B, C, V] chunk at a time and the backward recomputes it.
+  `token_ids` restricts the distribution to those vocabulary ids (constrained decoding: the
+  softmax runs over them alone, as in `sampler.sample_token`); a token outside the set, which the
+  policy can never have generated, gets log-prob 0. Right padding never changes the log-probs of
+  real tokens (attention is causal). The LM head and the log-softmax run on chunks of
+  `cfg.logprob_chunk` positions under `jax.checkpoint`, so the forward holds one [B, C, V] chunk
+  at a time and the backward recomputes it.
   """
-  return _next_token_stats(model, tokens, temperature, entropy=False)[0]
+  return _next_token_stats(model, tokens, temperature, token_ids, entropy=False)[0]
 
 
 def token_logprobs_and_entropy(
-  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float = 1.0
+  model: Qwen2,
+  tokens: Int[Array, 'B T'],
+  temperature: float = 1.0,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Float[Array, 'B T'], Float[Array, 'B T']]:
   """`token_logprobs`, and the entropy (nats) of the tempered distribution each token came from.
 
-  entropy[b, t] = H(softmax(logits(tokens[b, :t]) / temperature)) for t >= 1; col 0 is 0. It is
-  computed in the same [B, C, V] chunks as the log-probs (one extra reduction per chunk).
+  entropy[b, t] = H(softmax(logits(tokens[b, :t]) / temperature)) for t >= 1 (over `token_ids`
+  alone when given); col 0 is 0. It is computed in the same [B, C, V] chunks as the log-probs
+  (one extra reduction per chunk).
   """
-  logp, ent = _next_token_stats(model, tokens, temperature, entropy=True)
+  logp, ent = _next_token_stats(model, tokens, temperature, token_ids, entropy=True)
   assert ent is not None
   return logp, ent
 
 
+def restrict_logits(
+  logits: Float[Array, '*B V'], token_ids: tuple[int, ...]
+) -> Float[Array, '*B V']:
+  """Logits outside `token_ids` set to a large finite negative (exp -> 0, no inf * 0 NaNs)."""
+  allowed = np.zeros(logits.shape[-1], bool)
+  allowed[list(token_ids)] = True
+  return jnp.where(allowed, logits, _MASKED_LOGIT)
+
+
 def _next_token_stats(
-  model: Qwen2, tokens: Int[Array, 'B T'], temperature: float, *, entropy: bool
+  model: Qwen2,
+  tokens: Int[Array, 'B T'],
+  temperature: float,
+  token_ids: tuple[int, ...] | None,
+  *,
+  entropy: bool,
 ) -> tuple[Float[Array, 'B T'], Float[Array, 'B T'] | None]:
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -403,13 +431,18 @@ def _next_token_stats(
     logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
     if temperature != 1.0:
       logits = logits / temperature
+    if token_ids is not None:
+      logits = restrict_logits(logits, token_ids)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
+    logp = picked - lse
+    if token_ids is not None:  # targets the restricted policy cannot produce (prompt tokens)
+      logp = jnp.where(jnp.isin(t_BxC, jnp.asarray(token_ids, t_BxC.dtype)), logp, 0.0)
     if not entropy:
-      return picked - lse, None
+      return logp, None
     # H = lse - E_p[logits], with p = exp(logits - lse).
     mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
-    return picked - lse, lse - mean_logit
+    return logp, lse - mean_logit
 
   # [n, B, C] each.
   lp, ent = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, t_chunks))

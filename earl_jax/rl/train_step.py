@@ -128,13 +128,14 @@ def loss_fn(
   config: losses.LossConfig,
   temperature: float = 1.0,
   entropy_coef: Float[Array, ''] | None = None,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Float[Array, ''], dict]:
   model = nnx.merge(graphdef, params)
   entropy = None
   if config.uses_entropy:
-    logp, entropy = qwen2.token_logprobs_and_entropy(model, batch.tokens, temperature)
+    logp, entropy = qwen2.token_logprobs_and_entropy(model, batch.tokens, temperature, token_ids)
   else:
-    logp = qwen2.token_logprobs(model, batch.tokens, temperature)
+    logp = qwen2.token_logprobs(model, batch.tokens, temperature, token_ids)
   loss, metrics = losses.ppo_loss(
     logp,
     batch.old_logprobs,
@@ -170,15 +171,17 @@ def train_step(
   loss_config: losses.LossConfig,
   micro_batches: int = 1,
   temperature: float = 1.0,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[TrainState, dict[str, Float[Array, '']]]:
   """One optimizer update on `batch`, averaging gradients over `micro_batches` slices.
 
-  The policy is softmax(logits / temperature), the distribution the rollout sampled from.
+  The policy is softmax(logits / temperature) (over `token_ids` alone when given: constrained
+  decoding), the distribution the rollout sampled from.
   """
 
   def grad_fn(mb):
     fn = jax.value_and_grad(loss_fn, has_aux=True)
-    return fn(state.params, graphdef, mb, loss_config, temperature, state.entropy_coef)
+    return fn(state.params, graphdef, mb, loss_config, temperature, state.entropy_coef, token_ids)
 
   if micro_batches == 1:
     (loss, aux), grads = grad_fn(batch)
@@ -230,6 +233,7 @@ def make_train_step(
   *,
   micro_batches: int = 1,
   temperature: float = 1.0,
+  token_ids: tuple[int, ...] | None = None,
   state_shardings: TrainState | None = None,
   batch_shardings: Batch | None = None,
   metrics_sharding: jax.sharding.Sharding | None = None,
@@ -246,6 +250,7 @@ def make_train_step(
     loss_config=loss_config,
     micro_batches=micro_batches,
     temperature=temperature,
+    token_ids=token_ids,
   )
   kwargs = {}
   if state_shardings is not None:

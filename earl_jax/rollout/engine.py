@@ -48,6 +48,12 @@ class RolloutConfig:
     max_turns: cap on agent turns (None: the game's own maximum).
     sampling: temperature, top-p and the per-turn token limit.
     prompt_buckets: padded lengths of a turn's new prompt tokens (one compile per bucket).
+    reply_tokens: constrained decoding: the only tokens a reply may use, each given as the text
+      of exactly one token (e.g. the column digits '1'..'7' of Connect Four); () allows the whole
+      vocabulary. The policy is then the softmax over these tokens alone, in the sampler and in
+      the experience and train forwards, so exploration and the entropy bonus spread over
+      well-formed replies only (the environment still judges whether a move is legal). Multi-token
+      replies stop early only if the end-of-turn token's text is in the set.
   """
 
   num_episodes: int = 64
@@ -57,6 +63,7 @@ class RolloutConfig:
     default_factory=lambda: sampler.SamplingConfig(max_new_tokens=4)
   )
   prompt_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+  reply_tokens: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.num_episodes <= 0 or self.group_size <= 0 or self.num_episodes % self.group_size:
@@ -67,6 +74,42 @@ class RolloutConfig:
     if self.max_turns is not None and self.max_turns <= 0:
       raise ValueError(f'RolloutConfig.max_turns must be positive, got {self.max_turns}.')
     BucketConfig(lengths=tuple(self.prompt_buckets))  # validates the table
+    tokens = self.reply_tokens
+    if not isinstance(tokens, tuple) or not all(isinstance(t, str) and t for t in tokens):
+      raise ValueError(
+        f'RolloutConfig.reply_tokens must be a tuple of non-empty strings, got {tokens!r}.'
+      )
+    if len(set(tokens)) != len(tokens):
+      raise ValueError(f'RolloutConfig.reply_tokens has duplicates: {tokens!r}.')
+
+
+def reply_token_ids(
+  tokenizer: Tokenizer, reply_tokens: tuple[str, ...], vocab_size: int
+) -> tuple[int, ...] | None:
+  """The sorted vocabulary ids of `RolloutConfig.reply_tokens` (None: no constraint).
+
+  Raises ValueError naming the entry if one is not exactly one token of `tokenizer`, or its id
+  is outside the model's vocabulary.
+  """
+  if not reply_tokens:
+    return None
+  ids = []
+  for text in reply_tokens:
+    encoded = tokenizer.encode(text)
+    if len(encoded) != 1:
+      raise ValueError(
+        f'RolloutConfig.reply_tokens entry {text!r} encodes to {len(encoded)} tokens '
+        f'{encoded}; each entry must be exactly one token of {tokenizer!r}.'
+      )
+    if not 0 <= encoded[0] < vocab_size:
+      raise ValueError(
+        f'RolloutConfig.reply_tokens entry {text!r} is id {encoded[0]}, outside the model '
+        f'vocabulary of {vocab_size}.'
+      )
+    ids.append(encoded[0])
+  if len(set(ids)) != len(ids):
+    raise ValueError(f'RolloutConfig.reply_tokens {reply_tokens!r} map to repeated ids {ids}.')
+  return tuple(sorted(ids))
 
 
 @dataclasses.dataclass
@@ -178,6 +221,7 @@ class RolloutEngine:
     self.config = config
     self.buckets = buckets
     self.prompt_buckets = BucketConfig(lengths=tuple(config.prompt_buckets))
+    self.token_ids = reply_token_ids(tokenizer, config.reply_tokens, model_cfg.vocab_size)
     self._generate = jax.jit(
       functools.partial(self._generate_impl, greedy=False), donate_argnums=(1,)
     )
@@ -202,7 +246,14 @@ class RolloutEngine:
     model = nnx.merge(self.graphdef, params)
     config = dataclasses.replace(self.config.sampling, greedy=greedy or self.config.sampling.greedy)
     gen, cache = sampler.generate(
-      model, cache, prompt, num_prompt, key, eot_id=self.tokenizer.eot_id, config=config
+      model,
+      cache,
+      prompt,
+      num_prompt,
+      key,
+      eot_id=self.tokenizer.eot_id,
+      config=config,
+      token_ids=self.token_ids,
     )
     return gen, _constrain_cache(cache)
 

@@ -9,6 +9,10 @@ them and is what the rollout engine jits, once per (batch, chunk bucket, cache b
 Recorded log-probs are those of the sampled token under the temperature-scaled model
 distribution (before top-p truncation): exactly what a full forward over the final tokens gives
 for log_softmax(logits / temperature), which is what the policy-gradient ratio needs.
+
+Constrained decoding: with `token_ids`, replies are drawn from those vocabulary ids alone (the
+softmax runs over them; every other logit is masked), and `qwen2.token_logprobs(...,
+token_ids=...)` gives the same restricted policy's log-probs for training.
 """
 
 import dataclasses
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from earl_jax.models.qwen2 import KVCache, Qwen2
+from earl_jax.models.qwen2 import KVCache, Qwen2, restrict_logits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,10 +84,15 @@ def _top_p_mask(logits: Float[Array, 'B V'], top_p: float) -> Float[Array, 'B V'
 
 
 def sample_token(
-  logits: Float[Array, 'B V'], key: jax.Array, config: SamplingConfig
+  logits: Float[Array, 'B V'],
+  key: jax.Array,
+  config: SamplingConfig,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Int[Array, ' B'], Float[Array, ' B']]:
-  """One token per row and its log-prob under softmax(logits / temperature)."""
+  """One token per row and its log-prob under softmax(logits / temperature) (over `token_ids`)."""
   scaled = logits.astype(jnp.float32) / config.temperature
+  if token_ids is not None:
+    scaled = restrict_logits(scaled, token_ids)
   logp = jax.nn.log_softmax(scaled, axis=-1)
   if config.greedy:
     token = jnp.argmax(scaled, axis=-1)
@@ -116,6 +125,7 @@ def decode(
   *,
   eot_id: int,
   config: SamplingConfig,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Generation, KVCache]:
   """Samples up to `config.max_new_tokens` tokens for each active row, feeding each one back.
 
@@ -132,7 +142,7 @@ def decode(
 
   def body(carry):
     i, logits, cache, gen, done, stopped = carry
-    token, logp = sample_token(logits, jax.random.fold_in(key, i), config)
+    token, logp = sample_token(logits, jax.random.fold_in(key, i), config, token_ids)
     live = ~done
     gen = dataclasses.replace(
       gen,
@@ -165,7 +175,10 @@ def generate(
   *,
   eot_id: int,
   config: SamplingConfig,
+  token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Generation, KVCache]:
   """Prefills each row's new prompt tokens, then decodes its reply (rows with no prompt idle)."""
   logits, cache = prefill(model, cache, prompt, num_prompt)
-  return decode(model, cache, logits, num_prompt > 0, key, eot_id=eot_id, config=config)
+  return decode(
+    model, cache, logits, num_prompt > 0, key, eot_id=eot_id, config=config, token_ids=token_ids
+  )

@@ -53,6 +53,8 @@ class StageSpec:
     loss: loss settings of the train step.
     temperature: the rollout's sampling temperature: experience and train log-probs are those of
       softmax(logits / temperature), the policy that sampled the tokens.
+    token_ids: the rollout's constrained reply vocabulary (`engine.reply_token_ids`), or None:
+      experience and train log-probs are then those of the softmax over these ids alone.
   """
 
   decode_tokens: int = 8
@@ -60,10 +62,19 @@ class StageSpec:
   optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
   temperature: float = 1.0
+  token_ids: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if not self.temperature > 0:
       raise ValueError(f'StageSpec.temperature must be > 0, got {self.temperature}.')
+    if self.token_ids is not None and (
+      not isinstance(self.token_ids, tuple)
+      or not self.token_ids
+      or not all(isinstance(i, int) and i >= 0 for i in self.token_ids)
+    ):
+      raise ValueError(
+        f'StageSpec.token_ids must be None or a non-empty tuple of ids, got {self.token_ids!r}.'
+      )
     for name in ('decode_tokens', 'micro_batches'):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -209,7 +220,8 @@ def experience_program(
   tokens = _sds((rows, bucket), jnp.int32, bt)
 
   def step(params, tokens):
-    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, spec.temperature)
+    model = nnx.merge(graphdef, params)
+    return qwen2.token_logprobs(model, tokens, spec.temperature, spec.token_ids)
 
   abstract_args = (abstract_params, tokens)
   fn = jax.jit(step, in_shardings=(qwen2.state_shardings(abstract_params), bt), out_shardings=bt)
@@ -256,6 +268,7 @@ def train_program(
     spec.loss,
     micro_batches=spec.micro_batches,
     temperature=spec.temperature,
+    token_ids=spec.token_ids,
     state_shardings=jax.tree.map(lambda a: a.sharding, state),
     batch_shardings=batch_sh,
     metrics_sharding=_replicated(mesh),

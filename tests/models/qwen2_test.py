@@ -92,6 +92,41 @@ def test_entropy_matches_dense_softmax(temperature):
   np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_only))
 
 
+def test_restricted_vocabulary_matches_dense_softmax_over_the_subset():
+  """token_ids: log-probs and entropy of softmax over those ids alone; other targets get 0."""
+  cfg = ModelConfig.preset('tiny').replace(logprob_chunk=16)
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh, seed=6)
+  ids = (3, 7, 8, 20, 41)
+  rng = np.random.RandomState(2)
+  tokens = rng.randint(0, cfg.vocab_size, (4, 64)).astype(np.int32)
+  tokens[:, 1::2] = rng.choice(ids, (4, 32))  # half the targets are in the set
+
+  def fn(state, tokens):
+    return qwen2.token_logprobs_and_entropy(nnx.merge(graphdef, state), tokens, 0.8, ids)
+
+  def grads(state, tokens):
+    loss = lambda s: jnp.sum(fn(s, tokens)[0]) + jnp.sum(fn(s, tokens)[1])  # noqa: E731
+    return jax.grad(loss)(state)
+
+  with jax.set_mesh(mesh):
+    lp, ent = jax.jit(fn)(state, jnp.asarray(tokens))
+    g = jax.jit(grads)(state, jnp.asarray(tokens))
+    logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, jnp.asarray(tokens))
+  sub = np.asarray(logits, np.float64)[..., list(ids)] / 0.8
+  logp_sub = jax.nn.log_softmax(sub, axis=-1)  # [B, T, 5]
+  targets = tokens[:, 1:]
+  in_set = np.isin(targets, ids)
+  index = np.searchsorted(ids, np.where(in_set, targets, ids[0]))
+  expected = np.where(in_set, np.take_along_axis(logp_sub[:, :-1], index[..., None], -1)[..., 0], 0)
+  np.testing.assert_allclose(np.asarray(lp)[:, 1:], expected, atol=1e-4)
+  assert in_set.any() and (~in_set).any()
+  expected_ent = -np.sum(np.exp(logp_sub) * logp_sub, axis=-1)[:, :-1]
+  np.testing.assert_allclose(np.asarray(ent)[:, 1:], expected_ent, atol=1e-4)
+  assert np.asarray(ent).max() <= np.log(len(ids)) + 1e-5
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+
+
 def test_chunked_logprobs_equal_unchunked():
   """The chunk size changes memory, never values."""
   cfg = ModelConfig.preset('tiny')

@@ -28,17 +28,20 @@ def _engine(
   buckets=(128, 256, 512, 1024),
   max_new=1,
   temperature=1.0,
+  reply_tokens=(),
   **env_kw,
 ):
   env = envs.EnvConfig(game='tic_tac_toe', **env_kw)
   sampling = sampler.SamplingConfig(temperature=temperature, max_new_tokens=max_new)
-  rollout = engine.RolloutConfig(num_episodes=episodes, sampling=sampling)
+  rollout = engine.RolloutConfig(
+    num_episodes=episodes, sampling=sampling, reply_tokens=reply_tokens
+  )
   return engine.RolloutEngine(cfg, graphdef, tok, env, rollout, BucketConfig(lengths=buckets))
 
 
-def _full_logprobs(graphdef, params, mesh, tokens, temperature=1.0):
+def _full_logprobs(graphdef, params, mesh, tokens, temperature=1.0, token_ids=None):
   def fn(params, tokens):
-    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, temperature)
+    return qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, temperature, token_ids)
 
   padded = np.zeros((tokens.shape[0], 1024), np.int32)
   padded[:, : tokens.shape[1]] = tokens
@@ -73,6 +76,40 @@ def test_logprobs_recorded_while_sampling_match_a_full_forward(digit_policy, tem
   assert m.any()
   np.testing.assert_allclose(traj.logprobs[m], full[m], atol=2e-4)
   assert (traj.logprobs[~m] == 0).all()
+
+
+def test_reply_tokens_constrain_sampling_and_match_the_restricted_forward():
+  """With reply_tokens, an untrained policy (mostly non-digits) only ever replies with them."""
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, params = qwen2.init_model(CFG, mesh, seed=1)
+  allowed = ('2', '5', '9')
+  eng = _engine(graphdef, temperature=0.9, reply_tokens=allowed)
+  assert eng.token_ids == tuple(sorted(TOK.encode(t)[0] for t in allowed))
+  traj = eng.run(params, mesh, seed=5)
+  m = traj.loss_mask
+  assert set(np.unique(traj.tokens[m]).tolist()) <= set(eng.token_ids)
+  assert m.sum() > traj.num_episodes  # several turns: the replies are legal cells most times
+  full = _full_logprobs(graphdef, params, mesh, traj.tokens, 0.9, eng.token_ids)
+  np.testing.assert_allclose(traj.logprobs[m], full[m], atol=2e-4)
+  # The same replies under the unrestricted policy are far less likely.
+  free = _full_logprobs(graphdef, params, mesh, traj.tokens, 0.9)
+  assert (free[m] < traj.logprobs[m] - 0.5).all()
+  free_traj = _engine(graphdef, temperature=0.9).run(params, mesh, seed=5)
+  assert not set(free_traj.tokens[free_traj.loss_mask].tolist()) <= set(eng.token_ids)
+
+
+@pytest.mark.parametrize(
+  'reply_tokens, message',
+  [
+    (('1', '12'), "'12' encodes to 2 tokens"),
+    (('1', '1'), 'duplicates'),
+    (('1', ''), 'non-empty strings'),
+  ],
+)
+def test_bad_reply_tokens_are_refused(reply_tokens, message):
+  graphdef, _ = qwen2.abstract_model(CFG, small_mesh(dp=1, tp=1))
+  with pytest.raises(ValueError, match=message):
+    _engine(graphdef, reply_tokens=reply_tokens)
 
 
 def test_loss_mask_covers_exactly_the_generated_tokens(digit_policy):
