@@ -68,6 +68,10 @@ class ExperimentConfig:
     dispatch: the Data Dispatcher (strategy).
     steps: training steps.
     micro_batches: gradient-accumulation slices of each update.
+    update_epochs: optimizer updates per rollout batch (PPO's sample reuse). Every one uses the
+      same old log-probs and advantages, so from the second on the ratio departs from 1 and
+      `loss.clip_eps` bounds how far the policy moves; the logged loss metrics are the last
+      update's.
     balance: permute rows inside the experience -> train dispatch so that every train
       data-parallel rank gets the same number of real (unpadded) tokens. Off by default: the
       train program runs on padded buckets, so balanced real tokens do not change its time yet.
@@ -99,6 +103,7 @@ class ExperimentConfig:
   )
   steps: int = 20
   micro_batches: int = 1
+  update_epochs: int = 1
   balance: bool = False
   eval_every: int = 10
   eval_episodes: int = 128
@@ -109,7 +114,7 @@ class ExperimentConfig:
   init_seed: int = 0
 
   def __post_init__(self):
-    _check_positive(self, 'steps', 'micro_batches', 'eval_episodes')
+    _check_positive(self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes')
     for field in ('eval_every', 'checkpoint_every', 'seed', 'init_seed', 'eval_seed'):
       if getattr(self, field) < 0:
         raise ValueError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
@@ -398,7 +403,8 @@ class Trainer:
       batch = timer(
         'advantages', advantages_lib.advantage_fn(mesh_t, self.num_groups, cfg.advantages), batch
       )
-    self.state, m = timer('train', update, self.state, batch)
+    for _ in range(cfg.update_epochs):
+      self.state, m = timer('train', update, self.state, batch)
     m, skipped = jax.device_get((m, self.state.skipped))
     self.step += 1
     self.prev_stats = stats

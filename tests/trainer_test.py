@@ -59,6 +59,19 @@ def test_reply_tokens_constrain_every_stage(tmp_path):
     assert 0 < r['loss/entropy'] <= np.log(9) + 1e-5
 
 
+def test_update_epochs_reuse_each_batch(tmp_path):
+  """update_epochs=3: three optimizer updates per step, the later ones off-policy (ratio != 1)."""
+  config = smoke_experiment(steps=2, eval_every=0, checkpoint_every=0, update_epochs=3)
+  t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
+  t.run(progress=False)
+  assert int(t.state.step) == 6
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))
+  # The logged metrics are the last update's: its log-probs differ from the old ones.
+  assert all(r['loss/approx_kl_old'] > 0 for r in rows)
+  with pytest.raises(ValueError, match='update_epochs must be a positive int, got 0'):
+    smoke_experiment(update_epochs=0)
+
+
 def _params(t):
   return [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
 
