@@ -95,6 +95,10 @@ class EnvConfig:
       ('legal:1237'), as text-game environments for LLM agents usually do. The policy then finds
       out whether a column is full from a short list next to its reply, instead of from one cell
       of the board far back in the context.
+    show_illegal: end every observation of a running episode in which some move is illegal with
+      a line listing those moves ('illegal:4' once column 4 is full; no line while every move is
+      legal). The line appears exactly when it matters, so a policy that favours one move learns
+      to leave it once that move is gone from a salient cue, not from a digit missing in a list.
     parse: 'strict' accepts a reply only if, stripped of surrounding whitespace, it is exactly one
       in-range digit; 'lenient' takes the last in-range digit that stands alone (no ASCII letter
       or digit right before or after it) anywhere in the reply, for chatty LLM replies.
@@ -111,6 +115,7 @@ class EnvConfig:
   agent_first: AgentFirst = 'random'
   observation: ObservationMode = 'board'
   show_legal: bool = False
+  show_illegal: bool = False
   parse: ParseMode = 'strict'
 
   def __post_init__(self):
@@ -119,8 +124,9 @@ class EnvConfig:
     _check_choice('agent_first', self.agent_first, AGENT_FIRST)
     _check_choice('observation', self.observation, OBSERVATION_MODES)
     _check_choice('parse', self.parse, PARSE_MODES)
-    if not isinstance(self.show_legal, bool):
-      raise ValueError(f'EnvConfig.show_legal must be a bool, got {self.show_legal!r}.')
+    for field in ('show_legal', 'show_illegal'):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f'EnvConfig.{field} must be a bool, got {getattr(self, field)!r}.')
     depth = self.minimax_depth
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_MINIMAX_DEPTH:
       raise ValueError(

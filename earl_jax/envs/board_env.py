@@ -173,12 +173,18 @@ class BoardGameEnv(base.TextEnv):
       texts = self.game.render(self._boards[idx])
     else:
       texts = ['o:-\n' if a < 0 else f'o:{a + 1}\n' for a in self._last_opponent[idx].tolist()]
-    if self.config.show_legal:
+    if self.config.show_legal or self.config.show_illegal:
       legal = self.game.legal_mask(self._boards[idx])
-      texts = [
-        text if o is not None else f'{text}legal:{"".join(str(a + 1) for a in np.flatnonzero(m))}\n'
-        for text, o, m in zip(texts, outcomes, legal)
-      ]
+      moves = lambda mask: ''.join(str(a + 1) for a in np.flatnonzero(mask))  # noqa: E731
+      lines = []
+      for o, m in zip(outcomes, legal):
+        line = ''
+        if o is None and self.config.show_legal:
+          line += f'legal:{moves(m)}\n'
+        if o is None and self.config.show_illegal and not m.all():
+          line += f'illegal:{moves(~m)}\n'
+        lines.append(line)
+      texts = [text + line for text, line in zip(texts, lines)]
     return [text if o is None else f'{text}{o}\n' for text, o in zip(texts, outcomes)]
 
   def step(self, actions: Sequence[str]) -> base.StepResult:

@@ -30,8 +30,27 @@ from earl_jax.sharding import mesh as mesh_lib
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
+  """AdamW with global-norm clipping and a learning-rate schedule.
+
+  Attributes:
+    learning_rate: the peak learning rate.
+    warmup_steps: linear warm-up from 0 over this many updates.
+    decay_steps: 0 keeps the rate constant after warm-up; otherwise it decays to
+      `end_lr_fraction * learning_rate` over this many updates after warm-up (`schedule`), then
+      stays there. PPO anneals its rate this way: late in a run, when the policy is sharp, a full
+      Adam step can tip it into a deterministic policy whose gradient vanishes. Counted in
+      optimizer updates (`ExperimentConfig.update_epochs` of them per step).
+    schedule: the decay's shape, 'cosine' or 'linear'.
+    end_lr_fraction: where the decay ends, as a fraction of the peak, in [0, 1].
+    weight_decay, b1, b2, eps: AdamW's.
+    grad_clip: the global gradient norm is clipped to this.
+  """
+
   learning_rate: float = 1e-4
   warmup_steps: int = 0
+  decay_steps: int = 0
+  schedule: typing.Literal['cosine', 'linear'] = 'cosine'
+  end_lr_fraction: float = 0.0
   weight_decay: float = 0.0
   b1: float = 0.9
   b2: float = 0.99
@@ -46,12 +65,41 @@ class OptimConfig:
         'OptimConfig: warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got '
         f'{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}.'
       )
+    if not isinstance(self.decay_steps, int) or self.decay_steps < 0:
+      raise ValueError(f'OptimConfig.decay_steps must be an int >= 0, got {self.decay_steps!r}.')
+    if self.schedule not in ('cosine', 'linear'):
+      raise ValueError(
+        f"OptimConfig.schedule={self.schedule!r} is unknown; known values: ['cosine', 'linear']."
+      )
+    if not 0 <= self.end_lr_fraction <= 1:
+      raise ValueError(
+        f'OptimConfig.end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}.'
+      )
+
+
+def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
+  """Warm-up, then constant or decayed (see `OptimConfig`): a function of the update count, or
+  the plain float when the rate is constant throughout."""
+  peak, end = config.learning_rate, config.learning_rate * config.end_lr_fraction
+  if not config.warmup_steps and not config.decay_steps:
+    return peak
+  pieces, boundaries = [], []
+  if config.warmup_steps:
+    pieces.append(optax.linear_schedule(0.0, peak, config.warmup_steps))
+    boundaries.append(config.warmup_steps)
+  if config.decay_steps:
+    if config.schedule == 'cosine':
+      decay = optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_lr_fraction)
+    else:
+      decay = optax.linear_schedule(peak, end, config.decay_steps)
+    pieces.append(decay)
+  else:
+    pieces.append(optax.constant_schedule(peak))
+  return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
-  lr = config.learning_rate
-  if config.warmup_steps:
-    lr = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+  lr = learning_rate_schedule(config)
   return optax.chain(
     optax.clip_by_global_norm(config.grad_clip),
     optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay),

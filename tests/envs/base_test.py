@@ -18,6 +18,7 @@ def test_config_defaults():
   assert config.invalid_penalty == -1.0
   assert (config.agent_first, config.observation, config.parse) == ('random', 'board', 'strict')
   assert config.show_legal is False
+  assert config.show_illegal is False
   assert config.replace(opponent='greedy').opponent == 'greedy'
 
 

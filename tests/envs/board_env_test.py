@@ -141,6 +141,24 @@ def test_show_legal_lists_the_legal_moves_of_running_episodes(observation):
   assert result.observations[1].endswith(f'legal:{legal}\n')
 
 
+@pytest.mark.parametrize('show_legal', [False, True])
+def test_show_illegal_lists_the_illegal_moves_only_when_there_are_some(show_legal):
+  env = _env(show_illegal=True, show_legal=show_legal, observation='last_move')
+  start = _grid('O......\nX......\n' * 3)  # column 1 is full
+  full_1_and_7 = _grid('O.....O\nX.....X\n' * 3)
+  open_start = np.zeros_like(start)
+  first = env.reset(3, seed=0, start_boards=np.stack([start, full_1_and_7, open_start]))
+  legal_line = ['legal:234567\n', 'legal:23456\n', 'legal:1234567\n'] if show_legal else [''] * 3
+  assert first[0].endswith(legal_line[0] + 'illegal:1\n')
+  assert first[1].endswith(legal_line[1] + 'illegal:17\n')
+  assert first[2].endswith(legal_line[2]) and 'illegal' not in first[2]
+  result = env.step(['1', '2', '3'])  # episode 0 ends (full column): no list after the outcome
+  assert result.observations[0].endswith('invalid\n') and 'illegal' not in result.observations[0]
+  assert result.observations[1].endswith('illegal:17\n')
+  illegal = ''.join(str(a + 1) for a in np.flatnonzero(~env.legal_mask()[2]))
+  assert ('illegal' in result.observations[2]) == bool(illegal)
+
+
 @pytest.mark.parametrize(
   ('game', 'reply'),
   [
@@ -361,12 +379,18 @@ def test_last_move_observations():
 @pytest.mark.parametrize('observation', ['board', 'last_move'])
 @pytest.mark.parametrize('show_legal', [False, True])
 def test_every_observation_uses_only_the_alphabet(game, observation, show_legal):
+  show_illegal = show_legal  # both lists, or neither
   alphabet = set(base.ALPHABET)
   seen = set()
   longest = 0
   for parse, seed in (('strict', 0), ('lenient', 1)):
     env = _env(
-      game=game, observation=observation, parse=parse, agent_first='random', show_legal=show_legal
+      game=game,
+      observation=observation,
+      parse=parse,
+      agent_first='random',
+      show_legal=show_legal,
+      show_illegal=show_illegal,
     )
     first, results = _play_out(env, 64, seed=seed)
     texts = first + [t for r in results for t in r.observations]
@@ -383,7 +407,7 @@ def test_every_observation_uses_only_the_alphabet(game, observation, show_legal)
     assert {'X', 'O', '.'} <= seen
   else:
     assert {'o', ':', '-'} <= seen
-  assert longest <= (64 if game == 'connect_four' else 20) + (16 if show_legal else 0)
+  assert longest <= (64 if game == 'connect_four' else 20) + (34 if show_legal else 0)
 
 
 def test_start_boards_are_validated():

@@ -11,6 +11,7 @@ from earl_jax.models import qwen2
 from earl_jax.rl import losses, train_step
 from earl_jax.rl.trajectory import Batch
 from earl_jax.testing import small_mesh
+from earl_jax.testing.typecheck import unchecked
 
 CFG = ModelConfig.preset('tiny')
 
@@ -147,3 +148,55 @@ def test_non_finite_step_is_skipped_and_params_untouched():
   with jax.set_mesh(mesh):
     state, m = step(state, batch)
   assert float(m['finite']) == 1.0 and int(state.step) == 1 and int(state.skipped) == 1
+
+
+@pytest.mark.parametrize(
+  ('kwargs', 'expected'),
+  [
+    # (update count, learning rate) pairs.
+    ({'decay_steps': 100}, [(0, 1.0), (50, 0.5), (100, 0.0), (300, 0.0)]),
+    (
+      {'warmup_steps': 10, 'decay_steps': 100, 'end_lr_fraction': 0.2},
+      [(0, 0.0), (5, 0.5), (10, 1.0), (60, 0.6), (110, 0.2), (500, 0.2)],
+    ),
+    (
+      {'decay_steps': 100, 'schedule': 'linear', 'end_lr_fraction': 0.1},
+      [(0, 1.0), (25, 0.775), (100, 0.1), (200, 0.1)],
+    ),
+    ({'warmup_steps': 4}, [(0, 0.0), (2, 0.5), (4, 1.0), (1000, 1.0)]),
+  ],
+)
+def test_learning_rate_schedule(kwargs, expected):
+  schedule = train_step.learning_rate_schedule(train_step.OptimConfig(learning_rate=1.0, **kwargs))
+  for count, lr in expected:
+    np.testing.assert_allclose(float(schedule(count)), lr, atol=1e-6, err_msg=f'update {count}')
+
+
+def test_decayed_rate_shrinks_the_updates():
+  """The optimizer applies the schedule: the same gradient moves the params less once decayed."""
+  params = {'w': jnp.zeros(3)}
+  grads = {'w': jnp.array([1.0, -2.0, 0.5])}
+  opt = train_step.make_optimizer(
+    train_step.OptimConfig(learning_rate=0.1, decay_steps=4, schedule='linear')
+  )
+  state = opt.init(params)
+  sizes = []
+  for _ in range(5):
+    updates, state = opt.update(grads, state, params)
+    sizes.append(float(jnp.max(jnp.abs(updates['w']))))
+  np.testing.assert_allclose(sizes, [0.1, 0.075, 0.05, 0.025, 0.0], atol=1e-6)
+  # A constant rate keeps the plain float (no schedule counter in the optimizer state).
+  assert train_step.learning_rate_schedule(train_step.OptimConfig(learning_rate=0.1)) == 0.1
+
+
+@pytest.mark.parametrize(
+  ('kwargs', 'message'),
+  [
+    ({'decay_steps': -1}, 'decay_steps must be an int >= 0, got -1'),
+    ({'schedule': 'step'}, "schedule='step' is unknown"),
+    ({'end_lr_fraction': 1.5}, r'end_lr_fraction must be in \[0, 1\], got 1.5'),
+  ],
+)
+def test_bad_schedule_is_refused(kwargs, message):
+  with unchecked(), pytest.raises(ValueError, match=message):
+    train_step.OptimConfig(**kwargs)
