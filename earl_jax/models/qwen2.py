@@ -396,13 +396,18 @@ def token_logprobs_and_entropy(
   return logp, ent
 
 
+def _allowed(vocab_size: int, token_ids: tuple[int, ...]) -> np.ndarray:
+  """bool [V]: True at `token_ids` (a trace-time constant)."""
+  allowed = np.zeros(vocab_size, bool)
+  allowed[list(token_ids)] = True
+  return allowed
+
+
 def restrict_logits(
   logits: Float[Array, '*B V'], token_ids: tuple[int, ...]
 ) -> Float[Array, '*B V']:
   """Logits outside `token_ids` set to a large finite negative (exp -> 0, no inf * 0 NaNs)."""
-  allowed = np.zeros(logits.shape[-1], bool)
-  allowed[list(token_ids)] = True
-  return jnp.where(allowed, logits, _MASKED_LOGIT)
+  return jnp.where(_allowed(logits.shape[-1], token_ids), logits, _MASKED_LOGIT)
 
 
 def _next_token_stats(
@@ -437,7 +442,7 @@ def _next_token_stats(
     picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
     logp = picked - lse
     if token_ids is not None:  # targets the restricted policy cannot produce (prompt tokens)
-      logp = jnp.where(jnp.isin(t_BxC, jnp.asarray(token_ids, t_BxC.dtype)), logp, 0.0)
+      logp = jnp.where(jnp.asarray(_allowed(V, token_ids))[t_BxC], logp, 0.0)
     if not entropy:
       return logp, None
     # H = lse - E_p[logits], with p = exp(logits - lse).
