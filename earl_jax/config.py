@@ -5,9 +5,22 @@ where it is written, before any mesh is built or any program is compiled. Experi
 configs (RL, selector, dispatcher, the whole experiment) live beside the code that reads them
 and are assembled in `experiments/configs/`.
 
-Dimension letters used across the package:
-  B batch (rows), T tokens in a chunk (bucketed), S KV-cache capacity (a bucket), D model width,
-  F MLP width, H query heads, K KV heads, Dh head dim, V vocabulary, L layers.
+The dimension alphabet, declared here once and used by every module (in shape suffixes such as
+`tokens_BxT`, in einsum strings and in jaxtyping annotations); no module gives a letter another
+meaning:
+
+  B   rows of a batch: episodes, responses (a stage's load)
+  G   groups of episodes that share their randomness (GRPO); G divides B
+  T   tokens of a row or a chunk: a bucketed sequence length, or the longest episode
+  S   KV-cache capacity (a context bucket)
+  P   prompt tokens one rollout call prefills (a prompt bucket)
+  N   tokens one rollout call decodes at most (the per-turn limit)
+  C   positions of one log-prob chunk (`ModelConfig.logprob_chunk`)
+  E   entries of a flattened table (B per-row values, or B x T per-token values)
+  D   model width        F   MLP width          V   vocabulary
+  H   query heads        K   KV heads           Dh  head dim (d in einsum strings)
+  Q   query heads per KV head (H / K, grouped-query attention)
+  L   decoder layers
 """
 
 import dataclasses
@@ -18,7 +31,8 @@ DType = Literal['float32', 'bfloat16']
 _DTYPES = ('float32', 'bfloat16')
 
 
-def _check_positive(obj: Any, *names: str) -> None:
+def check_positive(obj: Any, *names: str) -> None:
+  """Raises ValueError naming `type(obj).name` when one of the fields is not a positive int."""
   for name in names:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -73,7 +87,7 @@ class ModelConfig:
   attention_block: int = 128
 
   def __post_init__(self):
-    _check_positive(
+    check_positive(
       self,
       'vocab_size',
       'hidden_size',
@@ -224,7 +238,7 @@ class ParallelConfig:
   tp: int = 1
 
   def __post_init__(self):
-    _check_positive(self, 'dp', 'fsdp', 'tp')
+    check_positive(self, 'dp', 'fsdp', 'tp')
 
   @property
   def shape(self) -> tuple[int, int, int]:

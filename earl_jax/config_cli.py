@@ -6,7 +6,7 @@ override is applied with `dataclasses.replace`, so `__post_init__` validates the
 
   _CONFIG = config_cli.DEFINE_config('config', presets=PRESETS, default='default')
   ...
-  app.run(main, flags_parser=config_cli.flags_parser)
+  app.run(main, flags_parser=_CONFIG.flags_parser)   # several: config_cli.flags_parser(_A, _B)
   # python experiments/train.py --config=long --config.optim.learning_rate=3e-4 \
   #     --config.buckets.lengths=256,512,1024
 
@@ -22,8 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from absl import flags
-
-_OVERRIDES: dict[str, list[tuple[str, str]]] = {}
 
 
 class ConfigOverrideError(ValueError):
@@ -105,10 +103,15 @@ def apply_override(config: Any, path: str, text: str) -> Any:
   return dataclasses.replace(config, **{head: value})
 
 
-class _ConfigFlag:
+class ConfigFlag:
+  """`--name=<preset>` and the `--name.a.b=value` overrides that go with it (see the module)."""
+
   def __init__(self, name: str, presets: Mapping[str, Callable[[], Any]], default: str):
+    if default not in presets:
+      raise ValueError(f'default preset {default!r} is not in {sorted(presets)}.')
     self.name = name
     self.presets = presets
+    self._overrides: list[tuple[str, str]] = []
     self._preset = flags.DEFINE_enum(
       name, default, sorted(presets), f'Config preset; override fields with --{name}.a.b=value.'
     )
@@ -119,30 +122,38 @@ class _ConfigFlag:
 
   @property
   def overrides(self) -> list[tuple[str, str]]:
-    return list(_OVERRIDES.get(self.name, []))
+    return list(self._overrides)
+
+  def set_overrides(self, overrides: Sequence[tuple[str, str]]) -> None:
+    self._overrides = list(overrides)
 
   @property
   def value(self) -> Any:
     config = self.presets[self._preset.value]()
-    for path, text in _OVERRIDES.get(self.name, []):
+    for path, text in self._overrides:
       config = apply_override(config, path, text)
     return config
 
+  def flags_parser(self, argv: Sequence[str]) -> list[str]:
+    """An absl `flags_parser` for this config flag alone."""
+    return flags_parser(self)(argv)
 
-def DEFINE_config(name: str, *, presets: Mapping[str, Callable[[], Any]], default: str):
+
+def DEFINE_config(
+  name: str, *, presets: Mapping[str, Callable[[], Any]], default: str
+) -> ConfigFlag:
   """Defines `--name=<preset>` plus `--name.field.sub=value` overrides (see module docstring)."""
-  if default not in presets:
-    raise ValueError(f'default preset {default!r} is not in {sorted(presets)}.')
-  _OVERRIDES.setdefault(name, [])
-  return _ConfigFlag(name, presets, default)
+  return ConfigFlag(name, presets, default)
 
 
-def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
-  """Separates `--name.path=value` arguments (for every defined config flag) from the rest."""
+def split_overrides(
+  argv: Sequence[str], names: Sequence[str]
+) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
+  """Separates `--name.path=value` arguments (for each of `names`) from the rest."""
   rest, found = [], {}
   for arg in argv:
     matched = False
-    for name in _OVERRIDES:
+    for name in names:
       prefix = f'--{name}.'
       if arg.startswith(prefix):
         path, sep, value = arg[len(prefix) :].partition('=')
@@ -156,9 +167,13 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, list[tupl
   return rest, found
 
 
-def flags_parser(argv: Sequence[str]) -> list[str]:
-  """An absl `flags_parser` that takes the config overrides out before absl parses the rest."""
-  rest, found = split_overrides(argv)
-  for name in _OVERRIDES:
-    _OVERRIDES[name] = found.get(name, [])
-  return flags.FLAGS(rest)
+def flags_parser(*config_flags: ConfigFlag) -> Callable[[Sequence[str]], list[str]]:
+  """An absl `flags_parser` that takes the overrides of `config_flags` out before absl parses."""
+
+  def parse(argv: Sequence[str]) -> list[str]:
+    rest, found = split_overrides(argv, [c.name for c in config_flags])
+    for c in config_flags:
+      c.set_overrides(found.get(c.name, []))
+    return flags.FLAGS(rest)
+
+  return parse

@@ -1,26 +1,30 @@
 """The EARL loop: plan, reshard, roll out, prepare experience, dispatch, advantages, train.
 
-One step, every stage on its own mesh over the same devices (colocated):
+One step (`Trainer.step`), every stage on its own mesh over the same devices (colocated):
 
   1. plan       the Parallelism Selector picks each stage's ParallelConfig and context bucket
                 from the previous step's statistics (rollout) or this step's (experience, train);
   2. reshard    parameters move device to device onto the rollout and experience meshes, and the
                 train state (parameters + optimizer moments) when the train mesh changes;
-  3. rollout    multi-turn episodes with a KV cache that persists across turns (host env);
+  3. rollout    multi-turn episodes with a KV cache that persists across turns (host env), each
+                turn a compiled rollout program of the shared executable cache;
   4. experience old and reference log-probs on the experience layout;
-  5. dispatch   the batch moves to the train layout, rows balanced by real tokens, with the
-                layout-aware shard_map collectives (no controller);
+  5. dispatch   the batch moves to the train layout through the Data Dispatcher (its configured
+                strategy; `balance` permutes rows by real tokens inside the same move);
   6. advantages group statistics with collectives on the train layout;
-  7. train      one PPO-clip update (micro-batched), jitted per (config, bucket), state donated;
+  7. train      one PPO-clip update (micro-batched), AOT-compiled per (layout, bucket), state
+                donated;
   8. metrics    one line per step, JSONL + TensorBoard; Orbax checkpoints every N steps.
+
+Construction is explicit: the model and tokenizer, the stage programs (`programs.Executables`),
+the start-up profile (measured by its own call, `profiler.run`, unless one is passed in), the
+selector on top of it, the parameters and the train state, the engines.
 
   trainer = Trainer(ExperimentConfig(...), workdir='runs/default')
   summary = trainer.run()
 """
 
 import dataclasses
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -33,116 +37,21 @@ from absl import logging
 
 from earl_jax import checkpointing, metrics
 from earl_jax import dispatch as dispatch_lib
-from earl_jax.config import BucketConfig, DType, ModelConfig, ParallelConfig, _check_positive
-from earl_jax.envs import base as envs
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.experiment import ExperimentConfig
 from earl_jax.models import hf_import, qwen2, tokenizer
+from earl_jax.programs import Executables, StageSpec
+from earl_jax.programs import executables as executables_lib
+from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
-from earl_jax.rl import losses, train_step
-from earl_jax.rl.trajectory import Batch
+from earl_jax.rl import train_step
+from earl_jax.rl.batch import Batch
 from earl_jax.rollout import engine
-from earl_jax.selector import executables as executables_lib
-from earl_jax.selector import reshard as reshard_lib
+from earl_jax.rollout.trajectories import Trajectories
+from earl_jax.selector import profiler
 from earl_jax.selector import selector as selector_lib
-from earl_jax.selector import stages as stages_lib
 from earl_jax.sharding import mesh as mesh_lib
-
-STAGES = ('rollout', 'experience', 'train')
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ExperimentConfig:
-  """Everything one training run needs; presets live in experiments/configs/train.py.
-
-  Attributes:
-    name: a label for logs.
-    model: a ModelConfig preset (ignored when model_dir is set).
-    model_dir: a HF Qwen2 checkpoint directory (weights + tokenizer), e.g. for GPU runs.
-    param_dtype: parameter and compute dtype.
-    tokenizer: 'game' (the built-in character tokenizer) or a directory with tokenizer.json.
-    env: the training environment.
-    eval_env: the evaluation environment (fixed seeds, greedy decoding).
-    rollout: episodes per step, group size, sampling.
-    advantages, loss, optim: the RL algorithm.
-    buckets: the context-length bucket table (cache capacities and train lengths).
-    selector: the Parallelism Selector (candidates, statistic, hysteresis, memory budget).
-    dispatch: the Data Dispatcher (strategy).
-    steps: training steps.
-    micro_batches: gradient-accumulation slices of each update.
-    update_epochs: optimizer updates per rollout batch (PPO's sample reuse). Every one uses the
-      same old log-probs and advantages, so from the second on the ratio departs from 1 and
-      `loss.clip_eps` bounds how far the policy moves; the logged loss metrics are the last
-      update's.
-    balance: permute rows inside the experience -> train dispatch so that every train
-      data-parallel rank gets the same number of real (unpadded) tokens. Off by default: the
-      train program runs on padded buckets, so balanced real tokens do not change its time yet.
-    eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
-    checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
-    seed: seeds the environment and the sampler of every step.
-    init_seed: seeds the random initialisation (ignored with model_dir).
-  """
-
-  name: str = 'default'
-  model: str = 'tiny-game'
-  model_dir: str | None = None
-  param_dtype: DType = 'float32'
-  tokenizer: str = 'game'
-  env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
-  eval_env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
-  rollout: engine.RolloutConfig = dataclasses.field(default_factory=engine.RolloutConfig)
-  advantages: advantages_lib.AdvantageConfig = dataclasses.field(
-    default_factory=advantages_lib.AdvantageConfig
-  )
-  loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
-  optim: train_step.OptimConfig = dataclasses.field(default_factory=train_step.OptimConfig)
-  buckets: BucketConfig = dataclasses.field(default_factory=BucketConfig)
-  selector: selector_lib.SelectorConfig = dataclasses.field(
-    default_factory=selector_lib.SelectorConfig
-  )
-  dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
-    default_factory=dispatch_lib.DispatchConfig
-  )
-  steps: int = 20
-  micro_batches: int = 1
-  update_epochs: int = 1
-  balance: bool = False
-  eval_every: int = 10
-  eval_episodes: int = 128
-  eval_seed: int = 1_000_000
-  checkpoint_every: int = 0
-  keep_checkpoints: int = 3
-  seed: int = 0
-  init_seed: int = 0
-
-  def __post_init__(self):
-    _check_positive(self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes')
-    for field in ('eval_every', 'checkpoint_every', 'seed', 'init_seed', 'eval_seed'):
-      if getattr(self, field) < 0:
-        raise ValueError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
-    if self.model_dir is None:
-      ModelConfig.preset(self.model)  # raises for an unknown preset
-    if self.rollout.num_episodes % self.micro_batches:
-      raise ValueError(
-        f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
-        f'{self.rollout.num_episodes}.'
-      )
-    first_turn = self.rollout.prompt_buckets[0] + self.rollout.sampling.max_new_tokens
-    if first_turn > self.buckets.max_length:
-      raise ValueError(
-        f'The per-turn token limit rollout.sampling.max_new_tokens='
-        f'{self.rollout.sampling.max_new_tokens} plus the smallest prompt bucket '
-        f'{self.rollout.prompt_buckets[0]} does not fit the largest context bucket '
-        f'{self.buckets.max_length}; raise buckets.lengths or lower the limit.'
-      )
-
-  def to_json(self) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(self), default=str))
-
-  def fingerprint(self) -> str:
-    """Identifies the run for --resume: everything but the step count and evaluation cadence."""
-    d = self.to_json()
-    for key in ('steps', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'name'):
-      d.pop(key, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+from earl_jax.stage import STAGES, Stage
 
 
 class ResumeError(ValueError):
@@ -156,8 +65,21 @@ class StageTimer:
   def __call__(self, name: str, fn: Callable, *args, **kwargs):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args, **kwargs))
-    self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+    self.add(name, time.perf_counter() - t0)
     return out
+
+  def add(self, name: str, seconds: float) -> None:
+    self.times[name] = self.times.get(name, 0.0) + seconds
+
+
+@dataclasses.dataclass
+class _Experience:
+  """What the experience stage hands on: the batch on its layout, and the host batch it came from."""
+
+  batch: Batch
+  host: Batch
+  layout: dispatch_lib.Layout
+  bucket: int
 
 
 class Trainer:
@@ -170,97 +92,148 @@ class Trainer:
     workdir: str,
     resume: bool = False,
     log_fn: Callable[[str], None] | None = None,
+    profile: profiler.Profile | None = None,
   ):
+    """Args:
+    config: the run.
+    workdir: where metrics, checkpoints and plots go.
+    resume: continue from the latest checkpoint in `workdir`.
+    log_fn: receives every log line (default: absl logging).
+    profile: a measured start-up profile to decide on (default: `measure_profile()`, which
+      reuses `config.selector.profile.cache` when it matches).
+    """
     self.config = config
     self.workdir = workdir
     self.log = log_fn or (lambda line: logging.info('%s', line))
     self.devices = mesh_lib.canonical_devices()
-    self._meshes: dict[ParallelConfig, jax.sharding.Mesh] = {}
     self.is_main = jax.process_index() == 0
+    self._meshes: dict[ParallelConfig, jax.sharding.Mesh] = {}
+    self._advantage_fns: dict[ParallelConfig, Any] = {}
+    self.num_groups = config.rollout.num_episodes // config.rollout.group_size
 
-    # Model and tokenizer.
-    if config.model_dir:
-      self.model_cfg = hf_import.load_config(
-        config.model_dir, param_dtype=config.param_dtype, dtype=config.param_dtype
-      )
-      self.tokenizer = tokenizer.load_tokenizer(config.model_dir)
-    else:
-      self.model_cfg = ModelConfig.preset(config.model).replace(
-        param_dtype=config.param_dtype, dtype=config.param_dtype
-      )
-      self.tokenizer = tokenizer.load_tokenizer(config.tokenizer)
-    B = config.rollout.num_episodes
-    self.num_groups = B // config.rollout.group_size
-
-    # The selector and its executable cache (one AOT-compiled program per stage, layout, bucket).
-    spec = stages_lib.StageSpec(
-      decode_tokens=config.selector.decode_tokens,
+    self.model_cfg, self.tokenizer = self._load_model_config()
+    self.spec = StageSpec.for_rollout(
+      config.rollout,
+      self.tokenizer,
+      self.model_cfg.vocab_size,
       micro_batches=config.micro_batches,
       optim=config.optim,
       loss=config.loss,
-      temperature=config.rollout.sampling.temperature,
-      token_ids=engine.reply_token_ids(
-        self.tokenizer, config.rollout.reply_tokens, self.model_cfg.vocab_size
-      ),
     )
-    self.executables = executables_lib.Executables(self.model_cfg, spec=spec)
+    # One AOT-compiled program per (stage, layout, bucket, rows), shared by everything below.
+    self.executables = Executables(self.model_cfg, spec=self.spec)
     self.selector = selector_lib.Selector(
       config.selector,
       buckets=config.buckets,
-      rows=B,
+      rows=config.rollout.num_episodes,
       model=self.model_cfg,
       num_devices=len(self.devices),
-      executables=self.executables,
-      spec=spec,
+      profile=profile if profile is not None else self.measure_profile(),
+      spec=self.spec,
     )
-    self.plans: dict[str, selector_lib.Decision] = {}
+    self.plans: dict[Stage, selector_lib.Decision] = {}
     self.switches: list[dict] = []
-    start = self.selector.initial_decisions()
-
-    # Parameters and the train state (moments sharded like their parameters) on the train mesh.
-    self.train_config = start['train'].config
-    train_mesh = self.mesh(self.train_config)
-    if config.model_dir:
-      self.graphdef, params = hf_import.load_params(config.model_dir, self.model_cfg, train_mesh)
-    else:
-      self.graphdef, params = qwen2.init_model(self.model_cfg, train_mesh, seed=config.init_seed)
-    self.optimizer = train_step.make_optimizer(config.optim)
-    # The frozen reference policy lives on the experience layout (the only stage that reads it).
-    self.ref_params = None
-    self.ref_config = self.train_config
-    if config.loss.kl_coef > 0:
-      self.ref_params = jax.tree.map(jnp.copy, params)
-    self.state = train_step.init_train_state(
-      params, self.optimizer, entropy_coef=config.loss.entropy_coef
-    )
-
-    self.engine = engine.RolloutEngine(
-      self.model_cfg, self.graphdef, self.tokenizer, config.env, config.rollout, config.buckets
-    )
-    eval_rollout = dataclasses.replace(
-      config.rollout,
-      num_episodes=config.eval_episodes,
-      group_size=1,
-      sampling=dataclasses.replace(config.rollout.sampling, greedy=True),
-    )
-    self.eval_engine = engine.RolloutEngine(
-      self.model_cfg, self.graphdef, self.tokenizer, config.eval_env, eval_rollout, config.buckets
-    )
+    self._init_state()
+    self.engine, self.eval_engine = self._make_engines()
     self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
 
-    self.step = 0
+    self.global_step = 0
     self.prev_stats: selector_lib.StepStats | None = None
     self.history: list[dict] = []
     self.writer = metrics.MetricsWriter(workdir, enabled=self.is_main)
-    self.ckpt = (
-      checkpointing.Checkpointer(
+    self.ckpt = None
+    if config.checkpoint_every or resume:
+      self.ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, 'checkpoints'), max_to_keep=config.keep_checkpoints
       )
-      if config.checkpoint_every or resume
-      else None
-    )
     if resume:
       self._resume()
+
+  # ----------------------------------------------------------------------------------------------
+  # Construction.
+
+  def _load_model_config(self) -> tuple[ModelConfig, tokenizer.Tokenizer]:
+    """The model's shapes and the tokenizer: from a HF directory, or a preset."""
+    cfg = self.config
+    if cfg.model_dir:
+      model = hf_import.load_config(
+        cfg.model_dir, param_dtype=cfg.param_dtype, dtype=cfg.param_dtype
+      )
+      return model, tokenizer.load_tokenizer(cfg.model_dir)
+    model = ModelConfig.preset(cfg.model).replace(
+      param_dtype=cfg.param_dtype, dtype=cfg.param_dtype
+    )
+    return model, tokenizer.load_tokenizer(cfg.tokenizer)
+
+  def measure_profile(self) -> profiler.Profile | None:
+    """The start-up profile of `config.selector.profile.stages` (None when it names none).
+
+    Compiles and times every candidate program of those stages at every bucket, or loads the
+    cached profile when it was made for exactly this setup.
+    """
+    sel = self.config.selector
+    if not sel.profile.stages:
+      return None
+    pconfig = selector_lib.profile_config(
+      sel,
+      buckets=self.config.buckets,
+      rows=self.config.rollout.num_episodes,
+      spec=self.spec,
+      budget_bytes=self._budget(),
+    )
+    return profiler.run(
+      self.model_cfg, pconfig, executables=self.executables, cache_path=sel.profile.cache
+    )
+
+  def _budget(self) -> int | None:
+    """The per-device budget: the device's own limit, or the emulated one (None: unlimited)."""
+    return memory_lib.resolve_budget(self.config.selector.budget_bytes)
+
+  def _init_state(self) -> None:
+    """Parameters and the train state (moments sharded like their parameters) on the train mesh."""
+    cfg = self.config
+    self.train_config = self.selector.initial_decisions()[Stage.TRAIN].config
+    train_mesh = self.mesh(self.train_config)
+    if cfg.model_dir:
+      self.graphdef, params = hf_import.load_params(cfg.model_dir, self.model_cfg, train_mesh)
+    else:
+      self.graphdef, params = qwen2.init_model(self.model_cfg, train_mesh, seed=cfg.init_seed)
+    self.optimizer = train_step.make_optimizer(cfg.optim)
+    # The frozen reference policy lives on the experience layout (the only stage that reads it).
+    self.ref_params = None
+    self.ref_config = self.train_config
+    if cfg.loss.kl_coef > 0:
+      self.ref_params = jax.tree.map(jnp.copy, params)
+    self.state = train_step.init_train_state(
+      params, self.optimizer, entropy_coef=cfg.loss.entropy_coef
+    )
+
+  def _make_engines(self) -> tuple[engine.RolloutEngine, engine.RolloutEngine]:
+    """The training engine, and the evaluation engine (fixed seeds, greedy, its own episodes)."""
+    cfg = self.config
+    train = engine.RolloutEngine(
+      self.model_cfg,
+      self.tokenizer,
+      cfg.env,
+      cfg.rollout,
+      cfg.buckets,
+      programs=self.executables,
+    )
+    eval_rollout = dataclasses.replace(
+      cfg.rollout,
+      num_episodes=cfg.eval_episodes,
+      group_size=1,
+      sampling=dataclasses.replace(cfg.rollout.sampling, greedy=True),
+    )
+    evaluation = engine.RolloutEngine(
+      self.model_cfg,
+      self.tokenizer,
+      cfg.eval_env,
+      eval_rollout,
+      cfg.buckets,
+      programs=self.executables,
+    )
+    return train, evaluation
 
   # ----------------------------------------------------------------------------------------------
   # Meshes, parameters on a mesh, compiled programs.
@@ -270,22 +243,21 @@ class Trainer:
       self._meshes[parallel] = mesh_lib.make_mesh(parallel, self.devices)
     return self._meshes[parallel]
 
-  def _param_shardings(self, parallel: ParallelConfig):
-    return reshard_lib.param_shardings(self.model_cfg, parallel)
-
   def params_on(self, parallel: ParallelConfig):
     """The train parameters laid out on `parallel`'s mesh: the state's own arrays on the train
     layout, else a device-to-device copy that the caller drops as soon as its stage is done."""
     if parallel == self.train_config:
       return self.state.params
-    return reshard_lib.reshard_tree(
-      self.state.params, self._param_shardings(parallel), donate=False
+    return self.executables.resharder(
+      self.state.params, self.executables.param_shardings(parallel), donate=False
     )
 
   def _ref_on(self, parallel: ParallelConfig):
     """The reference parameters, moved (donated) to `parallel` when the experience layout changes."""
     if parallel != self.ref_config:
-      self.ref_params = reshard_lib.reshard_tree(self.ref_params, self._param_shardings(parallel))
+      self.ref_params = self.executables.resharder(
+        self.ref_params, self.executables.param_shardings(parallel)
+      )
       self.ref_config = parallel
     return self.ref_params
 
@@ -307,17 +279,25 @@ class Trainer:
       mesh=mesh, specs=jax.tree.map(lambda s: s.spec, Batch.shardings(mesh))
     )
 
+  def _advantages(self, parallel: ParallelConfig):
+    """`advantages.with_advantages` jitted for the train mesh of `parallel` (one per layout)."""
+    if parallel not in self._advantage_fns:
+      self._advantage_fns[parallel] = advantages_lib.advantage_fn(
+        self.mesh(parallel), self.num_groups, self.config.advantages
+      )
+    return self._advantage_fns[parallel]
+
   def _switch_train(self, decision: selector_lib.Decision, bucket: int):
     """Moves the train state (params + AdamW moments) to the new layout; returns the program."""
     self.state, program, record = executables_lib.switch(
-      'train',
+      Stage.TRAIN,
       self.state,
       self.executables,
       decision.config,
       bucket,
       decision.rows,
       source=self.train_config,
-      step=self.step,
+      step=self.global_step,
       budget=self.selector.budget_bytes,
       margin=self.config.selector.safety_margin,
     )
@@ -326,47 +306,44 @@ class Trainer:
     return program, record.stall_ms
 
   # ----------------------------------------------------------------------------------------------
-  # One step.
+  # One step, stage by stage.
 
-  def _plan(self, stage: str, stats: selector_lib.StepStats | None) -> selector_lib.Decision:
+  def _plan(self, stage: Stage, stats: selector_lib.StepStats | None) -> selector_lib.Decision:
     decision = self.selector.decide(stage, stats)
     self.plans[stage] = decision
     return decision
 
-  def train_step(self) -> dict:
-    cfg = self.config
-    t_step = time.perf_counter()
-    timer = StageTimer()
-    record: dict[str, Any] = {}
-
-    # 1-2. Rollout plan from the previous step's statistics; parameters onto the rollout mesh.
-    d_roll = self._plan('rollout', self.prev_stats)
+  def _roll_out(self, timer: StageTimer) -> tuple[Trajectories, selector_lib.StepStats]:
+    """1-3. Rollout plan from the previous step's statistics; the episodes on its layout (the
+    cache starts at the planned bucket and grows if an episode outgrows it)."""
+    d_roll = self._plan(Stage.ROLLOUT, self.prev_stats)
     params_r = timer('reshard', self.params_on, d_roll.config)
-    mesh_r = self.mesh(d_roll.config)
-
-    # 3. Rollout (the cache starts at the planned bucket and grows if an episode outgrows it).
     t0 = time.perf_counter()
     traj = self.engine.run(
-      params_r, mesh_r, seed=_step_seed(cfg.seed, self.step), capacity=d_roll.run_bucket
+      params_r,
+      self.mesh(d_roll.config),
+      seed=_step_seed(self.config.seed, self.global_step),
+      capacity=d_roll.run_bucket,
     )
-    timer.times['rollout'] = time.perf_counter() - t0
-    ctx = traj.context_stats()
+    timer.add('rollout', time.perf_counter() - t0)
     stats = selector_lib.StepStats(
       episode_lengths=tuple(traj.lengths.tolist()),
       turn_lengths=tuple(t for row in traj.turn_tokens for t in row),
       num_responses=traj.num_episodes,
     )
+    return traj, stats
 
-    del params_r  # the rollout copy of the weights is not needed past the rollout
-
-    # 4. Experience: old (and reference) log-probs, on the layout planned from this step's
-    # lengths. The trajectories are on the host (the environments are), so they go straight to
-    # the experience layout.
-    d_exp = self._plan('experience', stats)
+  def _experience(
+    self, traj: Trajectories, stats: selector_lib.StepStats, timer: StageTimer
+  ) -> _Experience:
+    """4. Old (and reference) log-probs, on the layout planned from this step's lengths. The
+    trajectories are on the host (the environments are), so they go straight to that layout."""
+    cfg = self.config
+    d_exp = self._plan(Stage.EXPERIENCE, stats)
     T = max(d_exp.run_bucket, cfg.buckets.bucket_for(int(traj.tokens.shape[1])))
     host = traj.to_batch(bucket=T, rows=cfg.rollout.num_episodes, gamma=cfg.advantages.gamma)
-    exp_layout = self._layout(d_exp.config)
-    batch = timer('h2d', _put, host, exp_layout)
+    layout = self._layout(d_exp.config)
+    batch = timer('h2d', _put, host, layout)
     params_e = timer('reshard', self.params_on, d_exp.config)
     logprobs = self._executable(d_exp, T)
     old = timer('experience', logprobs, params_e, batch.tokens)
@@ -375,69 +352,84 @@ class Trainer:
     if self.ref_params is not None:
       ref = timer('experience', logprobs, self._ref_on(d_exp.config), batch.tokens)
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
+    return _Experience(batch=batch, host=host, layout=layout, bucket=T)
 
-    # 5. Train plan; switch the train state if the layout changed; dispatch the batch from the
-    # experience layout to the train layout (optionally balancing real tokens across ranks).
-    d_train = self._plan('train', stats)
+  def _train_program(self, stats: selector_lib.StepStats, T: int, timer: StageTimer):
+    """5a. The train plan; the train state switched if the layout changed; the next bucket's
+    program precompiled in the background. Returns (decision, program, switch ms)."""
+    d_train = self._plan(Stage.TRAIN, stats)
     switch_ms = 0.0
     if d_train.config != self.train_config:
       update, switch_ms = self._switch_train(d_train, T)
-      timer.times['reshard'] = timer.times.get('reshard', 0.0) + switch_ms / 1e3
+      timer.add('reshard', switch_ms / 1e3)
     else:
       update = self._executable(d_train, T)
-    for key in self.selector.lookahead(d_train)[1:]:  # the next bucket, in the background
+    for key in self.selector.lookahead(d_train)[1:]:
       self.executables.precompile(*key, tree=self.state)
+    return d_train, update, switch_ms
+
+  def _dispatch(self, exp: _Experience, d_train: selector_lib.Decision, timer: StageTimer):
+    """5b. The batch from the experience layout to the train layout (optionally balancing real
+    tokens across the train ranks inside the same move)."""
     train_layout = self._layout(d_train.config)
-    perm = (
-      dispatch_lib.balanced_permutation(host.lengths, exp_layout, train_layout, like=host)
-      if cfg.balance
-      else None
-    )
-    batch, report = timer(
-      'dispatch', self.dispatcher.dispatch, batch, train_layout, src=exp_layout, perm=perm
+    perm = None
+    if self.config.balance:
+      perm = dispatch_lib.balanced_permutation(
+        exp.host.lengths, exp.layout, train_layout, like=exp.host
+      )
+    return timer(
+      'dispatch', self.dispatcher.dispatch, exp.batch, train_layout, src=exp.layout, perm=perm
     )
 
-    # 6-7. Advantages with collectives, then the update, on the train mesh.
+  def _update(self, batch: Batch, d_train: selector_lib.Decision, update, timer: StageTimer):
+    """6-7. Advantages with collectives, then the update(s), on the train mesh."""
     mesh_t = self.mesh(d_train.config)
     with jax.set_mesh(mesh_t):
-      batch = timer(
-        'advantages', advantages_lib.advantage_fn(mesh_t, self.num_groups, cfg.advantages), batch
-      )
-    for _ in range(cfg.update_epochs):
+      batch = timer('advantages', self._advantages(d_train.config), batch)
+    for _ in range(self.config.update_epochs):
       self.state, m = timer('train', update, self.state, batch)
-    m, skipped = jax.device_get((m, self.state.skipped))
-    self.step += 1
-    self.prev_stats = stats
+    return jax.device_get((m, self.state.skipped))
 
+  def step(self) -> dict:
+    """One EARL step (see the module docstring); returns its metrics record."""
+    t_step = time.perf_counter()
+    timer = StageTimer()
+    traj, stats = self._roll_out(timer)
+    exp = self._experience(traj, stats, timer)
+    d_train, update, switch_ms = self._train_program(stats, exp.bucket, timer)
+    batch, report = self._dispatch(exp, d_train, timer)
+    m, skipped = self._update(batch, d_train, update, timer)
+    self.global_step += 1
+    self.prev_stats = stats
+    return self._record(traj, exp.bucket, m, skipped, report, switch_ms, timer, t_step)
+
+  def _record(self, traj, T, m, skipped, report, switch_ms, timer, t_step) -> dict:
     elapsed = time.perf_counter() - t_step
-    record.update(
-      {
-        'win_rate': traj.win_rate(),
-        'return_mean': float(np.mean(traj.returns)),
-        'invalid_rate': traj.outcome_rates().get('invalid', 0.0),
-        **{f'ctx/{k}': v for k, v in ctx.items()},
-        'bucket': T,
-        'tokens': int(np.sum(traj.lengths)),
-        'generated_tokens': traj.generated_tokens,
-        'tokens_per_s': float(np.sum(traj.lengths)) / elapsed,
-        'rollout_tokens_per_s': traj.generated_tokens / max(timer.times['rollout'], 1e-9),
-        **{f'loss/{k}': float(v) for k, v in m.items()},
-        'skipped_steps': int(skipped),
-        'dispatch/strategy': report.strategy,
-        'dispatch/bytes_moved': float(report.min_bytes or 0),
-        'switch_ms': switch_ms,
-        **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
-        **{f'time/{k}_s': v for k, v in timer.times.items()},
-        'time/step_s': elapsed,
-      }
-    )
-    return record
+    return {
+      'win_rate': traj.win_rate(),
+      'return_mean': float(np.mean(traj.returns)),
+      'invalid_rate': traj.outcome_rates().get('invalid', 0.0),
+      **{f'ctx/{k}': v for k, v in traj.context_stats().items()},
+      'bucket': T,
+      'tokens': int(np.sum(traj.lengths)),
+      'generated_tokens': traj.generated_tokens,
+      'tokens_per_s': float(np.sum(traj.lengths)) / elapsed,
+      'rollout_tokens_per_s': traj.generated_tokens / max(timer.times['rollout'], 1e-9),
+      **{f'loss/{k}': float(v) for k, v in m.items()},
+      'skipped_steps': int(skipped),
+      'dispatch/strategy': report.strategy,
+      'dispatch/bytes_moved': float(report.min_bytes or 0),
+      'switch_ms': switch_ms,
+      **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
+      **{f'time/{k}_s': v for k, v in timer.times.items()},
+      'time/step_s': elapsed,
+    }
 
   # ----------------------------------------------------------------------------------------------
   # Evaluation, checkpoints, the loop.
 
   def evaluate(self) -> dict:
-    d = self.plans.get('rollout') or self.selector.initial_decisions()['rollout']
+    d = self.plans.get(Stage.ROLLOUT) or self.selector.initial_decisions()[Stage.ROLLOUT]
     traj = self.eval_engine.run(
       self.params_on(d.config), self.mesh(d.config), seed=self.config.eval_seed, greedy=True
     )
@@ -452,7 +444,7 @@ class Trainer:
 
   def _meta(self) -> dict:
     return {
-      'step': self.step,
+      'step': self.global_step,
       'fingerprint': self.config.fingerprint(),
       'config': self.config.to_json(),
       'selector': self.selector.state_dict(),
@@ -464,7 +456,7 @@ class Trainer:
   def save(self) -> None:
     if self.ckpt is None:
       return
-    self.ckpt.save(self.step, self.state, self._meta())
+    self.ckpt.save(self.global_step, self.state, self._meta())
 
   def _resume(self) -> None:
     if self.ckpt is None or self.ckpt.latest_step() is None:
@@ -480,11 +472,11 @@ class Trainer:
         'same preset and overrides, or a new --workdir.'
       )
     parallel = ParallelConfig.parse(meta['train_config'])
-    abstract = stages_lib.abstract_train_state(self.model_cfg, parallel, self.config.optim)
+    abstract = self.executables.abstract_train_state(parallel)
     del self.state  # the fresh state is replaced, not moved
     self.state, meta = self.ckpt.restore(abstract)
     self.train_config = parallel
-    self.step = int(meta['step'])
+    self.global_step = int(meta['step'])
     self.selector.load_state_dict(meta['selector'])
     self.prev_stats = (
       None if meta['prev_stats'] is None else selector_lib.StepStats(**meta['prev_stats'])
@@ -492,7 +484,16 @@ class Trainer:
     self.history = list(meta['history'])
     # Rows logged after this checkpoint (by a run that then died) are dropped, not repeated.
     self.writer.rewrite(self.history)
-    self.log(f'resumed from step {self.step} ({self.ckpt.directory})')
+    self.log(f'resumed from step {self.global_step} ({self.ckpt.directory})')
+
+  def _log_step(self, record: dict, bar: Any, progress: bool) -> None:
+    self.history.append(record)
+    self.writer.write(self.global_step, record)
+    line = format_line(record)
+    if progress and self.is_main:
+      bar.write(line)
+    self.log(line)
+    bar.update(1)
 
   def run(self, progress: bool = True) -> dict:
     """Trains to `config.steps`, evaluating and checkpointing on the way; returns a summary."""
@@ -500,28 +501,26 @@ class Trainer:
     from tqdm import tqdm  # only the loop needs it
 
     t0 = time.perf_counter()
-    if self.step == 0 and cfg.eval_every:
+    if self.global_step == 0 and cfg.eval_every:
       record = {'step': 0, **self.evaluate()}
       self.history.append(record)
       self.writer.write(0, record)
       self.log(f'step    0 | eval win {record["eval/win_rate"]:.3f}')
     bar = tqdm(
-      total=cfg.steps, initial=self.step, disable=not (progress and self.is_main), leave=False
+      total=cfg.steps,
+      initial=self.global_step,
+      disable=not (progress and self.is_main),
+      leave=False,
     )
-    while self.step < cfg.steps:
-      record = self.train_step()
-      if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+    while self.global_step < cfg.steps:
+      record = self.step()
+      last = self.global_step == cfg.steps
+      if cfg.eval_every and (self.global_step % cfg.eval_every == 0 or last):
         record.update(self.evaluate())
-      record['step'] = self.step
+      record['step'] = self.global_step
       record['wall_s'] = time.perf_counter() - t0
-      self.history.append(record)
-      self.writer.write(self.step, record)
-      line = format_line(record)
-      if progress and self.is_main:
-        bar.write(line)
-      self.log(line)
-      bar.update(1)
-      if cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps):
+      self._log_step(record, bar, progress)
+      if cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last):
         self.save()
     bar.close()
     if self.ckpt is not None:
@@ -530,7 +529,7 @@ class Trainer:
     self.executables.wait()
     evals = [r['eval/win_rate'] for r in self.history if 'eval/win_rate' in r]
     return {
-      'steps': self.step,
+      'steps': self.global_step,
       'wall_s': time.perf_counter() - t0,
       'eval_win_rate_first': evals[0] if evals else None,
       'eval_win_rate_last': evals[-1] if evals else None,

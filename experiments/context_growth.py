@@ -28,17 +28,12 @@ throughput (tokens per device per second) and each switch's reshard, compile and
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from earl_jax import runtime  # noqa: E402
+from earl_jax import runtime
 
 _PRESET = flags.DEFINE_string(
   'preset', 'cpu', "Preset of experiments/configs/selector.py: 'cpu' or 'smoke'."
@@ -74,9 +69,9 @@ def _decode(entry, params, calls):
   """Runs `calls` decode calls (the step); returns milliseconds."""
   import jax
 
-  from earl_jax.selector import stages
+  from earl_jax.programs import builders
 
-  args = stages.make_inputs(entry.program, params)
+  args = builders.make_inputs(entry.program, params)
   jax.block_until_ready(args)
   t0 = time.perf_counter()
   for _ in range(calls):
@@ -92,7 +87,7 @@ class _Run:
   def __init__(self, name, policy, bench, model, spec, master, budget, profile, sel_cfg):
     import jax
 
-    from earl_jax.selector import Executables
+    from earl_jax.programs import Executables
     from earl_jax.selector.selector import Selector
 
     self.name, self.policy, self.bench = name, policy, bench
@@ -109,26 +104,27 @@ class _Run:
     self.steps, self.switches = [], []
 
   def step(self, t, lengths):
-    from earl_jax.selector import memory, switch
+    from earl_jax.programs import memory, switch
     from earl_jax.selector.selector import StepStats
+    from earl_jax.stage import Stage
 
     bench, exe = self.bench, self.exe
     R, calls = bench.growth_rows, bench.calls_per_step
     bucket = bench.buckets.bucket_for(max(lengths))
     rec = {'step': t, 'mean_context': float(np.mean(lengths)), 'bucket': bucket}
     if self.policy == 'dynamic':
-      d = self.sel.decide('rollout', StepStats(episode_lengths=lengths, num_responses=R))
+      d = self.sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=lengths, num_responses=R))
       target, run_bucket = d.config, d.run_bucket
       rec['reason'] = d.reason
     else:
       target, run_bucket = self.policy, bucket
-      entry = exe.get('rollout', target, run_bucket, R)
+      entry = exe.get(Stage.ROLLOUT, target, run_bucket, R)
       if not memory.fits(entry.memory.peak, self.budget, margin=self.margin):
         rec.update(config=target.name, refused=True, need_mib=entry.memory.peak / memory.MiB)
         self.steps.append(rec)
         return
     self.params, entry, sw = switch(
-      'rollout',
+      Stage.ROLLOUT,
       self.params,
       exe,
       target,
@@ -146,7 +142,7 @@ class _Run:
     else:
       higher = [b for b in bench.buckets.lengths if b > run_bucket]
       if higher:
-        exe.precompile('rollout', target, higher[0], R)
+        exe.precompile(Stage.ROLLOUT, target, higher[0], R)
     step_ms = _decode(entry, self.params, calls)
     first = all(s.get('refused') for s in self.steps)
     rec.update(
@@ -211,27 +207,26 @@ def main(argv):
   import jax
 
   from earl_jax.models import qwen2
-  from earl_jax.selector import Executables, ProfileConfig, StageSpec, memory, profiler
+  from earl_jax.programs import Executables, memory
+  from earl_jax.selector import ProfileConfig, profiler
   from earl_jax.selector.selector import SelectorConfig
   from earl_jax.sharding import mesh as mesh_lib
+  from earl_jax.stage import Stage
   from experiments.configs import selector as presets
 
   bench = presets.get_config(_PRESET.value)
   model = bench.model
   budget_mib = _BUDGET.value or bench.growth_budget_mib or bench.budget_mib
   budget = memory.device_budget(emulated=int(budget_mib * memory.MiB))
-  spec = StageSpec(decode_tokens=bench.decode_tokens)
+  spec = bench.spec
   pconfig = ProfileConfig(
-    stages=('rollout',),
+    stages=(Stage.ROLLOUT,),
     buckets=bench.buckets,
     rows=(bench.growth_rows,),
     budget_bytes=budget,
     candidates=bench.candidates,
     with_fsdp=bench.with_fsdp,
-    warmup=bench.warmup,
-    repeats=bench.repeats,
-    min_seconds=bench.min_seconds,
-    rounds=bench.rounds,
+    measure=bench.measure,
     spec=spec,
   )
   out_dir = os.path.dirname(os.path.abspath(_OUT.value))
@@ -244,7 +239,7 @@ def main(argv):
     budget_mib=budget / memory.MiB, statistic=_STATISTIC.value, safety_margin=_MARGIN.value
   )
   schedule = _schedule(bench, _SEED.value)
-  candidates = profile.candidates('rollout')
+  candidates = profile.candidates(Stage.ROLLOUT)
   _, master = qwen2.init_model(model, mesh_lib.make_mesh(candidates[0]), seed=0)
   print(
     f'model {model.name}, {len(jax.devices())} {jax.devices()[0].platform} devices, budget '

@@ -38,11 +38,7 @@ import time
 
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from earl_jax import distributed  # noqa: E402
+from earl_jax import distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('num_workers', 8, 'Worker processes (the paper counts workers).')

@@ -23,16 +23,11 @@ It also prints, from the analytic memory model, which of TP4 and TP8 fits Qwen2.
 import json
 import os
 import statistics
-import sys
 import time
 
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from earl_jax import runtime  # noqa: E402
+from earl_jax import runtime
 
 _PRESET = flags.DEFINE_string(
   'preset', 'cpu', "Preset of experiments/configs/selector.py: 'cpu' or 'smoke'."
@@ -67,28 +62,29 @@ def _speedup(a, b):
 def _h100_72b_table():
   """TP4 vs TP8 for Qwen2.5-72B on 8 x H100-80GB (analytic, fused attention)."""
   from earl_jax.config import ModelConfig, ParallelConfig
-  from earl_jax.selector import memory
+  from earl_jax.selector import analytic
+  from earl_jax.stage import Stage
 
   cfg = ModelConfig.preset('qwen2.5-72b')
   budget = int(0.9 * 80e9)
-  coeff = memory.Coefficients.fused_attention()
+  coeff = analytic.Coefficients.fused_attention()
   layouts = {'TP4': ParallelConfig(dp=2, tp=4), 'TP8': ParallelConfig(tp=8)}
   rows = []
   for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
     for n in (8, 16, 32, 64, 128):
       rec = {'context': ctx, 'responses': n}
       for name, pc in layouts.items():
-        need = memory.estimate('rollout', cfg, pc, ctx, n, coefficients=coeff).total
+        need = analytic.estimate(Stage.ROLLOUT, cfg, pc, ctx, n, coefficients=coeff).total
         rec[name] = {'need_gb': need / 1e9, 'fits': need <= budget}
       rows.append(rec)
   return {
     'model': 'qwen2.5-72b',
     'budget_gb': budget / 1e9,
     'weights_gb_per_device': {
-      k: memory.weight_bytes_per_device(cfg, pc) / 1e9 for k, pc in layouts.items()
+      k: analytic.weight_bytes_per_device(cfg, pc) / 1e9 for k, pc in layouts.items()
     },
     'kv_capacity_tokens': {
-      k: memory.kv_capacity_tokens(cfg, pc, budget) for k, pc in layouts.items()
+      k: analytic.kv_capacity_tokens(cfg, pc, budget) for k, pc in layouts.items()
     },
     'cells': rows,
   }
@@ -100,8 +96,10 @@ def main(argv):
   import jax
 
   from earl_jax.config import ParallelConfig
-  from earl_jax.selector import Executables, ProfileConfig, StageSpec, memory, profiler
-  from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
+  from earl_jax.programs import Executables, memory
+  from earl_jax.selector import ProfileConfig, profiler
+  from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
+  from earl_jax.stage import Stage
   from experiments.configs import selector as presets
 
   bench = presets.get_config(_PRESET.value)
@@ -113,18 +111,15 @@ def main(argv):
   if _CANDIDATES.value:
     candidates = tuple(ParallelConfig.parse(c) for c in _CANDIDATES.value)
   with_fsdp = bench.with_fsdp if _FSDP.value is None else _FSDP.value
-  spec = StageSpec(decode_tokens=bench.decode_tokens)
+  spec = bench.spec
   pconfig = ProfileConfig(
-    stages=('rollout',),
+    stages=(Stage.ROLLOUT,),
     buckets=bench.buckets,
     rows=bench.rows,
     budget_bytes=budget,
     candidates=candidates,
     with_fsdp=with_fsdp,
-    warmup=bench.warmup,
-    repeats=bench.repeats,
-    min_seconds=bench.min_seconds,
-    rounds=bench.rounds,
+    measure=bench.measure,
     spec=spec,
   )
   out_dir = os.path.dirname(os.path.abspath(_OUT.value))
@@ -146,7 +141,7 @@ def main(argv):
     heat = profiler.run(model, pconfig, executables=exe)
     t2 = time.perf_counter()
     compile_log = list(exe.log)
-  names = [c.name for c in profile.candidates('rollout')]
+  names = [c.name for c in profile.candidates(Stage.ROLLOUT)]
 
   # Run-to-run noise: the same (cell, layout) in the two passes.
   diffs = []
@@ -161,15 +156,18 @@ def main(argv):
   spreads = [c.spread for c in heat.cells.values() if c.spread is not None]
 
   sel_cfg = SelectorConfig(
-    budget_mib=budget / memory.MiB, statistic=_STATISTIC.value, safety_margin=_MARGIN.value
+    budget_mib=budget / memory.MiB,
+    statistic=_STATISTIC.value,
+    safety_margin=_MARGIN.value,
+    profile=ProfileSettings(stages=(Stage.ROLLOUT,)),
   )
   a, b = bench.compare
   cells = []
   for bucket in bench.buckets.lengths:
     for n in bench.rows:
-      tgs = {c: heat.cell('rollout', bucket, n, c).throughput for c in names}
-      prof_tgs = {c: profile.cell('rollout', bucket, n, c).throughput for c in names}
-      need = {c: heat.cell('rollout', bucket, n, c).peak_bytes for c in names}
+      tgs = {c: heat.cell(Stage.ROLLOUT, bucket, n, c).throughput for c in names}
+      prof_tgs = {c: profile.cell(Stage.ROLLOUT, bucket, n, c).throughput for c in names}
+      need = {c: heat.cell(Stage.ROLLOUT, bucket, n, c).peak_bytes for c in names}
       ranked = sorted((v, c) for c, v in tgs.items() if v is not None)[::-1]
       rec = {
         'bucket': bucket,
@@ -182,7 +180,7 @@ def main(argv):
       }
       try:
         sel = Selector(sel_cfg, buckets=bench.buckets, rows=bench.rows, profile=profile)
-        d = sel.decide('rollout', StepStats(episode_lengths=(bucket,), num_responses=n))
+        d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(bucket,), num_responses=n))
         rec['choice'] = d.config.name
         rec['reason'] = d.reason
       except memory.InfeasibleError as e:
@@ -223,6 +221,7 @@ def main(argv):
     'buckets': list(bench.buckets.lengths),
     'responses': list(bench.rows),
     'decode_tokens': bench.decode_tokens,
+    'chunk': bench.chunk,
     'measure': profile.key['measure'],
     'compare': [a.name, b.name],
     'statistic': _STATISTIC.value,

@@ -1,6 +1,7 @@
 """The main job: agentic RL on Connect Four with the EARL loop (selector + dispatcher).
 
-  python experiments/train.py                                  # the embedded default
+  python -m experiments.train                                  # the embedded default
+  python experiments/train.py                                  # the same
   python experiments/train.py --config=long --workdir=runs/long
   python experiments/train.py --config.optim.learning_rate=1e-3 --config.steps=30
   python experiments/train.py --workdir=runs/default --resume  # continue the latest checkpoint
@@ -13,25 +14,16 @@ and finishes with PNG plots of the learning curve and the context lengths.
 
 import json
 import os
-import sys
 
 from absl import app, flags, logging
 
 from earl_jax import config_cli, distributed, runtime
+from experiments.configs import train as presets
 
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Fake CPU devices when there is no GPU.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<preset>).')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
-
-
-def _presets():
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from experiments.configs import train as presets
-
-  return presets.PRESETS
-
-
-_CONFIG = config_cli.DEFINE_config('config', presets=_presets(), default='default')
+_CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='default')
 
 
 def main(argv):
@@ -64,4 +56,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=config_cli.flags_parser)
+  app.run(main, flags_parser=_CONFIG.flags_parser)

@@ -63,9 +63,9 @@ def test_bad_overrides_name_the_field():
 def test_split_overrides_from_argv():
   config_cli.DEFINE_config('cfgtest', presets={'p': Outer}, default='p')
   rest, found = config_cli.split_overrides(
-    ['prog', '--cfgtest.steps=4', '--other=1', '--cfgtest.inner.lr=2']
+    ['prog', '--cfgtest.steps=4', '--other=1', '--cfgtest.inner.lr=2'], ['cfgtest']
   )
   assert rest == ['prog', '--other=1']
   assert found['cfgtest'] == [('steps', '4'), ('inner.lr', '2')]
   with pytest.raises(config_cli.ConfigOverrideError, match='overrides need a value'):
-    config_cli.split_overrides(['prog', '--cfgtest.steps'])
+    config_cli.split_overrides(['prog', '--cfgtest.steps'], ['cfgtest'])

@@ -11,6 +11,7 @@ from earl_jax import metrics, trainer
 from earl_jax.config import BucketConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.sharding.mesh import ShardingError
+from earl_jax.stage import STAGES
 from earl_jax.testing import fixture_path
 from earl_jax.testing.configs import smoke_experiment
 from earl_jax.testing.typecheck import unchecked
@@ -25,7 +26,7 @@ def test_smoke_run_uses_selector_and_dispatcher(tmp_path):
   assert [r['step'] for r in rows] == [0, 1, 2, 3]
   train = rows[1:]
   for r in train:
-    for stage in trainer.STAGES:
+    for stage in STAGES:
       assert r[f'plan/{stage}'].split('@')[0] in ('dp8.tp1', 'dp4.tp2')
     assert r['tokens'] > 0 and r['bucket'] in (64, 128)
     assert r['time/rollout_s'] > 0 and r['time/train_s'] > 0 and r['time/experience_s'] > 0
@@ -33,7 +34,7 @@ def test_smoke_run_uses_selector_and_dispatcher(tmp_path):
   assert 'eval/win_rate' in rows[0] and 'eval/win_rate' in rows[2] and 'eval/win_rate' in rows[3]
   # Every decision is logged with its reason; the selector covered all three stages.
   decided = {d['stage'] for d in summary['decisions']}
-  assert decided == set(trainer.STAGES) and all(d['reason'] for d in summary['decisions'])
+  assert decided == set(STAGES) and all(d['reason'] for d in summary['decisions'])
   assert len(lines) == 4 and lines[1].startswith('step    1 | win')
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '3']
   assert os.path.exists(tmp_path / 'tb')
@@ -88,7 +89,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
   resumed = trainer.Trainer(
     config, workdir=str(tmp_path / 'part'), resume=True, log_fn=lambda _: None
   )
-  assert resumed.step == 2
+  assert resumed.global_step == 2
   resumed.run(progress=False)
 
   for a, b in zip(_params(full), _params(resumed)):
@@ -109,7 +110,7 @@ def test_resume_errors(tmp_path):
   other = dataclasses.replace(config, loss=LossConfig(kl_coef=0.5))
   with pytest.raises(trainer.ResumeError, match='was made by another config'):
     trainer.Trainer(other, workdir=str(tmp_path), resume=True)
-  assert trainer.Trainer(config, workdir=str(tmp_path), resume=True).step == 2
+  assert trainer.Trainer(config, workdir=str(tmp_path), resume=True).global_step == 2
 
 
 def test_bad_input_is_refused_before_compiling(tmp_path):

@@ -29,6 +29,10 @@ the local block and the received buffers, checked in compiled HLO), so each unit
 `check_vma` stays on: replicated inputs (e.g. rows replicated over 'tensor') are invariant over
 some axes, and every collective names all axes, which JAX accepts by marking them varying.
 
+Kernels of unpacked plans are differentiable (the gradient is the reverse move, tested against a
+dense reference); a packed round bitcasts its fields to shared words, which has no gradient. The
+dispatcher moves data between stages, never inside a differentiated step.
+
 Compiled kernels depend only on the plan's static structure (`Plan.structure()`: shapes, caps,
 op kinds) and the source layout; tables are arguments. Callers cache the jitted kernel by that
 key, so a new permutation with the same capacity buckets does not retrace.
@@ -53,7 +57,9 @@ def all_axes(mesh: Mesh) -> tuple[str, ...]:
   return tuple(mesh.axis_names)
 
 
-def take_rows(x: Shaped[Array, ' N *U'], idx: Int[Array, ' K']) -> Shaped[Array, ' K *U']:
+def take_rows(
+  x: Shaped[Array, ' units *U'], idx: Int[Array, ' picks']
+) -> Shaped[Array, ' picks *U']:
   """Rows `idx` of `x`. Indices are valid by construction (plan tables), so no bounds code."""
   return x.at[idx].get(mode='promise_in_bounds')
 

@@ -49,6 +49,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from earl_jax.caching import LRUCache
 from earl_jax.dispatch import collectives
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
 from earl_jax.dispatch.layout import Layout, check_compatible
@@ -57,6 +58,8 @@ from earl_jax.dispatch.plan import DEFAULT_PACK_MAX_BYTES, Plan, check_permutati
 # Permuted plans are cached by the permutation's digest (a step that re-dispatches with the same
 # permutation, e.g. several fields or a retry, reuses it); only a few are kept.
 _PERMUTED_PLANS_KEPT = 4
+# Kernels, xla programs and gather slices kept per dispatcher (least recently used go first).
+_PROGRAMS_KEPT = 64
 
 
 class Strategy(enum.Enum):
@@ -152,9 +155,10 @@ class Dispatcher:
     self._plans: collections.OrderedDict[tuple, tuple[Plan, list[jax.Array]]] = (
       collections.OrderedDict()
     )
-    self._kernels: dict[tuple, Any] = {}
-    self._xla: dict[tuple, Any] = {}
-    self._slices: dict[tuple, Any] = {}
+    # Compiled programs, bounded and owned by this dispatcher (the caller keeps one per run).
+    self._kernels: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
+    self._xla: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
+    self._slices: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self.traces = 0
 
   # --------------------------------------------------------------------------- planning
@@ -212,7 +216,7 @@ class Dispatcher:
       self.traces += 1
 
     kernel = collectives.make_kernel(plan, src, donate=self.config.donate, on_trace=count_trace)
-    self._kernels[key] = kernel
+    self._kernels.put(key, kernel)
     return kernel, True
 
   # --------------------------------------------------------------------------- dispatch
@@ -359,7 +363,7 @@ class Dispatcher:
         )
       else:
         fn = jax.jit(lambda xs: list(xs), out_shardings=out_shardings, donate_argnums=donate)
-      self._xla[key] = fn
+      self._xla.put(key, fn)
       return fn, True
     return fn, False
 
@@ -389,7 +393,7 @@ class Dispatcher:
         return a.reshape(rows, shards * width, *rest)
 
       fn = jax.jit(chunk, out_shardings=x.sharding)
-      self._slices[key] = fn
+      self._slices.put(key, fn)
     return fn(x)
 
   def _gather_scatter_field(

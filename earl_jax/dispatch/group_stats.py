@@ -18,8 +18,6 @@ Invalid (padding) rows contribute nothing; their outputs are the statistics of t
 count <= ddof.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -30,8 +28,11 @@ from earl_jax.sharding import rules
 from earl_jax.sharding.mesh import BATCH_AXES
 
 
-@functools.lru_cache(maxsize=64)
-def _group_stats_fn(mesh: Mesh, batch_axes: tuple[str, ...], num_groups: int, ddof: int):
+def _group_stats_kernel(mesh: Mesh, batch_axes: tuple[str, ...], num_groups: int, ddof: int):
+  """The jitted shard_map kernel (see the module docstring). Built per call and not cached: under
+  the caller's jit it is traced once and inlined; an eager call compiles it (the persistent
+  compilation cache makes that cheap)."""
+
   def per_shard(rewards, group_ids, valid):
     w = valid.astype(jnp.float32)
     r = rewards.astype(jnp.float32)
@@ -90,5 +91,5 @@ def group_stats(
       f'group_stats: {rewards_B.shape[0]} rows do not split over the {shards} shards of '
       f'{batch_axes}; pad them (earl_jax.dispatch.pad_rows) and mark the padding invalid.'
     )
-  fn = _group_stats_fn(mesh, tuple(batch_axes), num_groups, ddof)
+  fn = _group_stats_kernel(mesh, tuple(batch_axes), num_groups, ddof)
   return fn(rewards_B, group_ids_B.astype(jnp.int32), valid_B.astype(bool))

@@ -704,6 +704,96 @@ def _block_shape(blocks: np.ndarray, shape: tuple[int, ...], col_split: bool) ->
   return (rows, cols, *shape[2:])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Routed:
+  """One group of fields with the same block structure, routed unit by unit."""
+
+  fields: tuple[FieldPlan, ...]
+  src_units: int
+  dst_units: int
+  unit_bytes: int
+  src_dev: np.ndarray  # [n, dst_units]: the device each target unit comes from
+  src_unit: np.ndarray  # [n, dst_units]: its unit index there
+  counts: np.ndarray  # [n, n]: units sent from device s to device d
+
+
+def _checked_structs(src, dst, shapes, dtypes, collective) -> list[jax.ShapeDtypeStruct]:
+  check_compatible(src, dst)
+  if len(shapes) != len(src.fields) or len(dtypes) != len(src.fields):
+    raise LayoutError(
+      f'make_plan got {len(shapes)} shapes and {len(dtypes)} dtypes for {len(src.fields)} fields.'
+    )
+  if collective not in ('ppermute', 'all_to_all'):
+    raise ValueError(f"collective must be 'ppermute' or 'all_to_all', got {collective!r}.")
+  structs = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes)]
+  for layout, role in ((src, 'source'), (dst, 'target')):
+    layout.check(jax.tree.unflatten(layout.treedef, structs), what=f'batch ({role} layout)')
+  return structs
+
+
+def _group_fields(src: Layout, dst: Layout, structs) -> dict[tuple, list]:
+  """Fields grouped by their (source, target) block structure: one routing per group."""
+  members: dict[tuple, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+  for i, st in enumerate(structs):
+    sb = _device_blocks(src, i, st.shape)
+    db = _device_blocks(dst, i, st.shape)
+    cols = st.shape[1] if len(st.shape) >= 2 else 1
+    full_s = np.all(sb[:, 2] == 0) and np.all(sb[:, 3] == cols)
+    full_d = np.all(db[:, 2] == 0) and np.all(db[:, 3] == cols)
+    if full_s and full_d:
+      sb, db = sb.copy(), db.copy()
+      sb[:, 2:], db[:, 2:] = (0, 1), (0, 1)
+      key = ('rows', sb[:, :2].tobytes(), db[:, :2].tobytes())
+    else:
+      key = ('cols', cols, sb.tobytes(), db.tobytes())
+    members.setdefault(key, []).append((i, sb, db))
+  return members
+
+
+def _route_group(src: Layout, key: tuple, group: list, structs, rows, perm, n) -> _Routed:
+  """The unit size of a group, its fields' block shapes, and where every target unit comes from."""
+  _, sb, db = group[0]
+  col_split = key[0] == 'cols'
+  cols = key[1] if col_split else 1
+  chunk = math.gcd(int(sb[0, 3] - sb[0, 2]), int(db[0, 3] - db[0, 2])) if col_split else 1
+  s_units = int(sb[0, 1] - sb[0, 0]) * (int(sb[0, 3] - sb[0, 2]) // chunk)
+  d_units = int(db[0, 1] - db[0, 0]) * (int(db[0, 3] - db[0, 2]) // chunk)
+  fields = tuple(
+    FieldPlan(
+      index=i,
+      path=src.fields[i].path,
+      shape=structs[i].shape,
+      dtype=structs[i].dtype,
+      src_block=_block_shape(sb, structs[i].shape, col_split),
+      dst_block=_block_shape(db, structs[i].shape, col_split),
+      unit_shape=(chunk, *structs[i].shape[2:]) if col_split else tuple(structs[i].shape[1:]),
+    )
+    for i, _, _ in group
+  )
+  unit_bytes = sum(f.unit_bytes for f in fields)
+  src_dev, src_unit = _route(rows, cols, chunk, perm, sb, db, max(1, unit_bytes))
+  counts = np.zeros((n, n), np.int64)
+  for d in range(n):
+    counts[:, d] = np.bincount(src_dev[d], minlength=n)
+  return _Routed(fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts)
+
+
+def _schedule(routed, n, *, collective, static, buckets_per_octave, pack_max_bytes):
+  """The collective rounds that carry every group's units (then packed into shared buffers)."""
+  counts = [r.counts for r in routed]
+  unit_bytes = [r.unit_bytes for r in routed]
+  limits = [min(r.src_units, r.dst_units) for r in routed]
+  if collective == 'all_to_all':
+    rounds = _all_to_all_rounds(counts, limits, buckets_per_octave, static)
+  elif static:
+    rounds = _block_permutation_round([r.src_dev for r in routed], [r.dst_units for r in routed])
+    if rounds is None:
+      rounds = _static_rounds(counts, unit_bytes)
+  else:
+    rounds = _bucketed_rounds(counts, limits, buckets_per_octave)
+  return _pack(rounds, [len(r.fields) for r in routed], unit_bytes, n, collective, pack_max_bytes)
+
+
 def make_plan(
   src: Layout,
   dst: Layout,
@@ -738,88 +828,38 @@ def make_plan(
   Raises:
     LayoutError: incompatible layouts, fields that do not divide, a bad permutation.
   """
-  check_compatible(src, dst)
-  if len(shapes) != len(src.fields) or len(dtypes) != len(src.fields):
-    raise LayoutError(
-      f'make_plan got {len(shapes)} shapes and {len(dtypes)} dtypes for {len(src.fields)} fields.'
-    )
-  if collective not in ('ppermute', 'all_to_all'):
-    raise ValueError(f"collective must be 'ppermute' or 'all_to_all', got {collective!r}.")
-  rows = shapes[0][0]
-  structs = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes)]
-  for layout, role in ((src, 'source'), (dst, 'target')):
-    layout.check(jax.tree.unflatten(layout.treedef, structs), what=f'batch ({role} layout)')
+  structs = _checked_structs(src, dst, shapes, dtypes, collective)
+  rows = structs[0].shape[0]
   p = None if perm is None else check_permutation(perm, rows)
   if p is not None and np.array_equal(p, np.arange(rows)):
     p = None
   static = (perm is None) if static is None else static
   n = src.num_devices
-  # Group fields by their block structure.
-  members: dict[tuple, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-  for i, st in enumerate(structs):
-    sb = _device_blocks(src, i, st.shape)
-    db = _device_blocks(dst, i, st.shape)
-    cols = st.shape[1] if len(st.shape) >= 2 else 1
-    full_s = np.all(sb[:, 2] == 0) and np.all(sb[:, 3] == cols)
-    full_d = np.all(db[:, 2] == 0) and np.all(db[:, 3] == cols)
-    if full_s and full_d:
-      sb, db = sb.copy(), db.copy()
-      sb[:, 2:], db[:, 2:] = (0, 1), (0, 1)
-      key = ('rows', sb[:, :2].tobytes(), db[:, :2].tobytes())
-    else:
-      key = ('cols', cols, sb.tobytes(), db.tobytes())
-    members.setdefault(key, []).append((i, sb, db))
-  routed = []  # (fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts)
-  for key, group in members.items():
-    _, sb, db = group[0]
-    col_split = key[0] == 'cols'
-    cols = key[1] if col_split else 1
-    chunk = math.gcd(int(sb[0, 3] - sb[0, 2]), int(db[0, 3] - db[0, 2])) if col_split else 1
-    s_units = int(sb[0, 1] - sb[0, 0]) * (int(sb[0, 3] - sb[0, 2]) // chunk)
-    d_units = int(db[0, 1] - db[0, 0]) * (int(db[0, 3] - db[0, 2]) // chunk)
-    fields = tuple(
-      FieldPlan(
-        index=i,
-        path=src.fields[i].path,
-        shape=structs[i].shape,
-        dtype=structs[i].dtype,
-        src_block=_block_shape(sb, structs[i].shape, col_split),
-        dst_block=_block_shape(db, structs[i].shape, col_split),
-        unit_shape=(chunk, *structs[i].shape[2:]) if col_split else tuple(structs[i].shape[1:]),
-      )
-      for i, _, _ in group
-    )
-    unit_bytes = sum(f.unit_bytes for f in fields)
-    src_dev, src_unit = _route(rows, cols, chunk, p, sb, db, max(1, unit_bytes))
-    counts = np.zeros((n, n), np.int64)
-    for d in range(n):
-      counts[:, d] = np.bincount(src_dev[d], minlength=n)
-    routed.append((fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts))
-  all_counts = [r[6] for r in routed]
-  all_bytes = [r[3] for r in routed]
-  limits = [min(r[1], r[2]) for r in routed]
-  if collective == 'all_to_all':
-    rounds = _all_to_all_rounds(all_counts, limits, buckets_per_octave, static)
-  elif static:
-    rounds = _block_permutation_round([r[4] for r in routed], [r[2] for r in routed])
-    if rounds is None:
-      rounds = _static_rounds(all_counts, all_bytes)
-  else:
-    rounds = _bucketed_rounds(all_counts, limits, buckets_per_octave)
-  rounds = _pack(rounds, [len(r[0]) for r in routed], all_bytes, n, collective, pack_max_bytes)
+  routed = [
+    _route_group(src, key, group, structs, rows, p, n)
+    for key, group in _group_fields(src, dst, structs).items()
+  ]
+  rounds = _schedule(
+    routed,
+    n,
+    collective=collective,
+    static=static,
+    buckets_per_octave=buckets_per_octave,
+    pack_max_bytes=pack_max_bytes,
+  )
   groups = []
-  for g, (fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts) in enumerate(routed):
+  for g, r in enumerate(routed):
     send_ops, send_tables, out_op, out_table = _build_tables(
-      g, src_dev, src_unit, rounds, collective, s_units
+      g, r.src_dev, r.src_unit, rounds, collective, r.src_units
     )
     groups.append(
       GroupPlan(
-        fields=fields,
+        fields=r.fields,
         num_devices=n,
-        src_units=s_units,
-        dst_units=d_units,
-        unit_bytes=unit_bytes,
-        counts=counts,
+        src_units=r.src_units,
+        dst_units=r.dst_units,
+        unit_bytes=r.unit_bytes,
+        counts=r.counts,
         send_ops=send_ops,
         out_op=out_op,
         send_tables=send_tables,

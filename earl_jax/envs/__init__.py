@@ -9,7 +9,7 @@ Usage::
   result = env.step(['4'] * 8)
 """
 
-from earl_jax.envs import base, board_env, connect_four, opponents, tic_tac_toe
+from earl_jax.envs import base, board_env, connect_four, opponents, registry, tic_tac_toe
 from earl_jax.envs.base import (
   AGENT,
   ALPHABET,
@@ -21,10 +21,10 @@ from earl_jax.envs.base import (
   StepResult,
   TextEnv,
   grid_from_text,
-  make_env,
   parse_action,
 )
 from earl_jax.envs.board_env import BoardGameEnv
+from earl_jax.envs.registry import make_env
 
 __all__ = [
   'AGENT',
@@ -44,5 +44,6 @@ __all__ = [
   'make_env',
   'opponents',
   'parse_action',
+  'registry',
   'tic_tac_toe',
 ]

@@ -1,9 +1,9 @@
 """Batched multi-turn text environments: the API, its config, and the pieces games share.
 
-An environment runs N episodes side by side. Each agent turn it hands out one text observation per
+An environment runs B episodes side by side. Each agent turn it hands out one text observation per
 episode and takes one reply text per episode::
 
-  env = make_env(EnvConfig(game='connect_four', opponent='random'))
+  env = registry.make_env(EnvConfig(game='connect_four', opponent='random'))
   observations = env.reset(n=256, seed=0)      # list[str], one per episode
   result = env.step(replies)                   # replies: one str per episode
   result.observations, result.rewards, result.dones, result.infos
@@ -19,8 +19,9 @@ cell) in the Python API and the digits '1'..'9' (index + 1) in text.
 Every observation uses only the characters of `ALPHABET`, the vocabulary of the built-in
 character-level game tokenizer.
 
-Dimension letters: N episodes of a batch, M positions (any stack of boards), R board rows,
-C board columns, A actions.
+Dimension letters (the package alphabet of `earl_jax.config`): B episodes of a batch, M positions
+(any stack of boards; Mc, Mp for the children and parents of a search), R board rows, W board
+columns, A actions.
 """
 
 import abc
@@ -172,19 +173,19 @@ class StepInfo(TypedDict):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepResult:
-  """What `TextEnv.step` returns for a batch of N episodes.
+  """What `TextEnv.step` returns for a batch of B episodes.
 
   Attributes:
     observations: the next observation of each episode; a finished episode's last observation ends
       with a line naming its outcome, and an episode that had already finished gets ''.
-    rewards: float32 [N]; nonzero only on the step that ends an episode.
-    dones: bool [N]; True once an episode has ended, and from then on.
+    rewards: float32 [B]; nonzero only on the step that ends an episode.
+    dones: bool [B]; True once an episode has ended, and from then on.
     infos: one `StepInfo` per episode.
   """
 
   observations: list[str]
-  rewards: Float[np.ndarray, ' N']
-  dones: Bool[np.ndarray, ' N']
+  rewards: Float[np.ndarray, ' B']
+  dones: Bool[np.ndarray, ' B']
   infos: list[StepInfo]
 
   def __post_init__(self):
@@ -202,7 +203,7 @@ class StepResult:
 
 
 class TextEnv(abc.ABC):
-  """A batch of N multi-turn text episodes: `reset`, then `step` until every episode is done."""
+  """A batch of B multi-turn text episodes: `reset`, then `step` until every episode is done."""
 
   config: EnvConfig
 
@@ -219,7 +220,7 @@ class TextEnv(abc.ABC):
   @property
   @abc.abstractmethod
   def num_envs(self) -> int:
-    """N, the batch size of the last `reset` (0 before it)."""
+    """B, the batch size of the last `reset` (0 before it)."""
 
   @abc.abstractmethod
   def reset(self, n: int, seed: int, *, group_size: int = 1) -> list[str]:
@@ -234,7 +235,7 @@ class TextEnv(abc.ABC):
     """Plays one agent reply per episode (and the opponent's answer); never raises on bad text."""
 
   @abc.abstractmethod
-  def legal_mask(self) -> Bool[np.ndarray, 'N A']:
+  def legal_mask(self) -> Bool[np.ndarray, 'B A']:
     """Which actions are legal now, per episode; all False for a finished episode."""
 
   def legal_moves(self) -> list[list[int]]:
@@ -251,7 +252,7 @@ class TextEnv(abc.ABC):
 class BoardGame(abc.ABC):
   """The rules of a two-player board game, vectorised over a stack of boards.
 
-  Boards are int8 [M, R, C] with +1, -1 and 0 cells. `player` is +1 or -1, the side to move or
+  Boards are int8 [M, R, W] with +1, -1 and 0 cells. `player` is +1 or -1, the side to move or
   to evaluate for. Implementations keep every method free of Python loops over positions.
   """
 
@@ -263,33 +264,33 @@ class BoardGame(abc.ABC):
   header: str
 
   @abc.abstractmethod
-  def legal_mask(self, boards: Int8[np.ndarray, 'M R C']) -> Bool[np.ndarray, 'M A']:
+  def legal_mask(self, boards: Int8[np.ndarray, 'M R W']) -> Bool[np.ndarray, 'M A']:
     """Which actions can be played on each board."""
 
   @abc.abstractmethod
   def play(
-    self, boards: Int8[np.ndarray, 'M R C'], actions: Int[np.ndarray, ' M'], player: int
-  ) -> Int8[np.ndarray, 'M R C']:
+    self, boards: Int8[np.ndarray, 'M R W'], actions: Int[np.ndarray, ' M'], player: int
+  ) -> Int8[np.ndarray, 'M R W']:
     """New boards with `player`'s stone placed by each action; raises if one is illegal."""
 
   @abc.abstractmethod
-  def winner(self, boards: Int8[np.ndarray, 'M R C']) -> Int8[np.ndarray, ' M']:
+  def winner(self, boards: Int8[np.ndarray, 'M R W']) -> Int8[np.ndarray, ' M']:
     """+1 or -1 for the side that has a winning line on each board, else 0."""
 
   @abc.abstractmethod
-  def heuristic(self, boards: Int8[np.ndarray, 'M R C'], player: int) -> Int64[np.ndarray, ' M']:
+  def heuristic(self, boards: Int8[np.ndarray, 'M R W'], player: int) -> Int64[np.ndarray, ' M']:
     """A score of each non-terminal board for `player`; antisymmetric in `player`."""
 
   @abc.abstractmethod
-  def position_keys(self, boards: Int8[np.ndarray, 'M R C']) -> Int64[np.ndarray, ' M']:
+  def position_keys(self, boards: Int8[np.ndarray, 'M R W']) -> Int64[np.ndarray, ' M']:
     """An int64 key per board that differs between any two distinct reachable boards."""
 
-  def is_full(self, boards: Int8[np.ndarray, 'M R C']) -> Bool[np.ndarray, ' M']:
+  def is_full(self, boards: Int8[np.ndarray, 'M R W']) -> Bool[np.ndarray, ' M']:
     """Whether no empty cell is left."""
     return (boards != EMPTY).all(axis=(1, 2))
 
-  def render(self, boards: Int8[np.ndarray, 'M R C']) -> list[str]:
-    """The compact text of each board: `header`, then R lines of C cells, top row first."""
+  def render(self, boards: Int8[np.ndarray, 'M R W']) -> list[str]:
+    """The compact text of each board: `header`, then R lines of W cells, top row first."""
     return render_grids(boards, self.header)
 
 
@@ -297,8 +298,8 @@ class BoardGame(abc.ABC):
 _CELL_CHARS = np.frombuffer(b'O.X', dtype=np.uint8)
 
 
-def render_grids(boards: Int8[np.ndarray, 'M R C'], header: str = '') -> list[str]:
-  """Renders boards as `header` + R lines of C cells ('X' +1, 'O' -1, '.' empty), each ending in
+def render_grids(boards: Int8[np.ndarray, 'M R W'], header: str = '') -> list[str]:
+  """Renders boards as `header` + R lines of W cells ('X' +1, 'O' -1, '.' empty), each ending in
   a newline, without a Python loop over cells."""
   m, r, c = boards.shape
   chars = np.empty((m, r, c + 1), dtype=np.uint8)
@@ -311,7 +312,7 @@ def render_grids(boards: Int8[np.ndarray, 'M R C'], header: str = '') -> list[st
   return [text[i * width : (i + 1) * width] for i in range(m)]
 
 
-def grid_from_text(text: str) -> Int8[np.ndarray, 'R C']:
+def grid_from_text(text: str) -> Int8[np.ndarray, 'R W']:
   """The board a rendered observation shows (the inverse of `render_grids` for one board).
 
   Lines made only of 'X', 'O' and '.' (surrounding spaces ignored) are the rows, top first; any
@@ -357,17 +358,3 @@ def parse_action(text: str, num_actions: int, mode: ParseMode) -> int | None:
   for match in _standalone_digit(num_actions).finditer(text):
     last = match
   return None if last is None else int(last.group()) - 1
-
-
-def make_env(config: EnvConfig) -> TextEnv:
-  """Builds the environment `config` describes (a `BoardGameEnv` for the board games)."""
-  # Imported here because those modules import this one.
-  from earl_jax.envs import board_env, connect_four, opponents, tic_tac_toe
-
-  games: dict[str, type[BoardGame]] = {
-    'connect_four': connect_four.ConnectFour,
-    'tic_tac_toe': tic_tac_toe.TicTacToe,
-  }
-  game = games[config.game]()
-  opponent = opponents.make_opponent(config.opponent, game, depth=config.minimax_depth)
-  return board_env.BoardGameEnv(config, game, opponent)

@@ -15,8 +15,8 @@ Four observation is at most 64 characters.
 
 Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
 an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
-episode i's opponent moves depend only on (n, seed, i, its own replies). With `group_size=G`, the
-draws are made per group of G consecutive episodes and shared inside it: the episodes of a group
+episode i's opponent moves depend only on (n, seed, i, its own replies). With `group_size=k`, the
+draws are made per group of k consecutive episodes and shared inside it: the episodes of a group
 start alike and face the same opponent randomness, so they differ only by the agent's replies
 (the groups of GRPO-style baselines).
 """
@@ -31,7 +31,7 @@ from earl_jax.envs import base, opponents
 
 
 class BoardGameEnv(base.TextEnv):
-  """N episodes of `game` against `opponent`, as text (see the module docstring)."""
+  """B episodes of `game` against `opponent`, as text (see the module docstring)."""
 
   def __init__(self, config: base.EnvConfig, game: base.BoardGame, opponent: opponents.Opponent):
     if config.game != game.name:
@@ -63,13 +63,13 @@ class BoardGameEnv(base.TextEnv):
     return 0 if self._boards is None else len(self._boards)
 
   @property
-  def boards(self) -> Int8[np.ndarray, 'N R C']:
+  def boards(self) -> Int8[np.ndarray, 'B R W']:
     """A copy of the current boards (+1 the agent, -1 the opponent)."""
     self._check_reset()
     return self._boards.copy()
 
   @property
-  def done(self) -> Bool[np.ndarray, ' N']:
+  def done(self) -> Bool[np.ndarray, ' B']:
     return self._done.copy()
 
   @property
@@ -77,16 +77,16 @@ class BoardGameEnv(base.TextEnv):
     return list(self._outcomes)
 
   @property
-  def turns(self) -> Int[np.ndarray, ' N']:
+  def turns(self) -> Int[np.ndarray, ' B']:
     """Agent turns played per episode."""
     return self._turns.copy()
 
   @property
-  def agent_first(self) -> Bool[np.ndarray, ' N']:
+  def agent_first(self) -> Bool[np.ndarray, ' B']:
     """Whether the agent made the first move of each episode."""
     return self._agent_first.copy()
 
-  def legal_mask(self) -> Bool[np.ndarray, 'N A']:
+  def legal_mask(self) -> Bool[np.ndarray, 'B A']:
     self._check_reset()
     return self.game.legal_mask(self._boards) & ~self._done[:, None]
 
@@ -99,7 +99,7 @@ class BoardGameEnv(base.TextEnv):
     n: int,
     seed: int,
     *,
-    start_boards: Int8[np.ndarray, 'N R C'] | None = None,
+    start_boards: Int8[np.ndarray, 'B R W'] | None = None,
     group_size: int = 1,
   ) -> list[str]:
     """Starts n episodes.
@@ -152,8 +152,8 @@ class BoardGameEnv(base.TextEnv):
 
   def _draw(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     """Uniform draws of `shape`, one per group of episodes, repeated over the group."""
-    G = self._group_size
-    return rng.random((shape[0] // G, *shape[1:])).repeat(G, axis=0)
+    size = self._group_size
+    return rng.random((shape[0] // size, *shape[1:])).repeat(size, axis=0)
 
   def _check_start_boards(self, start_boards: np.ndarray, n: int) -> np.ndarray:
     game = self.game
@@ -167,7 +167,7 @@ class BoardGameEnv(base.TextEnv):
       raise ValueError(f'start_boards {over.tolist()} are already won or full.')
     return start_boards.astype(np.int8, copy=True)
 
-  def _observe(self, idx: Int[np.ndarray, ' K'], outcomes: Sequence[str | None]) -> list[str]:
+  def _observe(self, idx: Int[np.ndarray, ' Mc'], outcomes: Sequence[str | None]) -> list[str]:
     """The observations of episodes `idx`, with an outcome line where one is given."""
     if self.config.observation == 'board':
       texts = self.game.render(self._boards[idx])

@@ -35,7 +35,7 @@ _CENTRE_WEIGHT = 3
 _COLUMN_SHIFT = 7 * np.arange(COLS, dtype=np.int64)
 
 
-def empty_boards(n: int) -> Int8[np.ndarray, 'N 6 7']:
+def empty_boards(n: int) -> Int8[np.ndarray, 'B 6 7']:
   """n empty boards."""
   return np.zeros((n, ROWS, COLS), dtype=np.int8)
 
@@ -132,7 +132,7 @@ def position_keys(boards: Int8[np.ndarray, 'M 6 7']) -> Int64[np.ndarray, ' M']:
   +1 (the bottom stone is bit 0).
   """
   x = _cells_last(boards)
-  code = np.zeros(x.shape[1:], dtype=np.uint8)  # [C, M]
+  code = np.zeros(x.shape[1:], dtype=np.uint8)  # [W, M]
   for row in range(ROWS):
     occupied = (x[row] != base.EMPTY).view(np.uint8)
     # A stone in this row is the (ROWS - 1 - row)-th from the bottom; the leading 1 sits just

@@ -42,7 +42,7 @@ def _check_playable(legal: Bool[np.ndarray, 'M A']) -> None:
 
 
 def winning_moves(
-  game: base.BoardGame, boards: Int8[np.ndarray, 'M R C'], player: int
+  game: base.BoardGame, boards: Int8[np.ndarray, 'M R W'], player: int
 ) -> Bool[np.ndarray, 'M A']:
   """Which legal moves win on the spot for `player`."""
   legal = game.legal_mask(boards)
@@ -61,7 +61,7 @@ class Opponent(abc.ABC):
 
   @abc.abstractmethod
   def select(
-    self, boards: Int8[np.ndarray, 'M R C'], player: int, noise: Float[np.ndarray, 'M A']
+    self, boards: Int8[np.ndarray, 'M R W'], player: int, noise: Float[np.ndarray, 'M A']
   ) -> Int64[np.ndarray, ' M']:
     """One legal 0-based action per board.
 
@@ -79,7 +79,7 @@ class RandomOpponent(Opponent):
   """Uniform over the legal moves."""
 
   def select(
-    self, boards: Int8[np.ndarray, 'M R C'], player: int, noise: Float[np.ndarray, 'M A']
+    self, boards: Int8[np.ndarray, 'M R W'], player: int, noise: Float[np.ndarray, 'M A']
   ) -> Int64[np.ndarray, ' M']:
     legal = self.game.legal_mask(boards)
     _check_playable(legal)
@@ -90,7 +90,7 @@ class GreedyOpponent(Opponent):
   """One ply: take an immediate win, else block the other side's immediate win, else random."""
 
   def select(
-    self, boards: Int8[np.ndarray, 'M R C'], player: int, noise: Float[np.ndarray, 'M A']
+    self, boards: Int8[np.ndarray, 'M R W'], player: int, noise: Float[np.ndarray, 'M A']
   ) -> Int64[np.ndarray, ' M']:
     legal = self.game.legal_mask(boards)
     _check_playable(legal)
@@ -105,8 +105,8 @@ class GreedyOpponent(Opponent):
 
 
 def _child_values(
-  game: base.BoardGame, children: Int8[np.ndarray, 'K R C'], player: int, depth: int
-) -> Int64[np.ndarray, ' K']:
+  game: base.BoardGame, children: Int8[np.ndarray, 'Mc R W'], player: int, depth: int
+) -> Int64[np.ndarray, ' Mc']:
   """Minimax values, for `player`, of positions `player` just moved into, `depth` plies counted
   from that move: WIN + depth if it won, 0 for a draw, else the negated value for the side to move.
   Each distinct position is evaluated once."""
@@ -124,8 +124,8 @@ def _child_values(
 
 
 def _negamax(
-  game: base.BoardGame, boards: Int8[np.ndarray, 'P R C'], player: int, depth: int
-) -> Int64[np.ndarray, ' P']:
+  game: base.BoardGame, boards: Int8[np.ndarray, 'Mp R W'], player: int, depth: int
+) -> Int64[np.ndarray, ' Mp']:
   """Values of non-terminal positions for `player`, the side to move, searching `depth` plies."""
   if depth == 0:
     return game.heuristic(boards, player)
@@ -136,7 +136,7 @@ def _negamax(
 
 
 def minimax_values(
-  game: base.BoardGame, boards: Int8[np.ndarray, 'M R C'], player: int, depth: int
+  game: base.BoardGame, boards: Int8[np.ndarray, 'M R W'], player: int, depth: int
 ) -> Int64[np.ndarray, 'M A']:
   """The depth-limited minimax value of every move for `player` (`ILLEGAL` where illegal).
 
@@ -163,7 +163,7 @@ class MinimaxOpponent(Opponent):
     self.depth = depth
 
   def select(
-    self, boards: Int8[np.ndarray, 'M R C'], player: int, noise: Float[np.ndarray, 'M A']
+    self, boards: Int8[np.ndarray, 'M R W'], player: int, noise: Float[np.ndarray, 'M A']
   ) -> Int64[np.ndarray, ' M']:
     values = minimax_values(self.game, boards, player, self.depth)
     return _pick(values == values.max(axis=1, keepdims=True), noise)

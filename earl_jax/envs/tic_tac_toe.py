@@ -41,7 +41,7 @@ _CENTRE_WEIGHT = 2
 _POWERS_OF_3 = 3 ** np.arange(CELLS, dtype=np.int64)
 
 
-def empty_boards(n: int) -> Int8[np.ndarray, 'N 3 3']:
+def empty_boards(n: int) -> Int8[np.ndarray, 'B 3 3']:
   """n empty boards."""
   return np.zeros((n, ROWS, COLS), dtype=np.int8)
 

@@ -176,38 +176,50 @@ def _param_map(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], _Vie
     out['lm_head',] = ('lm_head.weight', (V, D), lambda a: a.T)
   for i in range(cfg.num_layers):
     p = f'model.layers.{i}.'
-    L = ('layers', i)
-    out[(*L, 'input_layernorm', 'scale')] = (p + 'input_layernorm.weight', (D,), ident)
-    out[(*L, 'post_attention_layernorm', 'scale')] = (
+    layer = ('layers', i)
+    out[(*layer, 'input_layernorm', 'scale')] = (p + 'input_layernorm.weight', (D,), ident)
+    out[(*layer, 'post_attention_layernorm', 'scale')] = (
       p + 'post_attention_layernorm.weight',
       (D,),
       ident,
     )
     a = p + 'self_attn.'
-    out[(*L, 'self_attn', 'q_proj')] = (
+    out[(*layer, 'self_attn', 'q_proj')] = (
       a + 'q_proj.weight',
       (H * Dh, D),
       lambda w, H=H: w.reshape(H, Dh, D).transpose(2, 0, 1),
     )
     for proj in ('k_proj', 'v_proj'):
-      out[(*L, 'self_attn', proj)] = (
+      out[(*layer, 'self_attn', proj)] = (
         a + proj + '.weight',
         (K * Dh, D),
         lambda w: w.reshape(K, Dh, D).transpose(2, 0, 1),
       )
-    out[(*L, 'self_attn', 'o_proj')] = (
+    out[(*layer, 'self_attn', 'o_proj')] = (
       a + 'o_proj.weight',
       (D, H * Dh),
       lambda w: w.reshape(D, H, Dh).transpose(1, 2, 0),
     )
     if cfg.qkv_bias:
-      out[(*L, 'self_attn', 'q_bias')] = (a + 'q_proj.bias', (H * Dh,), lambda b: b.reshape(H, Dh))
-      out[(*L, 'self_attn', 'k_bias')] = (a + 'k_proj.bias', (K * Dh,), lambda b: b.reshape(K, Dh))
-      out[(*L, 'self_attn', 'v_bias')] = (a + 'v_proj.bias', (K * Dh,), lambda b: b.reshape(K, Dh))
+      out[(*layer, 'self_attn', 'q_bias')] = (
+        a + 'q_proj.bias',
+        (H * Dh,),
+        lambda b: b.reshape(H, Dh),
+      )
+      out[(*layer, 'self_attn', 'k_bias')] = (
+        a + 'k_proj.bias',
+        (K * Dh,),
+        lambda b: b.reshape(K, Dh),
+      )
+      out[(*layer, 'self_attn', 'v_bias')] = (
+        a + 'v_proj.bias',
+        (K * Dh,),
+        lambda b: b.reshape(K, Dh),
+      )
     m = p + 'mlp.'
-    out[(*L, 'mlp', 'gate_proj')] = (m + 'gate_proj.weight', (F, D), lambda w: w.T)
-    out[(*L, 'mlp', 'up_proj')] = (m + 'up_proj.weight', (F, D), lambda w: w.T)
-    out[(*L, 'mlp', 'down_proj')] = (m + 'down_proj.weight', (D, F), lambda w: w.T)
+    out[(*layer, 'mlp', 'gate_proj')] = (m + 'gate_proj.weight', (F, D), lambda w: w.T)
+    out[(*layer, 'mlp', 'up_proj')] = (m + 'up_proj.weight', (F, D), lambda w: w.T)
+    out[(*layer, 'mlp', 'down_proj')] = (m + 'down_proj.weight', (D, F), lambda w: w.T)
   return out
 
 

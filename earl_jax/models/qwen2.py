@@ -14,12 +14,11 @@ Three ways to run it:
   * `init_model` / `abstract_model` create the parameters already sharded (abstract shapes, then a
     jitted init with out_shardings), never as one unsharded copy.
 
-Dimension letters: B batch, T tokens in this call, S cache capacity, D model, F MLP, H query heads,
-K KV heads, G = H / K, Dh head dim, V vocab.
+Dimension letters as in `earl_jax.config` (T: tokens of this call; Q = H / K query heads share one
+KV head).
 """
 
 import dataclasses
-import functools
 import typing
 
 import flax.struct
@@ -74,9 +73,9 @@ class RMSNorm(nnx.Module):
 
 
 def rope(
-  x: Float[Array, 'B T N Dh'], positions: Int[Array, 'B T'], theta: float
-) -> Float[Array, 'B T N Dh']:
-  """Rotate-half rotary embedding (HF `apply_rotary_pos_emb`), in f32."""
+  x: Float[Array, 'B T Hx Dh'], positions: Int[Array, 'B T'], theta: float
+) -> Float[Array, 'B T Hx Dh']:
+  """Rotate-half rotary embedding (HF `apply_rotary_pos_emb`), in f32; Hx is H or K."""
   Dh = x.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))  # [Dh/2]
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, Dh/2]
@@ -136,8 +135,16 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, capacity: int, mesh: jax.sharding.Mesh) -> 'KVCache':
-    """A zero cache created directly in its sharded layout (one compile per shape and mesh)."""
-    return _zero_cache(cfg, batch, capacity, mesh)()
+    """A zero cache created directly in its sharded layout on `mesh`."""
+    return cls.zeros_like(cls.abstract(cfg, batch, capacity, mesh))
+
+  @staticmethod
+  def zeros_like(abstract: 'KVCache') -> 'KVCache':
+    """Zeros shaped and sharded like `abstract` (ShapeDtypeStructs with shardings)."""
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(
+      lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings
+    )()
 
 
 def _write_rows(
@@ -153,12 +160,12 @@ def _write_rows(
 
 
 def _attend(q, k, v, mask):
-  """Exact softmax attention in f32: q [B, Tq, K, G, Dh], k/v [B, Tk, K, Dh], mask [Tq, Tk]."""
+  """Exact softmax attention in f32: q [B, Tq, K, Q, Dh], k/v [B, Tk, K, Dh], mask [Tq, Tk]."""
   Dh = q.shape[-1]
-  scores = jnp.einsum('BTKGd,BSKd->BKGTS', q.astype(jnp.float32), k.astype(jnp.float32))
+  scores = jnp.einsum('BTKQd,BSKd->BKQTS', q.astype(jnp.float32), k.astype(jnp.float32))
   scores = jnp.where(mask[None, None, None], scores / jnp.sqrt(Dh), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum('BKGTS,BSKd->BTKGd', probs, v.astype(jnp.float32))
+  return jnp.einsum('BKQTS,BSKd->BTKQd', probs, v.astype(jnp.float32))
 
 
 def causal_attention(
@@ -193,15 +200,6 @@ def causal_attention(
   return jnp.concatenate(outs, axis=1).reshape(B, T, H, Dh).astype(q.dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _zero_cache(cfg: ModelConfig, batch: int, capacity: int, mesh: jax.sharding.Mesh):
-  abstract = KVCache.abstract(cfg, batch, capacity)
-  return jax.jit(
-    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-    out_shardings=KVCache.shardings(cfg, mesh),
-  )
-
-
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -232,7 +230,7 @@ class Attention(nnx.Module):
     cfg = self.cfg
     B, T, _ = x.shape
     H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    G = H // K
+    Q = H // K
     q = self._project(
       x, self.q_proj, getattr(self, 'q_bias', None), ('batch', 'seq', 'act_heads', 'head_dim')
     )
@@ -258,12 +256,12 @@ class Attention(nnx.Module):
       k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
       v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
       new_kv = (k_cache, v_cache)
-      qg = q.reshape(B, T, K, G, Dh).astype(jnp.float32)
-      scores = jnp.einsum('BTKGd,BSKd->BKGTS', qg, k_cache.astype(jnp.float32)) / jnp.sqrt(Dh)
+      qg = q.reshape(B, T, K, Q, Dh).astype(jnp.float32)
+      scores = jnp.einsum('BTKQd,BSKd->BKQTS', qg, k_cache.astype(jnp.float32)) / jnp.sqrt(Dh)
       visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
       scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(scores, axis=-1)
-      out = jnp.einsum('BKGTS,BSKd->BTKGd', probs, v_cache.astype(jnp.float32))
+      out = jnp.einsum('BKQTS,BSKd->BTKQd', probs, v_cache.astype(jnp.float32))
       out = out.reshape(B, T, H, Dh).astype(x.dtype)
     out = rules.constrain(out, ('batch', 'seq', 'act_heads', 'head_dim'))
     y = jnp.einsum('BTHd,HdD->BTD', out, self.o_proj[...].astype(x.dtype))

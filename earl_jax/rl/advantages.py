@@ -21,9 +21,10 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int
 
 from earl_jax.dispatch.group_stats import group_stats
-from earl_jax.rl.trajectory import Batch
+from earl_jax.rl.batch import Batch
 from earl_jax.sharding import rules
 
 Estimator = Literal['reinforce', 'reinforce_pp', 'grpo']
@@ -64,8 +65,19 @@ class AdvantageConfig:
       raise ValueError(f'AdvantageConfig.eps must be > 0, got {self.eps}.')
 
 
-def _normalise(values, groups, valid, *, mesh, num_groups, config):
-  """(values - mean) [/ (std + eps)] with per-group statistics over the valid entries."""
+def _normalise(
+  values: Float[Array, ' E'],
+  groups: Int[Array, ' E'],
+  valid: Bool[Array, ' E'],
+  *,
+  mesh: Mesh,
+  num_groups: int,
+  config: AdvantageConfig,
+) -> Float[Array, ' E']:
+  """(values - mean) [/ (std + eps)] with per-group statistics over the valid entries.
+
+  E is B (one value per row) or B x T (one per token, rows leading so the sharding is kept).
+  """
   mean, std, _ = group_stats(values, groups, valid, num_groups=num_groups, mesh=mesh)
   adv = values - mean
   if config.estimator != 'reinforce':
@@ -73,8 +85,10 @@ def _normalise(values, groups, valid, *, mesh, num_groups, config):
   return jnp.where(valid, adv, 0.0)
 
 
-def row_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig):
-  """Per-row advantages [B] from the episode returns (0 for invalid rows)."""
+def row_advantages(
+  batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig
+) -> Float[Array, ' B']:
+  """Per-row advantages from the episode returns (0 for invalid rows)."""
   grpo = config.estimator == 'grpo'
   groups = batch.group_ids if grpo else jnp.zeros_like(batch.group_ids)
   return _normalise(
@@ -87,8 +101,10 @@ def row_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: Advanta
   )
 
 
-def token_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig):
-  """Per-token advantages [B, T] from each turn's reward-to-go (0 off the generated tokens).
+def token_advantages(
+  batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig
+) -> Float[Array, 'B T']:
+  """Per-token advantages from each turn's reward-to-go (0 off the generated tokens).
 
   The statistics run over every generated token of the group (or batch), with the same
   collective group statistics as the rows: [B, T] is viewed as B*T entries whose leading
@@ -118,9 +134,9 @@ def with_advantages(batch: Batch, *, mesh: Mesh, num_groups: int, config: Advant
   return batch.replace(advantages=rules.constrain(tokens.astype(jnp.float32), ('batch', 'seq')))
 
 
-@functools.lru_cache(maxsize=32)
 def advantage_fn(mesh: Mesh, num_groups: int, config: AdvantageConfig):
-  """`with_advantages` jitted for one mesh (call it under `jax.set_mesh(mesh)`)."""
+  """`with_advantages` jitted for one mesh (call it under `jax.set_mesh(mesh)`); the caller keeps
+  it for as long as it uses the mesh (the trainer holds one per train layout)."""
   # Not donated: fields of a batch may share buffers (old and reference log-probs, when there is
   # no reference model), and the batch is small next to the model.
   return jax.jit(

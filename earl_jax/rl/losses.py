@@ -1,6 +1,6 @@
 """Policy-gradient losses: PPO-clip against old log-probs, optional KL to a frozen reference.
 
-All inputs are [B, T] token tables aligned with the tokens (see trajectory.Batch); `mask` marks
+All inputs are [B, T] token tables aligned with the tokens (see batch.Batch); `mask` marks
 the generated positions that carry loss. Aggregation is 'token' (every generated token weighs the
 same: sum over the batch / number of tokens) or 'sequence' (each row's tokens are averaged first,
 then rows are averaged; long replies do not dominate).

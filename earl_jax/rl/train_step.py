@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from earl_jax.models import qwen2
 from earl_jax.rl import losses
-from earl_jax.rl.trajectory import Batch
+from earl_jax.rl.batch import Batch
 from earl_jax.sharding import mesh as mesh_lib
 
 

@@ -8,33 +8,36 @@ context bucket: when the longest episode would outgrow it, the cache is copied i
 bucket (on device); an episode that would outgrow the largest bucket forfeits its turn (its reply
 is submitted empty, which the environment penalises as invalid).
 
+Every turn runs a compiled rollout program taken from `programs` (a `programs.Executables`, whose
+`generate(config, S, B, chunk=P, greedy=...)` gives the program of one cache bucket S and prompt
+bucket P): the very programs the Parallelism Selector profiles and precompiles.
+
 The engine records, per episode: every token, a loss mask of exactly the tokens the policy
 generated, their sampling log-probs, the turn boundaries, the return, and the turn-level and
-episode-level context lengths that EARL's Fig. 1 tracks.
+episode-level context lengths that EARL's Fig. 1 tracks (`trajectories.Trajectories`).
 
-  engine = RolloutEngine(model_cfg, graphdef, tokenizer, env_config, rollout_config, buckets)
+  exe = Executables(model_cfg, spec=StageSpec.for_rollout(rollout_config, tokenizer, model_cfg))
+  engine = RolloutEngine(model_cfg, tokenizer, env_config, rollout_config, buckets, programs=exe)
   traj = engine.run(params, mesh, seed=step)           # host numpy Trajectories
-  batch = traj.to_batch(bucket=1024, rows=64)          # an rl.trajectory.Batch (host)
+  batch = traj.to_batch(bucket=1024, rows=64)          # an rl.batch.Batch (host)
 """
 
 import dataclasses
-import functools
 import time
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
 
-from earl_jax.config import BucketConfig, ModelConfig
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.envs import base as envs
+from earl_jax.envs import registry
 from earl_jax.models import qwen2
 from earl_jax.models.tokenizer import Tokenizer
-from earl_jax.rl.trajectory import Batch
 from earl_jax.rollout import sampler
+from earl_jax.rollout.trajectories import Trajectories
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.sharding import rules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,97 +115,132 @@ def reply_token_ids(
   return tuple(sorted(ids))
 
 
+@runtime_checkable
+class GeneratePrograms(Protocol):
+  """Where the engine gets its compiled turn programs (`programs.Executables` is one).
+
+  `generate(config, bucket, rows, chunk=P, greedy=g)` returns a callable with a `.program`
+  (its `in_shardings` place the inputs) that maps (params, cache, prompt [B, P], num_prompt [B],
+  key, eot_id) to (Generation, cache); `spec.sampling` is the sampling it was built for.
+  """
+
+  spec: Any
+
+  def generate(
+    self, config: ParallelConfig, bucket: int, rows: int, *, chunk: int, greedy: bool
+  ) -> Any: ...
+
+
 @dataclasses.dataclass
-class Trajectories:
-  """Finished episodes on the host. Arrays are [B, L] with L the longest episode."""
+class _Episodes:
+  """The host side of a rollout in progress: what every episode has played so far."""
 
-  tokens: np.ndarray  # int32 [B, L], right-padded with the tokenizer's pad id
-  loss_mask: np.ndarray  # bool [B, L]: tokens the policy generated
-  logprobs: np.ndarray  # f32 [B, L]: their sampling log-probs (0 elsewhere)
-  lengths: np.ndarray  # int32 [B]: episode-level context length (tokens)
-  returns: np.ndarray  # f32 [B]: the episode return (sum of its rewards)
-  turn_rewards: list[list[float]]  # the reward each turn earned
-  group_ids: np.ndarray  # int32 [B]
-  turn_starts: list[list[int]]  # token index where each turn's prompt starts
-  turn_tokens: list[list[int]]  # tokens of each turn (prompt + reply): turn-level context length
-  outcomes: list[str]  # 'win' | 'loss' | 'draw' | 'invalid' | 'overflow' | 'truncated'
-  generated_tokens: int
-  cache_buckets: list[int]
-  timings: dict[str, float]
+  rows: list[list[int]]
+  masks: list[list[bool]]
+  logprobs: list[list[float]]
+  turn_starts: list[list[int]]
+  turn_tokens: list[list[int]]
+  turn_rewards: list[list[float]]
+  outcomes: list[str]
+  returns: np.ndarray  # f32 [B]
+  active: np.ndarray  # bool [B]
+  unterminated: np.ndarray  # bool [B]: the last reply hit the limit without an end-of-turn
+  fill: np.ndarray  # int64 [B]: host mirror of the cache lengths
+  generated: int = 0
 
-  @property
-  def num_episodes(self) -> int:
-    return len(self.outcomes)
+  @classmethod
+  def empty(cls, B: int) -> '_Episodes':
+    lists = lambda: [[] for _ in range(B)]  # noqa: E731
+    return cls(
+      rows=lists(),
+      masks=lists(),
+      logprobs=lists(),
+      turn_starts=lists(),
+      turn_tokens=lists(),
+      turn_rewards=lists(),
+      outcomes=['truncated'] * B,
+      returns=np.zeros(B, np.float32),
+      active=np.ones(B, bool),
+      unterminated=np.zeros(B, bool),
+      fill=np.zeros(B, np.int64),
+    )
 
-  def win_rate(self) -> float:
-    return float(np.mean([o == 'win' for o in self.outcomes]))
+  def record(self, i: int, prompt: list[int], reply: list[int], logprobs: list[float]) -> None:
+    """Appends one turn (its prompt and the policy's reply) to episode i."""
+    self.turn_starts[i].append(len(self.rows[i]))
+    self.rows[i] += prompt + reply
+    self.masks[i] += [False] * len(prompt) + [True] * len(reply)
+    self.logprobs[i] += [0.0] * len(prompt) + logprobs
+    self.turn_tokens[i].append(len(prompt) + len(reply))
+    self.fill[i] += len(prompt) + len(reply)
+    self.generated += len(reply)
 
-  def outcome_rates(self) -> dict[str, float]:
-    n = len(self.outcomes)
-    return {o: sum(x == o for x in self.outcomes) / n for o in sorted(set(self.outcomes))}
+  def score(self, result: envs.StepResult, played: np.ndarray, overflow: np.ndarray) -> None:
+    """Books a step's rewards and finished episodes."""
+    self.returns += result.rewards
+    for i in np.flatnonzero(played).tolist():
+      self.turn_rewards[i].append(float(result.rewards[i]))
+    for i in np.flatnonzero(overflow).tolist():  # the forfeit lands on the last turn played
+      if self.turn_rewards[i]:
+        self.turn_rewards[i][-1] += float(result.rewards[i])
+    for i in np.flatnonzero(self.active & result.dones).tolist():
+      self.outcomes[i] = 'overflow' if overflow[i] else (result.infos[i]['outcome'] or 'truncated')
+    self.active &= ~result.dones
 
-  def context_stats(self) -> dict[str, float]:
-    turns = [t for row in self.turn_tokens for t in row]
-    return {
-      'episode_len_mean': float(np.mean(self.lengths)),
-      'episode_len_max': float(np.max(self.lengths)),
-      'episode_len_p95': float(np.percentile(self.lengths, 95)),
-      'turn_len_mean': float(np.mean(turns)) if turns else 0.0,
-      'turns_mean': float(np.mean([len(t) for t in self.turn_tokens])),
-    }
-
-  def token_returns(self, gamma: float) -> np.ndarray:
-    """[B, L] f32: on every generated token, the discounted reward-to-go from its turn on.
-
-    G_t = sum_k gamma^(k - t) r_k over the episode's turns k >= t; 0 on template tokens.
-    """
-    out = np.zeros(self.tokens.shape, np.float32)
-    for i, rewards in enumerate(self.turn_rewards):
-      g, returns = 0.0, [0.0] * len(rewards)
-      for t in range(len(rewards) - 1, -1, -1):
-        g = rewards[t] + gamma * g
-        returns[t] = g
-      starts = [*self.turn_starts[i], int(self.lengths[i])]
-      for t, g in enumerate(returns):
-        lo, hi = starts[t], starts[t + 1]
-        out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], g, 0.0)
-    return out
-
-  def to_batch(self, *, bucket: int, rows: int, gamma: float = 1.0) -> Batch:
-    """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
-
-    `gamma` discounts the per-token reward-to-go (`Batch.returns`).
-    """
-    B, L = self.tokens.shape
-    if bucket < L:
-      raise ValueError(f'to_batch: bucket {bucket} is shorter than the longest episode ({L}).')
-    if rows < B:
-      raise ValueError(f'to_batch: rows={rows} is fewer than the {B} episodes.')
-    out = Batch.zeros(rows, bucket)
-    pad = lambda x, v=0: np.pad(x, ((0, rows - B), (0, bucket - L)), constant_values=v)  # noqa: E731
-    return out.replace(
-      tokens=pad(self.tokens).astype(np.int32),
-      loss_mask=pad(self.loss_mask, False),
-      sample_logprobs=pad(self.logprobs).astype(np.float32),
-      returns=pad(self.token_returns(gamma)),
-      rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
-      lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
-      group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
-      valid=np.arange(rows) < B,
+  def trajectories(
+    self, *, pad_id: int, group_size: int, cache_buckets: list[int], timings: dict[str, float]
+  ) -> Trajectories:
+    B = len(self.rows)
+    T = max(1, max(len(r) for r in self.rows))
+    tokens = np.full((B, T), pad_id, np.int32)
+    loss_mask = np.zeros((B, T), bool)
+    logprobs = np.zeros((B, T), np.float32)
+    for i in range(B):
+      n = len(self.rows[i])
+      tokens[i, :n] = self.rows[i]
+      loss_mask[i, :n] = self.masks[i]
+      logprobs[i, :n] = self.logprobs[i]
+    return Trajectories(
+      tokens=tokens,
+      loss_mask=loss_mask,
+      logprobs=logprobs,
+      lengths=np.array([len(r) for r in self.rows], np.int32),
+      returns=self.returns,
+      turn_rewards=self.turn_rewards,
+      group_ids=(np.arange(B) // group_size).astype(np.int32),
+      turn_starts=self.turn_starts,
+      turn_tokens=self.turn_tokens,
+      outcomes=self.outcomes,
+      generated_tokens=self.generated,
+      cache_buckets=cache_buckets,
+      timings=timings,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+  """One turn's inputs: each row's new prompt tokens, which rows play, and the padded chunk."""
+
+  prompts: list[list[int]]
+  num_prompt: np.ndarray  # int64 [B]: 0 for rows that do not play
+  played: np.ndarray  # bool [B]
+  overflow: np.ndarray  # bool [B]: would outgrow the largest bucket; forfeits the turn
+  need: np.ndarray  # int64 [B]: the cache fill this turn may reach
+  chunk: np.ndarray  # int32 [B, P]
+
+
 class RolloutEngine:
-  """Runs batched multi-turn episodes of `env_config` with the policy `graphdef` + params."""
+  """Runs batched multi-turn episodes of `env_config` with the rollout programs of `programs`."""
 
   def __init__(
     self,
     model_cfg: ModelConfig,
-    graphdef: nnx.GraphDef,
     tokenizer: Tokenizer,
     env_config: envs.EnvConfig,
     config: RolloutConfig,
     buckets: BucketConfig,
+    *,
+    programs: GeneratePrograms,
   ):
     if config.sampling.max_new_tokens + config.prompt_buckets[0] > buckets.max_length:
       raise ValueError(
@@ -214,48 +252,115 @@ class RolloutEngine:
       raise ValueError(
         f'The tokenizer has {tokenizer.vocab_size} ids but the model only {model_cfg.vocab_size}.'
       )
+    spec = programs.spec
+    if dataclasses.replace(spec.sampling, greedy=False) != dataclasses.replace(
+      config.sampling, greedy=False
+    ):
+      raise ValueError(
+        f'The rollout programs sample with {spec.sampling}, the rollout config with '
+        f'{config.sampling}; build the programs from this rollout config.'
+      )
+    if bool(config.reply_tokens) != (spec.token_ids is not None):
+      raise ValueError(
+        f'RolloutConfig.reply_tokens={config.reply_tokens!r} but the rollout programs were '
+        f'built with token_ids={spec.token_ids}; build the programs from this rollout config.'
+      )
     self.model_cfg = model_cfg
-    self.graphdef = graphdef
     self.tokenizer = tokenizer
     self.env_config = env_config
     self.config = config
     self.buckets = buckets
+    self.programs = programs
     self.prompt_buckets = BucketConfig(lengths=tuple(config.prompt_buckets))
-    self.token_ids = reply_token_ids(tokenizer, config.reply_tokens, model_cfg.vocab_size)
-    self._generate = jax.jit(
-      functools.partial(self._generate_impl, greedy=False), donate_argnums=(1,)
-    )
-    self._generate_greedy = jax.jit(
-      functools.partial(self._generate_impl, greedy=True), donate_argnums=(1,)
-    )
-    self._grow = jax.jit(self._grow_impl, static_argnums=(1,), donate_argnums=(0,))
-    self._empty_cache = jax.jit(self._empty_cache_impl, static_argnums=(0, 1))
+    # Cache creation and growth, compiled once per (layout, bucket) and owned by the engine.
+    self._cache_ops: dict[tuple, Any] = {}
 
-  def _empty_cache_impl(self, batch: int, capacity: int) -> qwen2.KVCache:
-    cache = qwen2.KVCache.abstract(self.model_cfg, batch, capacity)
-    return _constrain_cache(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache))
+  @property
+  def token_ids(self) -> tuple[int, ...] | None:
+    """The constrained reply vocabulary of the programs (None: the whole vocabulary)."""
+    return self.programs.spec.token_ids
 
-  def _grow_impl(self, cache: qwen2.KVCache, capacity: int) -> qwen2.KVCache:
-    extra = capacity - cache.capacity
-    grow = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
-    return _constrain_cache(
-      dataclasses.replace(cache, k=tuple(map(grow, cache.k)), v=tuple(map(grow, cache.v)))
-    )
+  # -- the KV cache ---------------------------------------------------------------------------------
 
-  def _generate_impl(self, params, cache, prompt, num_prompt, key, *, greedy: bool):
-    model = nnx.merge(self.graphdef, params)
-    config = dataclasses.replace(self.config.sampling, greedy=greedy or self.config.sampling.greedy)
-    gen, cache = sampler.generate(
-      model,
+  def _cache_shardings(self, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
+    program = self.programs.generate(
+      parallel,
+      capacity,
+      self.config.num_episodes,
+      chunk=self.prompt_buckets.lengths[0],
+      greedy=False,
+    ).program
+    return program.in_shardings[1]
+
+  def _empty_cache(self, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
+    key = ('empty', parallel, capacity)
+    if key not in self._cache_ops:
+      shardings = self._cache_shardings(parallel, capacity)
+      abstract = qwen2.KVCache.abstract(self.model_cfg, self.config.num_episodes, capacity)
+      self._cache_ops[key] = jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+        out_shardings=shardings,
+      )
+    return self._cache_ops[key]()
+
+  def _grow(self, cache: qwen2.KVCache, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
+    """The cache copied into a larger bucket, on device."""
+    key = ('grow', parallel, cache.capacity, capacity)
+    if key not in self._cache_ops:
+      extra = capacity - cache.capacity
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+      self._cache_ops[key] = jax.jit(
+        lambda c: dataclasses.replace(c, k=tuple(map(pad, c.k)), v=tuple(map(pad, c.v))),
+        out_shardings=self._cache_shardings(parallel, capacity),
+      )
+    return self._cache_ops[key](cache)
+
+  # -- one turn -------------------------------------------------------------------------------------
+
+  def _prepare_turn(self, turn: int, obs: list[str], ep: _Episodes) -> _Turn:
+    """Tokenizes each playing row's new observation and pads the chunk to a prompt bucket."""
+    tok, B = self.tokenizer, self.config.num_episodes
+    prompts: list[list[int]] = [[] for _ in range(B)]
+    for i in np.flatnonzero(ep.active).tolist():
+      ids = tok.turn_prompt_ids(obs[i], first=turn == 0)
+      prompts[i] = (tok.reply_suffix_ids() if ep.unterminated[i] else []) + ids
+    num_prompt = np.array([len(p) for p in prompts], np.int64)
+    need = ep.fill + num_prompt + self.config.sampling.max_new_tokens
+    overflow = ep.active & (need > self.buckets.max_length)
+    played = ep.active & ~overflow
+    num_prompt[~played] = 0
+    P = self.prompt_buckets.bucket_for(max(int(num_prompt.max()), 1))
+    chunk = np.full((B, P), tok.pad_id, np.int32)
+    for i in np.flatnonzero(played).tolist():
+      chunk[i, : num_prompt[i]] = prompts[i]
+    return _Turn(prompts, num_prompt, played, overflow, need, chunk)
+
+  def _generate(self, program, params, cache, turn: _Turn, key, eot) -> tuple[Any, Any]:
+    """Runs the turn's program; returns the host (tokens, log-probs, counts, stopped) and cache."""
+    sh = program.program.in_shardings
+    gen, cache = program(
+      params,
       cache,
-      prompt,
-      num_prompt,
-      key,
-      eot_id=self.tokenizer.eot_id,
-      config=config,
-      token_ids=self.token_ids,
+      jax.device_put(turn.chunk, sh[2]),
+      jax.device_put(turn.num_prompt.astype(np.int32), sh[3]),
+      jax.device_put(key, sh[4]),
+      eot,
     )
-    return gen, _constrain_cache(cache)
+    host = jax.device_get((gen.tokens, gen.logprobs, gen.num_tokens, gen.stopped))
+    return host, cache
+
+  def _record_replies(self, ep: _Episodes, turn: _Turn, host) -> list[str]:
+    """Books each playing row's reply; returns the reply texts for the environment."""
+    gen_tokens, gen_lps, gen_n, gen_stop = host
+    replies = [''] * self.config.num_episodes
+    for i in np.flatnonzero(turn.played).tolist():
+      n = int(gen_n[i])
+      reply = gen_tokens[i, :n].tolist()
+      ep.record(i, turn.prompts[i], reply, gen_lps[i, :n].tolist())
+      ep.unterminated[i] = not gen_stop[i]
+      text_ids = reply[:-1] if gen_stop[i] else reply
+      replies[i] = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+    return replies
 
   def run(
     self,
@@ -269,139 +374,66 @@ class RolloutEngine:
     """Plays `config.num_episodes` episodes to the end.
 
     Args:
-      params: the policy's parameters, sharded on `mesh`.
+      params: the policy's parameters, sharded on `mesh` as its rollout programs take them.
       mesh: the rollout stage's mesh.
       seed: seeds the environment and the sampler (the whole rollout is deterministic in it).
       greedy: argmax decoding (evaluation).
       capacity: the initial cache bucket (e.g. the selector's choice); grown as needed.
     """
-    cfg, tok = self.config, self.tokenizer
-    B, N = cfg.num_episodes, cfg.sampling.max_new_tokens
-    mesh_lib.check_batch_fits(mesh_lib.parallel_config_of(mesh), B, what='num_episodes')
-    env = envs.make_env(self.env_config)
+    cfg = self.config
+    B = cfg.num_episodes
+    parallel = mesh_lib.parallel_config_of(mesh)
+    mesh_lib.check_batch_fits(parallel, B, what='num_episodes')
+    greedy = greedy or cfg.sampling.greedy
+    env = registry.make_env(self.env_config)
     max_turns = cfg.max_turns or env.max_turns
     timings = {'generate_s': 0.0, 'env_s': 0.0, 'host_s': 0.0}
     t0 = time.perf_counter()
     obs = env.reset(B, seed, group_size=cfg.group_size)
     timings['env_s'] += time.perf_counter() - t0
 
-    rows: list[list[int]] = [[] for _ in range(B)]
-    masks: list[list[bool]] = [[] for _ in range(B)]
-    lps: list[list[float]] = [[] for _ in range(B)]
-    turn_starts: list[list[int]] = [[] for _ in range(B)]
-    turn_tokens: list[list[int]] = [[] for _ in range(B)]
-    outcomes: list[str] = ['truncated'] * B
-    returns = np.zeros(B, np.float32)
-    turn_rewards: list[list[float]] = [[] for _ in range(B)]
-    active = np.ones(B, bool)
-    unterminated = np.zeros(B, bool)  # last reply hit the limit without an end-of-turn token
-    fill = np.zeros(B, np.int64)  # host mirror of the cache lengths
-    generated = 0
-    row_sharding = NamedSharding(mesh, rules.spec(('batch', 'seq')))
+    ep = _Episodes.empty(B)
     key = jax.random.fold_in(jax.random.key(seed), 0x5EED)
-    generate = self._generate_greedy if greedy else self._generate
+    S = capacity or self.buckets.lengths[0]
+    cache = self._empty_cache(parallel, S)
+    cache_buckets = [S]
+    eot = None
+    for turn in range(max_turns):
+      if not ep.active.any():
+        break
+      t0 = time.perf_counter()
+      step = self._prepare_turn(turn, obs, ep)
+      if step.played.any() and step.need[step.played].max() > S:
+        S = self.buckets.bucket_for(int(step.need[step.played].max()))
+        cache = self._grow(cache, parallel, S)
+        cache_buckets.append(S)
+      timings['host_s'] += time.perf_counter() - t0
 
-    with jax.set_mesh(mesh):
-      S = capacity or self.buckets.lengths[0]
-      cache = self._empty_cache(B, S)
-      cache_buckets = [S]
-      for turn in range(max_turns):
-        if not active.any():
-          break
-        t0 = time.perf_counter()
-        prompts = [[] for _ in range(B)]
-        for i in np.flatnonzero(active).tolist():
-          ids = tok.turn_prompt_ids(obs[i], first=turn == 0)
-          prompts[i] = (tok.reply_suffix_ids() if unterminated[i] else []) + ids
-        num_prompt = np.array([len(p) for p in prompts], np.int64)
-        need = fill + num_prompt + N
-        overflow = active & (need > self.buckets.max_length)
-        run_rows = active & ~overflow
-        num_prompt[~run_rows] = 0
-        P = self.prompt_buckets.bucket_for(max(int(num_prompt.max()), 1))
-        prompt = np.full((B, P), tok.pad_id, np.int32)
-        for i in np.flatnonzero(run_rows).tolist():
-          prompt[i, : num_prompt[i]] = prompts[i]
-        if run_rows.any() and need[run_rows].max() > S:
-          S = self.buckets.bucket_for(int(need[run_rows].max()))
-          cache = self._grow(cache, S)
-          cache_buckets.append(S)
-        timings['host_s'] += time.perf_counter() - t0
+      t0 = time.perf_counter()
+      program = self.programs.generate(parallel, S, B, chunk=step.chunk.shape[1], greedy=greedy)
+      if eot is None:
+        if not mesh_lib.same_devices(program.program.mesh, mesh):
+          raise ValueError(
+            f'The rollout mesh {dict(mesh.shape)} is not over the devices of the rollout '
+            'programs; build the programs with the devices of the mesh.'
+          )
+        eot = jax.device_put(np.int32(self.tokenizer.eot_id), program.program.in_shardings[5])
+      host, cache = self._generate(program, params, cache, step, jax.random.fold_in(key, turn), eot)
+      timings['generate_s'] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        gen, cache = generate(
-          params,
-          cache,
-          jax.device_put(prompt, row_sharding),
-          jax.device_put(num_prompt.astype(np.int32), NamedSharding(mesh, rules.spec(('batch',)))),
-          jax.random.fold_in(key, turn),
-        )
-        gen_tokens, gen_lps, gen_n, gen_stop = jax.device_get(
-          (gen.tokens, gen.logprobs, gen.num_tokens, gen.stopped)
-        )
-        timings['generate_s'] += time.perf_counter() - t0
+      t0 = time.perf_counter()
+      replies = self._record_replies(ep, step, host)
+      timings['host_s'] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        replies = [''] * B
-        for i in np.flatnonzero(run_rows).tolist():
-          n = int(gen_n[i])
-          reply = gen_tokens[i, :n].tolist()
-          turn_starts[i].append(len(rows[i]))
-          rows[i] += prompts[i] + reply
-          masks[i] += [False] * len(prompts[i]) + [True] * n
-          lps[i] += [0.0] * len(prompts[i]) + gen_lps[i, :n].tolist()
-          turn_tokens[i].append(len(prompts[i]) + n)
-          unterminated[i] = not gen_stop[i]
-          text_ids = reply[:-1] if gen_stop[i] else reply
-          replies[i] = tok.decode(text_ids, skip_special_tokens=True)
-          fill[i] += num_prompt[i] + n
-          generated += n
-        timings['host_s'] += time.perf_counter() - t0
+      t0 = time.perf_counter()
+      result = env.step(replies)
+      timings['env_s'] += time.perf_counter() - t0
+      ep.score(result, step.played, step.overflow)
+      obs = result.observations
 
-        t0 = time.perf_counter()
-        result = env.step(replies)
-        timings['env_s'] += time.perf_counter() - t0
-        returns += result.rewards
-        for i in np.flatnonzero(run_rows).tolist():
-          turn_rewards[i].append(float(result.rewards[i]))
-        for i in np.flatnonzero(overflow).tolist():  # the forfeit lands on the last turn played
-          if turn_rewards[i]:
-            turn_rewards[i][-1] += float(result.rewards[i])
-        for i in np.flatnonzero(active & result.dones).tolist():
-          outcomes[i] = 'overflow' if overflow[i] else (result.infos[i]['outcome'] or 'truncated')
-        active &= ~result.dones
-        obs = result.observations
-
-    L = max(1, max(len(r) for r in rows))
-    tokens = np.full((B, L), tok.pad_id, np.int32)
-    loss_mask = np.zeros((B, L), bool)
-    logprobs = np.zeros((B, L), np.float32)
-    for i in range(B):
-      n = len(rows[i])
-      tokens[i, :n] = rows[i]
-      loss_mask[i, :n] = masks[i]
-      logprobs[i, :n] = lps[i]
-    return Trajectories(
-      tokens=tokens,
-      loss_mask=loss_mask,
-      logprobs=logprobs,
-      lengths=np.array([len(r) for r in rows], np.int32),
-      returns=returns,
-      turn_rewards=turn_rewards,
-      group_ids=(np.arange(B) // cfg.group_size).astype(np.int32),
-      turn_starts=turn_starts,
-      turn_tokens=turn_tokens,
-      outcomes=outcomes,
-      generated_tokens=generated,
+    return ep.trajectories(
+      pad_id=self.tokenizer.pad_id,
+      group_size=cfg.group_size,
       cache_buckets=cache_buckets,
       timings=timings,
     )
-
-
-def _constrain_cache(cache: qwen2.KVCache) -> qwen2.KVCache:
-  return dataclasses.replace(
-    cache,
-    k=tuple(rules.constrain(x, qwen2.KVCache.LOGICAL) for x in cache.k),
-    v=tuple(rules.constrain(x, qwen2.KVCache.LOGICAL) for x in cache.v),
-    lengths=rules.constrain(cache.lengths, ('cache_batch',)),
-  )

@@ -123,7 +123,7 @@ def decode(
   active: Bool[Array, ' B'],
   key: jax.Array,
   *,
-  eot_id: int,
+  eot_id: int | Int[Array, ''],
   config: SamplingConfig,
   token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Generation, KVCache]:
@@ -173,7 +173,7 @@ def generate(
   num_prompt: Int[Array, ' B'],
   key: jax.Array,
   *,
-  eot_id: int,
+  eot_id: int | Int[Array, ''],
   config: SamplingConfig,
   token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Generation, KVCache]:

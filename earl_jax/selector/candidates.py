@@ -4,24 +4,15 @@ A candidate is a `ParallelConfig(dp, fsdp, tp)` whose product is the stage's dev
 divides what it splits: heads, KV heads, MLP width and vocabulary by tp; the hidden size by fsdp;
 the rows (responses) of the stage by dp x fsdp.
 
-  cands = candidates.stage_candidates('rollout', cfg, num_devices=8, rows=(8, 16, 32))
+  cands = candidates.stage_candidates(Stage.ROLLOUT, cfg, num_devices=8, rows=(8, 16, 32))
   [c.name for c in cands]          # ['dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', ...]
 """
 
 from collections.abc import Sequence
-from typing import Literal
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.sharding import mesh as mesh_lib
-
-Stage = Literal['rollout', 'experience', 'train']
-STAGES: tuple[str, ...] = ('rollout', 'experience', 'train')
-
-
-def check_stage(stage: str) -> None:
-  """Raises ValueError naming the known stages when `stage` is not one of them."""
-  if stage not in STAGES:
-    raise ValueError(f'Unknown stage {stage!r}; stages are {STAGES}.')
+from earl_jax.stage import Stage
 
 
 def why_invalid(
@@ -38,7 +29,7 @@ def why_invalid(
 
 
 def stage_candidates(
-  stage: str,
+  stage: Stage,
   model: ModelConfig,
   *,
   num_devices: int,
@@ -49,8 +40,7 @@ def stage_candidates(
   """Every valid layout of `num_devices` devices for `stage` of `model`.
 
   Args:
-    stage: 'rollout', 'experience' or 'train' (all three have candidates; the rules are the same,
-      the stage is checked so that a typo fails here).
+    stage: the stage (all three have candidates; the rules are the same).
     model: the model whose dimensions the layout must divide.
     num_devices: the stage's device count (the product of every candidate).
     rows: row counts (responses) the layout must split over data x fsdp.
@@ -64,7 +54,7 @@ def stage_candidates(
     ShardingError: no layout is valid (the message names each layout's problem), or a layout
       in `only` is invalid.
   """
-  check_stage(stage)
+  stage = Stage.parse(stage)
   if only is not None:
     out = []
     for p in only:

@@ -12,8 +12,12 @@ and measurement settings: a later run on the same setup reuses it, and a file ma
 model or machine is detected and rebuilt, never trusted.
 
   profile = profiler.run(cfg, ProfileConfig(buckets=..., rows=(8, 16), budget_bytes=...),
-                         cache_path='runs/profile.json')
-  profile.cell('rollout', 1024, 16, ParallelConfig(tp=8)).throughput
+                         executables=exe, cache_path='runs/profile.json')
+  profile.cell(Stage.ROLLOUT, 1024, 16, ParallelConfig(tp=8)).throughput
+
+The programs measured are the ones that run: `executables.get(...)` of every candidate key, so
+a profiled rollout cell times the engine's own generate program (a prompt chunk of
+`spec.chunk` tokens, then `spec.decode_tokens` decoded tokens, with end-of-turn disabled).
 """
 
 import dataclasses
@@ -32,14 +36,44 @@ from flax import nnx
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
-from earl_jax.selector import memory as memory_lib
-from earl_jax.selector import reshard as reshard_lib
-from earl_jax.selector import stages as stages_lib
-from earl_jax.selector.candidates import check_stage, stage_candidates
-from earl_jax.selector.executables import Executables
+from earl_jax.programs import builders
+from earl_jax.programs import memory as memory_lib
+from earl_jax.programs.executables import Executables
+from earl_jax.selector.candidates import stage_candidates
 from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.stage import Stage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+  """How one cell is timed.
+
+  Attributes:
+    warmup: untimed calls before timing, per visit (the first call after a switch is slower).
+    repeats: timed calls per visit (at least).
+    min_seconds: keep timing a visit until its calls add up to this (short calls are noisier).
+    rounds: visits per candidate and cell, in a rotating order (samples >= rounds x repeats).
+    seed: seed of the random weights and inputs.
+  """
+
+  warmup: int = 1
+  repeats: int = 2
+  min_seconds: float = 0.0
+  rounds: int = 2
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.warmup < 1:
+      raise ValueError(
+        f'MeasureConfig.warmup must be >= 1 (compile and first-call costs), got {self.warmup}.'
+      )
+    for name in ('repeats', 'rounds'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'MeasureConfig.{name} must be >= 1, got {getattr(self, name)}.')
+    if self.min_seconds < 0:
+      raise ValueError(f'MeasureConfig.min_seconds must be >= 0, got {self.min_seconds}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,32 +87,23 @@ class ProfileConfig:
     budget_bytes: per-device memory budget; cells over it are OOM and not run (None: unlimited).
     candidates: restrict the layouts (default: every valid factorisation of the devices).
     with_fsdp: include fsdp > 1 layouts in the default candidates.
-    warmup: untimed calls before timing, per visit (the first call after a switch is slower).
-    repeats: timed calls per visit (at least).
-    min_seconds: keep timing a visit until its calls add up to this (short calls are noisier).
-    rounds: visits per candidate and cell, in a rotating order (samples >= rounds x repeats).
-    spec: static stage settings (decode tokens per call, micro-batches, optimizer).
-    seed: seed of the random weights and inputs.
+    measure: how each cell is timed.
+    spec: static stage settings (sampling, prompt chunk, micro-batches, optimizer).
   """
 
-  stages: tuple[str, ...] = ('rollout',)
+  stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
   buckets: BucketConfig
   rows: tuple[int, ...]
   budget_bytes: int | None
   candidates: tuple[ParallelConfig, ...] | None = None
   with_fsdp: bool = True
-  warmup: int = 1
-  repeats: int = 3
-  min_seconds: float = 0.0
-  rounds: int = 2
-  spec: stages_lib.StageSpec = dataclasses.field(default_factory=stages_lib.StageSpec)
-  seed: int = 0
+  measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
+  spec: builders.StageSpec = dataclasses.field(default_factory=builders.StageSpec)
 
   def __post_init__(self):
     if not self.stages:
       raise ValueError('ProfileConfig.stages is empty.')
-    for s in self.stages:
-      check_stage(s)
+    object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
       raise ValueError(f'ProfileConfig.rows must be positive ints, got {rows}.')
@@ -91,15 +116,6 @@ class ProfileConfig:
       raise ValueError(
         f'ProfileConfig.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
       )
-    if self.warmup < 1:
-      raise ValueError(
-        f'ProfileConfig.warmup must be >= 1 (compile and first-call costs), got {self.warmup}.'
-      )
-    for name in ('repeats', 'rounds'):
-      if getattr(self, name) < 1:
-        raise ValueError(f'ProfileConfig.{name} must be >= 1, got {getattr(self, name)}.')
-    if self.min_seconds < 0:
-      raise ValueError(f'ProfileConfig.min_seconds must be >= 0, got {self.min_seconds}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,7 +131,7 @@ class Cell:
     measured: a measurement (False: an analytic estimate and a preference score).
   """
 
-  stage: str
+  stage: Stage
   config: str
   bucket: int
   rows: int
@@ -135,7 +151,7 @@ class Cell:
     return float((q75 - q25) / q50)
 
 
-CellKey = tuple[str, int, int, str]
+CellKey = tuple[Stage, int, int, str]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -146,10 +162,10 @@ class Profile:
   cells: dict[CellKey, Cell]
   wall_s: float = 0.0
 
-  def cell(self, stage: str, bucket: int, rows: int, config: ParallelConfig | str) -> Cell:
+  def cell(self, stage: Stage, bucket: int, rows: int, config: ParallelConfig | str) -> Cell:
     name = config if isinstance(config, str) else config.name
     try:
-      return self.cells[(stage, bucket, rows, name)]
+      return self.cells[(Stage.parse(stage), bucket, rows, name)]
     except KeyError:
       raise KeyError(
         f'The profile has no cell ({stage}, bucket {bucket}, rows {rows}, {name}); it covers '
@@ -157,8 +173,8 @@ class Profile:
       ) from None
 
   @property
-  def stages(self) -> tuple[str, ...]:
-    return tuple(self.key['stages'])
+  def stages(self) -> tuple[Stage, ...]:
+    return tuple(Stage.parse(s) for s in self.key['stages'])
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -168,7 +184,7 @@ class Profile:
   def rows(self) -> tuple[int, ...]:
     return tuple(self.key['rows'])
 
-  def candidates(self, stage: str) -> list[ParallelConfig]:
+  def candidates(self, stage: Stage) -> list[ParallelConfig]:
     if stage not in self.key['candidates']:
       raise KeyError(f'The profile has no {stage!r} stage; it has {self.stages}.')
     return [ParallelConfig.parse(n) for n in self.key['candidates'][stage]]
@@ -183,7 +199,7 @@ class Profile:
       f'(profiled rows: {self.rows}); profile a larger load.'
     )
 
-  def best(self, stage: str, bucket: int, rows: int) -> Cell | None:
+  def best(self, stage: Stage, bucket: int, rows: int) -> Cell | None:
     cells = [self.cell(stage, bucket, rows, c) for c in self.candidates(stage)]
     cells = [c for c in cells if c.throughput is not None]
     return max(cells, key=lambda c: c.throughput) if cells else None
@@ -193,14 +209,14 @@ class Profile:
       'format': FORMAT_VERSION,
       'key': self.key,
       'wall_s': self.wall_s,
-      'cells': [dataclasses.asdict(c) for c in self.cells.values()],
+      'cells': [{**dataclasses.asdict(c), 'stage': str(c.stage)} for c in self.cells.values()],
     }
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> 'Profile':
     cells = {}
     for c in data['cells']:
-      cell = Cell(**{**c, 'times_ms': tuple(c['times_ms'])})
+      cell = Cell(**{**c, 'stage': Stage.parse(c['stage']), 'times_ms': tuple(c['times_ms'])})
       cells[(cell.stage, cell.bucket, cell.rows, cell.config)] = cell
     return cls(key=data['key'], cells=cells, wall_s=data.get('wall_s', 0.0))
 
@@ -241,30 +257,27 @@ def _cpu_model() -> str:
 
 
 def profile_key(
-  model: ModelConfig, config: ProfileConfig, candidates: dict[str, list[ParallelConfig]]
+  model: ModelConfig, config: ProfileConfig, candidates: dict[Stage, list[ParallelConfig]]
 ) -> dict[str, Any]:
   """The JSON-able identity of a profile: a cached file is reused only when this matches."""
   spec = config.spec
   return {
     'hardware': hardware(),
     'model': dataclasses.asdict(model),
-    'stages': list(config.stages),
-    'candidates': {s: [c.name for c in cands] for s, cands in candidates.items()},
+    'stages': [str(s) for s in config.stages],
+    'candidates': {str(s): [c.name for c in cands] for s, cands in candidates.items()},
     'buckets': list(config.buckets.lengths),
     'rows': list(config.rows),
     'budget_bytes': config.budget_bytes,
     'spec': {
-      'decode_tokens': spec.decode_tokens,
+      'sampling': dataclasses.asdict(spec.sampling),
+      'chunk': spec.chunk,
+      'token_ids': None if spec.token_ids is None else list(spec.token_ids),
       'micro_batches': spec.micro_batches,
       'optim': dataclasses.asdict(spec.optim),
       'loss': dataclasses.asdict(spec.loss),
     },
-    'measure': {
-      'warmup': config.warmup,
-      'repeats': config.repeats,
-      'min_seconds': config.min_seconds,
-      'rounds': config.rounds,
-    },
+    'measure': dataclasses.asdict(config.measure),
   }
 
 
@@ -305,12 +318,12 @@ def load_cached(path: str, key: dict[str, Any]) -> Profile | None:
   return Profile.from_json(data)
 
 
-def _carry(stage: str, args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
+def _carry(stage: Stage, args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
   """The next call's arguments: donated inputs are replaced by the outputs that alias them."""
-  if stage == 'rollout':
+  if stage == Stage.ROLLOUT:
     # Later calls write past the capacity (dropped); the cost per token is the same.
     return (args[0], out[1], *args[2:])
-  if stage == 'train':
+  if stage == Stage.TRAIN:
     return (out[0], args[1])
   return args
 
@@ -337,7 +350,7 @@ def measure(
 
 def default_candidates(
   model: ModelConfig, config: ProfileConfig, num_devices: int | None = None
-) -> dict[str, list[ParallelConfig]]:
+) -> dict[Stage, list[ParallelConfig]]:
   n = num_devices or len(mesh_lib.canonical_devices())
   return {
     s: stage_candidates(
@@ -389,7 +402,7 @@ def run(
   t_start = time.perf_counter()
   if params is None:
     first = next(iter(candidates.values()))[0]
-    _, params = qwen2.init_model(model, mesh_lib.make_mesh(first), seed=config.seed)
+    _, params = qwen2.init_model(model, mesh_lib.make_mesh(first), seed=config.measure.seed)
   cells: dict[CellKey, Cell] = {}
   try:
     for stage in config.stages:
@@ -429,15 +442,14 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
       if progress:
         progress(cell)
   times: dict[ParallelConfig, list[float]] = {c: [] for c in feasible}
-  for r in range(config.rounds):
+  m = config.measure
+  for r in range(m.rounds):
     order = feasible[r % len(feasible) :] + feasible[: r % len(feasible)] if feasible else []
     for c in order:
       entry = entries[c]
-      params = reshard_lib.reshard_tree(params, entry.program.param_shardings)
-      args = stages_lib.make_inputs(entry.program, params, seed=config.seed)
-      ts, _ = measure(
-        entry, args, warmup=config.warmup, repeats=config.repeats, min_seconds=config.min_seconds
-      )
+      params = exe.resharder(params, entry.program.param_shardings)
+      args = builders.make_inputs(entry.program, params, seed=m.seed)
+      ts, _ = measure(entry, args, warmup=m.warmup, repeats=m.repeats, min_seconds=m.min_seconds)
       times[c].extend(ts)
       del args
   for c in feasible:

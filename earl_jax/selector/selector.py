@@ -17,20 +17,23 @@ the number of responses (the load) and, optionally, the free per-device memory. 
 5. Every decision is recorded with its reason.
 
 Where the ranking comes from, per stage: a measured `Profile` (the paper: decode throughput per
-layout and context range, measured at start-up; `profile_stages`), or, for the other stages, the
-analytic memory model with a static preference for the fewest model-parallel splits (the layout
-that wins at short context in the paper and on CPU), so that they still move to wider layouts as
-their memory grows without paying for a profile.
+layout and context range, measured at start-up by its own call, `profiler.run`, for
+`SelectorConfig.profile.stages`), or, for the other stages, the analytic memory model with a
+static preference for the fewest model-parallel splits (the layout that wins at short context in
+the paper and on CPU), so that they still move to wider layouts as their memory grows without
+paying for a profile.
 
-  sel = Selector(SelectorConfig(budget_mib=90), model=cfg, buckets=table, rows=64)
-  d = sel.decide('rollout', StepStats(episode_lengths=lengths, num_responses=64))
+  pconfig = selector.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
+  profile = profiler.run(cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
+  sel = Selector(sel_cfg, model=cfg, buckets=table, rows=64, profile=profile, spec=spec)
+  d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=lengths, num_responses=64))
   d.config, d.bucket, d.run_bucket, d.reason
   for key in sel.lookahead(d): executables.precompile(*key, tree=params)
 """
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -38,14 +41,34 @@ import numpy as np
 from absl import logging
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.selector import memory as memory_lib
-from earl_jax.selector import profiler as profiler_lib
-from earl_jax.selector import stages as stages_lib
-from earl_jax.selector.candidates import STAGES, check_stage, stage_candidates
-from earl_jax.selector.profiler import Cell, Profile
+from earl_jax.programs import builders
+from earl_jax.programs import memory as memory_lib
+from earl_jax.selector import analytic
+from earl_jax.selector.candidates import stage_candidates
+from earl_jax.selector.profiler import Cell, MeasureConfig, Profile, ProfileConfig
+from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
 STATISTICS = ('mean', 'max', 'p95')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+  """Which stages the start-up profile measures, where it is cached, and how it times.
+
+  Attributes:
+    stages: stages ranked by a measured profile (the paper profiles rollout decode); the others
+      are ranked by the analytic model and the fewest-splits preference.
+    cache: JSON file of the profile (reused when it matches the setup).
+    measure: how each cell is timed.
+  """
+
+  stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
+  cache: str | None = None
+  measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
+
+  def __post_init__(self):
+    object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,11 +85,8 @@ class SelectorConfig:
       devices report none, unlimited unless given (an emulated figure).
     candidates: layout names to consider ('dp8', 'dp2.tp4', ...); None: every valid one.
     with_fsdp: include fsdp > 1 layouts in the default candidates.
-    profile_stages: stages ranked by a measured profile (the paper profiles rollout decode);
-      the others are ranked by the analytic model and the fewest-splits preference.
-    profile_cache: JSON file of the start-up profile (reused when it matches the setup).
-    decode_tokens: tokens per measured decode call.
-    warmup, repeats, min_seconds, rounds: the profiler's measurement (see ProfileConfig).
+    profile: what the start-up profile measures (`profile_config` turns it into a
+      `ProfileConfig`; `profiler.run` measures it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
   """
 
@@ -76,15 +96,9 @@ class SelectorConfig:
   switch_threshold: float = 0.03
   patience: int = 2
   budget_mib: float | None = None
-  candidates: Sequence[str] | None = None
+  candidates: tuple[str, ...] | None = None
   with_fsdp: bool = False
-  profile_stages: Sequence[str] = ('rollout',)
-  profile_cache: str | None = None
-  decode_tokens: int = 8
-  warmup: int = 1
-  repeats: int = 2
-  min_seconds: float = 0.0
-  rounds: int = 2
+  profile: ProfileSettings = dataclasses.field(default_factory=ProfileSettings)
   initial_context: int | None = None
 
   def __post_init__(self):
@@ -104,9 +118,6 @@ class SelectorConfig:
       raise ValueError(f'SelectorConfig.patience must be an int >= 1, got {self.patience!r}.')
     if self.budget_mib is not None and not self.budget_mib > 0:
       raise ValueError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
-    object.__setattr__(self, 'profile_stages', tuple(self.profile_stages))
-    for s in self.profile_stages:
-      check_stage(s)
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
       for c in self.candidates:
@@ -119,6 +130,38 @@ class SelectorConfig:
   @property
   def budget_bytes(self) -> int | None:
     return None if self.budget_mib is None else int(self.budget_mib * memory_lib.MiB)
+
+  @property
+  def layouts(self) -> tuple[ParallelConfig, ...] | None:
+    """The parsed candidates (None: every valid layout)."""
+    return (
+      None if self.candidates is None else tuple(ParallelConfig.parse(c) for c in self.candidates)
+    )
+
+
+def profile_config(
+  config: SelectorConfig,
+  *,
+  buckets: BucketConfig,
+  rows: int | Sequence[int],
+  spec: builders.StageSpec,
+  budget_bytes: int | None,
+) -> ProfileConfig:
+  """The start-up profile a selector with `config` ranks its profiled stages by."""
+  return ProfileConfig(
+    stages=config.profile.stages,
+    buckets=buckets,
+    rows=_load_bins(rows),
+    budget_bytes=budget_bytes,
+    candidates=config.layouts,
+    with_fsdp=config.with_fsdp,
+    measure=config.profile.measure,
+    spec=spec,
+  )
+
+
+def _load_bins(rows: int | Sequence[int]) -> tuple[int, ...]:
+  return (rows,) if isinstance(rows, int) else tuple(sorted(set(rows)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,7 +229,7 @@ class Decision:
     options: every candidate with its score, need and feasibility.
   """
 
-  stage: str
+  stage: Stage
   step: int
   config: ParallelConfig
   bucket: int
@@ -204,6 +247,7 @@ class Decision:
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
+    d['stage'] = str(self.stage)
     d['config'] = self.config.name
     d['previous'] = None if self.previous is None else self.previous.name
     return d
@@ -229,27 +273,28 @@ def fewest_splits_score(config: ParallelConfig) -> float:
 def analytic_profile(
   model: ModelConfig,
   *,
-  stages: Sequence[str],
+  stages: Sequence[Stage],
   buckets: BucketConfig,
   rows: Sequence[int],
-  candidates: dict[str, list[ParallelConfig]],
-  spec: stages_lib.StageSpec,
-  coefficients: memory_lib.Coefficients | None = None,
+  candidates: Mapping[Stage, Sequence[ParallelConfig]],
+  spec: builders.StageSpec,
+  coefficients: analytic.Coefficients | None = None,
 ) -> Profile:
   """A profile without measurements: analytic memory, fewest-splits scores (nothing compiles)."""
-  coefficients = coefficients or memory_lib.Coefficients()
+  coefficients = coefficients or analytic.Coefficients()
   cells = {}
   for stage in stages:
     for bucket in buckets.lengths:
       for r in rows:
         for c in candidates[stage]:
-          need = memory_lib.estimate(
+          need = analytic.estimate(
             stage,
             model,
             c,
             bucket,
             r,
             decode_tokens=spec.decode_tokens,
+            chunk=spec.chunk,
             micro_batches=spec.micro_batches,
             coefficients=coefficients,
           ).total
@@ -265,8 +310,8 @@ def analytic_profile(
           )
   key = {
     'source': 'analytic',
-    'stages': list(stages),
-    'candidates': {s: [c.name for c in candidates[s]] for s in stages},
+    'stages': [str(s) for s in stages],
+    'candidates': {str(s): [c.name for c in candidates[s]] for s in stages},
     'buckets': list(buckets.lengths),
     'rows': list(rows),
   }
@@ -281,8 +326,25 @@ class _StageState:
   decisions: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+  """What one step's statistics say, before any layout is ranked."""
+
+  value: float  # the statistic, after headroom
+  longest: float  # the longest episode, after headroom
+  bucket: int  # the ranking bucket, after the hysteresis on moving down
+  run_bucket: int  # the bucket that holds the longest episode
+  rows: int  # the load bin
+  budget: int | None
+  notes: tuple[str, ...]
+
+
 class Selector:
-  """Decides each stage's layout (see the module docstring)."""
+  """Decides each stage's layout (see the module docstring).
+
+  Construction never compiles or measures anything: stages covered by `profile` are ranked by
+  its measurements, the others by the analytic model (from `model` and `spec`).
+  """
 
   def __init__(
     self,
@@ -293,8 +355,7 @@ class Selector:
     model: ModelConfig | None = None,
     num_devices: int | None = None,
     profile: Profile | None = None,
-    executables: Any = None,
-    spec: stages_lib.StageSpec | None = None,
+    spec: builders.StageSpec | None = None,
   ):
     """Args:
     config: the decision rule and where rankings come from.
@@ -302,91 +363,78 @@ class Selector:
     rows: the number(s) of responses the stages run (the load bins).
     model: the model (needed unless every stage is in `profile`).
     num_devices: devices of every stage (default: all).
-    profile: a measured profile to use for its stages (default: measured now for
-      `config.profile_stages`, reusing `config.profile_cache` when it matches).
-    executables: the compile cache to profile with (optional).
-    spec: static stage settings (default: `decode_tokens` from the config).
+    profile: a measured profile (`profiler.run(profile_config(...))`); it must cover every
+      stage of `config.profile.stages`.
+    spec: static stage settings of the analytic model (decode tokens, prompt chunk,
+      micro-batches); default `StageSpec()`.
+
+    Raises:
+      ValueError: the profile's buckets differ from `buckets`, or it lacks a profiled stage.
     """
     self.config = config
     self.buckets = buckets
-    self.rows = (rows,) if isinstance(rows, int) else tuple(sorted(set(rows)))
+    self.rows = _load_bins(rows)
     self.budget_bytes = memory_lib.resolve_budget(config.budget_bytes)
     self.history: list[Decision] = []
-    self._state: dict[str, _StageState] = {}
-    spec = spec or stages_lib.StageSpec(decode_tokens=config.decode_tokens)
-    self._profiles: dict[str, Profile] = {}
+    self._state: dict[Stage, _StageState] = {}
+    self._profiles: dict[Stage, Profile] = {}
     if profile is not None:
       if tuple(buckets.lengths) != profile.buckets:
         raise ValueError(
           f'Buckets {buckets.lengths} differ from the profiled buckets {profile.buckets}.'
         )
-      for s in profile.stages:
-        self._profiles[s] = profile
-    missing = [s for s in STAGES if s not in self._profiles]
-    if not missing or model is None:
-      return  # (a stage without a profile then raises in decide)
-    n = num_devices or jax.device_count()
-    only = (
-      None if config.candidates is None else [ParallelConfig.parse(c) for c in config.candidates]
-    )
-    cands = {
-      s: stage_candidates(
-        s, model, num_devices=n, rows=self.rows, with_fsdp=config.with_fsdp, only=only
+      self._profiles.update(dict.fromkeys(profile.stages, profile))
+    unmeasured = [s for s in config.profile.stages if s not in self._profiles]
+    if unmeasured:
+      raise ValueError(
+        f'SelectorConfig.profile.stages names {[str(s) for s in unmeasured]}, which no '
+        'profile covers; measure one with profiler.run(model, selector.profile_config(...)) '
+        'and pass it as `profile`, or leave those stages to the analytic model.'
       )
-      for s in missing
-    }
-    measure = [s for s in missing if s in config.profile_stages]
-    if measure:
-      pconfig = profiler_lib.ProfileConfig(
-        stages=tuple(measure),
+    missing = [s for s in STAGES if s not in self._profiles]
+    if missing and model is not None:
+      n = num_devices or jax.device_count()
+      cands = {
+        s: stage_candidates(
+          s, model, num_devices=n, rows=self.rows, with_fsdp=config.with_fsdp, only=config.layouts
+        )
+        for s in missing
+      }
+      est = analytic_profile(
+        model,
+        stages=missing,
         buckets=buckets,
         rows=self.rows,
-        budget_bytes=self.budget_bytes,
-        candidates=None if only is None else tuple(only),
-        with_fsdp=config.with_fsdp,
-        warmup=config.warmup,
-        repeats=config.repeats,
-        min_seconds=config.min_seconds,
-        rounds=config.rounds,
-        spec=spec,
+        candidates=cands,
+        spec=spec or builders.StageSpec(),
       )
-      measured = profiler_lib.run(
-        model, pconfig, executables=executables, cache_path=config.profile_cache
-      )
-      for s in measure:
-        self._profiles[s] = measured
-    rest = [s for s in missing if s not in measure]
-    if rest:
-      est = analytic_profile(
-        model, stages=rest, buckets=buckets, rows=self.rows, candidates=cands, spec=spec
-      )
-      for s in rest:
-        self._profiles[s] = est
+      self._profiles.update(dict.fromkeys(missing, est))
 
   # -- state ----------------------------------------------------------------------------------------
 
-  def current(self, stage: str) -> ParallelConfig | None:
+  def current(self, stage: Stage) -> ParallelConfig | None:
     """The layout of the stage's last decision."""
-    return self._state.get(stage, _StageState()).config
+    return self._state.get(Stage.parse(stage), _StageState()).config
 
   @property
-  def stages(self) -> tuple[str, ...]:
+  def stages(self) -> tuple[Stage, ...]:
     """The stages this selector can decide."""
     return tuple(s for s in STAGES if s in self._profiles)
 
-  def profile(self, stage: str) -> Profile:
-    check_stage(stage)
+  def profile(self, stage: Stage) -> Profile:
+    stage = Stage.parse(stage)
     if stage not in self._profiles:
       raise ValueError(
-        f'The selector has no ranking for {stage!r} (it has {self.stages}); give the model so '
-        'that unprofiled stages use the analytic model, or a profile that covers the stage.'
+        f"The selector has no ranking for '{stage}' (it has {[str(s) for s in self.stages]}); "
+        'give the model so that unprofiled stages use the analytic model, or a profile that '
+        'covers the stage.'
       )
     return self._profiles[stage]
 
   def state_dict(self) -> dict[str, Any]:
     """JSON-able state (current layouts, buckets, hysteresis counters) for checkpoints."""
     return {
-      s: {
+      str(s): {
         'config': None if st.config is None else st.config.name,
         'bucket': st.bucket,
         'lower_readings': st.lower_readings,
@@ -395,10 +443,9 @@ class Selector:
       for s, st in self._state.items()
     }
 
-  def load_state_dict(self, state: dict[str, Any]) -> None:
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
     for s, d in state.items():
-      check_stage(s)
-      self._state[s] = _StageState(
+      self._state[Stage.parse(s)] = _StageState(
         config=None if d['config'] is None else ParallelConfig.parse(d['config']),
         bucket=d['bucket'],
         lower_readings=d['lower_readings'],
@@ -414,7 +461,7 @@ class Selector:
   def _fits(self, need: int, budget: int | None) -> bool:
     return budget is None or memory_lib.fits(need, budget, margin=self.config.safety_margin)
 
-  def _options(self, stage: str, bucket: int, run_bucket: int, rows: int, budget: int | None):
+  def _options(self, stage: Stage, bucket: int, run_bucket: int, rows: int, budget: int | None):
     profile = self._profiles[stage]
     out = []
     for c in profile.candidates(stage):
@@ -444,7 +491,7 @@ class Selector:
     n = self.config.initial_context or self.buckets.lengths[0]
     return StepStats(episode_lengths=(n,), num_responses=self.rows[-1])
 
-  def initial_decisions(self) -> dict[str, Decision]:
+  def initial_decisions(self) -> dict[Stage, Decision]:
     """What `decide(stage, None)` would choose for every stage, without recording anything."""
     out = {}
     for s in self.stages:
@@ -458,23 +505,9 @@ class Selector:
         self._state[s] = saved[0]
     return out
 
-  def decide(self, stage: str, stats: StepStats | None) -> Decision:
-    """The layout and bucket for the coming `stage`, from the previous step's `stats`.
-
-    Args:
-      stage: 'rollout', 'experience' or 'train'.
-      stats: the previous step's statistics; None before the first step (the initial context).
-
-    Raises:
-      ValueError: a context longer than the largest bucket, or a load above the profiled ones.
-      memory.InfeasibleError: no layout fits; names the smallest layout's need.
-    """
-    check_stage(stage)
+  def _read(self, stage: Stage, stats: StepStats, st: _StageState) -> _Reading:
+    """Step 1-3 of the rule: the ranking and run buckets (with hysteresis), the load, the budget."""
     cfg = self.config
-    if stats is None:
-      stats = self._initial_stats()
-    profile = self.profile(stage)
-    st = self._state.setdefault(stage, _StageState())
     value = context_statistic(stats.episode_lengths, cfg.statistic) * cfg.headroom
     longest = max(stats.episode_lengths) * cfg.headroom
     try:
@@ -482,7 +515,6 @@ class Selector:
       run_bucket = self.buckets.bucket_for(math.ceil(longest))
     except ValueError as e:
       raise ValueError(f'{stage}: context too long for the bucket table: {e}') from None
-    rows = profile.rows_bin(stats.num_responses)
     notes = []
     bucket = raw_bucket
     if st.bucket is not None and raw_bucket < st.bucket:
@@ -501,80 +533,103 @@ class Selector:
     if stats.free_memory_bytes is not None and (budget is None or stats.free_memory_bytes < budget):
       budget = stats.free_memory_bytes
       notes.append(f'free memory {budget / memory_lib.MiB:.1f} MiB')
-    options = self._options(stage, bucket, run_bucket, rows, budget)
-    feasible = [(c, o) for c, o in options if o.feasible]
-    if not feasible:
-      raise self._infeasible(stage, run_bucket, rows, budget, options)
-    best_c, best = max(feasible, key=lambda x: x[1].throughput)
-    unit = 'tok/s/dev' if profile.cell(stage, bucket, rows, best_c).measured else '(preference)'
-    prev = st.config
-    chosen_c, chosen = best_c, best
+    rows = self.profile(stage).rows_bin(stats.num_responses)
+    return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes))
+
+  def _choose(self, options, best, prev: ParallelConfig | None, reading: _Reading, unit: str):
+    """Step 4: the fastest feasible layout, or the current one while it is close enough."""
+    cfg = self.config
+    best_c, best_o = best
     current = next(((c, o) for c, o in options if c == prev), None)
     if prev is None:
-      why = f'first decision: fastest feasible is {best_c.name}'
-    elif current is not None and current[1].feasible:
-      if current[1].throughput >= (1.0 - cfg.switch_threshold) * best.throughput:
-        chosen_c, chosen = current
+      return best, f'first decision: fastest feasible is {best_c.name}'
+    if current is not None and current[1].feasible:
+      cur_o = current[1]
+      if cur_o.throughput >= (1.0 - cfg.switch_threshold) * best_o.throughput:
         if prev == best_c:
-          why = f'kept {prev.name} (fastest feasible)'
-        else:
-          why = (
-            f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best_c.name}: '
-            f'{current[1].throughput:.1f} vs {best.throughput:.1f} {unit})'
-          )
-      else:
-        why = (
-          f'{best_c.name} is {best.throughput / current[1].throughput - 1:.0%} faster than '
-          f'{prev.name} ({best.throughput:.1f} vs {current[1].throughput:.1f} {unit})'
+          return current, f'kept {prev.name} (fastest feasible)'
+        return current, (
+          f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best_c.name}: '
+          f'{cur_o.throughput:.1f} vs {best_o.throughput:.1f} {unit})'
         )
-    else:
-      need = current[1].need_bytes if current else 0
-      why = (
-        f'{prev.name} no longer fits ({need / memory_lib.MiB:.1f} MiB x'
-        f'{1 + cfg.safety_margin:.2f} > {budget / memory_lib.MiB:.1f} MiB at bucket {run_bucket}); '
-        f'fastest feasible is {best_c.name}'
+      return best, (
+        f'{best_c.name} is {best_o.throughput / cur_o.throughput - 1:.0%} faster than '
+        f'{prev.name} ({best_o.throughput:.1f} vs {cur_o.throughput:.1f} {unit})'
       )
+    need = current[1].need_bytes if current else 0
+    return best, (
+      f'{prev.name} no longer fits ({need / memory_lib.MiB:.1f} MiB x'
+      f'{1 + cfg.safety_margin:.2f} > {reading.budget / memory_lib.MiB:.1f} MiB at bucket '
+      f'{reading.run_bucket}); fastest feasible is {best_c.name}'
+    )
+
+  def decide(self, stage: Stage, stats: StepStats | None) -> Decision:
+    """The layout and bucket for the coming `stage`, from the previous step's `stats`.
+
+    Args:
+      stage: the stage to decide.
+      stats: the previous step's statistics; None before the first step (the initial context).
+
+    Raises:
+      ValueError: a context longer than the largest bucket, or a load above the profiled ones.
+      memory.InfeasibleError: no layout fits; names the smallest layout's need.
+    """
+    stage = Stage.parse(stage)
+    stats = stats or self._initial_stats()
+    profile = self.profile(stage)
+    st = self._state.setdefault(stage, _StageState())
+    r = self._read(stage, stats, st)
+    options = self._options(stage, r.bucket, r.run_bucket, r.rows, r.budget)
+    feasible = [(c, o) for c, o in options if o.feasible]
+    if not feasible:
+      raise self._infeasible(stage, r.run_bucket, r.rows, r.budget, options)
+    best = max(feasible, key=lambda x: x[1].throughput)
+    measured = profile.cell(stage, r.bucket, r.rows, best[0]).measured
+    prev = st.config
+    (chosen_c, chosen), why = self._choose(
+      options, best, prev, r, 'tok/s/dev' if measured else '(preference)'
+    )
     infeasible = [c.name for c, o in options if not o.feasible]
     reason = (
-      f'{stage}: {cfg.statistic} context {value:.0f} -> bucket {bucket}, longest '
-      f'{longest:.0f} -> run bucket {run_bucket}, {stats.num_responses} responses -> load {rows}; '
-      f'{why}'
+      f'{stage}: {self.config.statistic} context {r.value:.0f} -> bucket {r.bucket}, longest '
+      f'{r.longest:.0f} -> run bucket {r.run_bucket}, {stats.num_responses} responses -> load '
+      f'{r.rows}; {why}'
       + (f'; infeasible: {", ".join(infeasible)}' if infeasible else '')
-      + (f'; {"; ".join(notes)}' if notes else '')
+      + (f'; {"; ".join(r.notes)}' if r.notes else '')
     )
     decision = Decision(
       stage=stage,
       step=st.decisions,
       config=chosen_c,
-      bucket=bucket,
-      run_bucket=run_bucket,
-      rows=rows,
-      statistic=value,
+      bucket=r.bucket,
+      run_bucket=r.run_bucket,
+      rows=r.rows,
+      statistic=r.value,
       throughput=chosen.throughput,
-      measured=profile.cell(stage, bucket, rows, chosen_c).measured,
+      measured=profile.cell(stage, r.bucket, r.rows, chosen_c).measured,
       need_bytes=chosen.need_bytes,
-      budget_bytes=budget,
+      budget_bytes=r.budget,
       switched=prev is not None and chosen_c != prev,
       previous=prev,
       reason=reason,
       options=tuple(o for _, o in options),
     )
-    st.config, st.bucket = chosen_c, bucket
+    st.config, st.bucket = chosen_c, r.bucket
     st.decisions += 1
     self.history.append(decision)
     if decision.switched:
       logging.info('selector: %s', reason)
     return decision
 
-  def best_for(self, stage: str, bucket: int, rows: int) -> ParallelConfig | None:
+  def best_for(self, stage: Stage, bucket: int, rows: int) -> ParallelConfig | None:
     """The fastest layout that fits at (bucket, rows), without hysteresis (None: nothing fits)."""
-    options = self._options(stage, bucket, bucket, rows, self.budget_bytes)
+    options = self._options(Stage.parse(stage), bucket, bucket, rows, self.budget_bytes)
     feasible = [(c, o) for c, o in options if o.feasible]
     if not feasible:
       return None
     return max(feasible, key=lambda x: x[1].throughput)[0]
 
-  def lookahead(self, decision: Decision) -> list[tuple[str, ParallelConfig, int, int]]:
+  def lookahead(self, decision: Decision) -> list[tuple[Stage, ParallelConfig, int, int]]:
     """Keys worth compiling in the background now: the chosen one, and the next bucket's.
 
     For the next bucket up: its fastest feasible layout, and the chosen layout too when it fits

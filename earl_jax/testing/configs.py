@@ -4,12 +4,12 @@ import dataclasses
 
 from earl_jax.config import BucketConfig
 from earl_jax.envs.base import EnvConfig
+from earl_jax.experiment import ExperimentConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.rl.train_step import OptimConfig
 from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector.selector import SelectorConfig
-from earl_jax.trainer import ExperimentConfig
+from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 
 
 def smoke_experiment(**changes) -> ExperimentConfig:
@@ -30,7 +30,9 @@ def smoke_experiment(**changes) -> ExperimentConfig:
     optim=OptimConfig(learning_rate=3e-3),
     buckets=BucketConfig(lengths=(64, 128)),
     # Ranked by the analytic model (no timing), so that a run's layouts are reproducible.
-    selector=SelectorConfig(statistic='max', candidates=('dp8', 'dp4.tp2'), profile_stages=()),
+    selector=SelectorConfig(
+      statistic='max', candidates=('dp8', 'dp4.tp2'), profile=ProfileSettings(stages=())
+    ),
     balance=True,  # exercise the permuted layout-aware dispatch every step
     steps=3,
     eval_every=2,

@@ -56,34 +56,42 @@ def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:
   }
 
 
-def rollout_peaks_near_a_budget(bucket: int, rows: int) -> dict:
+def rollout_peaks_near_a_budget(bucket: int, rows: int, small: str, big: str) -> dict:
   """XLA's per-device peak of two rollout layouts against their measured peak when run.
 
-  Runs in a fresh process: the measurement reads this process's resident memory, which earlier
-  work in a long-lived test process would disturb.
+  The model is wide for its size (D = 512, V = 4096), so that the layouts' weights differ by
+  megabytes. Each program runs once unmeasured (the first run of a program allocates its
+  runtime state), then once measured. Runs in a fresh process: the measurement reads this
+  process's resident memory, which earlier work in a long-lived test process would disturb.
   """
   from earl_jax.config import ModelConfig, ParallelConfig
   from earl_jax.models import qwen2
-  from earl_jax.selector import memory, stages
-  from earl_jax.selector.executables import Executables
+  from earl_jax.programs import builders, memory
+  from earl_jax.programs.executables import Executables
+  from earl_jax.rollout.sampler import SamplingConfig
+  from earl_jax.stage import Stage
 
-  cfg = ModelConfig.preset('small-kv')
-  small, big = ParallelConfig(tp=8), ParallelConfig(dp=2, tp=4)
+  cfg = ModelConfig.preset('small-kv').replace(
+    name='wide-kv', hidden_size=512, intermediate_size=2048, vocab_size=4096, head_dim=64
+  )
+  small, big = ParallelConfig.parse(small), ParallelConfig.parse(big)
   out = {}
-  with Executables(cfg, spec=stages.StageSpec(decode_tokens=4)) as exe:
-    need = {c: exe.get('rollout', c, bucket, rows).memory.peak for c in (small, big)}
+  spec = builders.StageSpec(sampling=SamplingConfig(max_new_tokens=4))
+  with Executables(cfg, spec=spec) as exe:
+    need = {c: exe.get(Stage.ROLLOUT, c, bucket, rows).memory.peak for c in (small, big)}
     budget = (need[small] + need[big]) // 2
-    exe.get('rollout', small, bucket, rows, budget=budget)
+    exe.get(Stage.ROLLOUT, small, bucket, rows, budget=budget)
     try:
-      exe.get('rollout', big, bucket, rows, budget=budget)
+      exe.get(Stage.ROLLOUT, big, bucket, rows, budget=budget)
       out['refused'] = None
     except memory.InfeasibleError as e:
       out['refused'] = str(e)
-    _, params = qwen2.init_model(cfg, exe.get('rollout', small, bucket, rows).program.mesh)
+    _, params = qwen2.init_model(cfg, exe.get(Stage.ROLLOUT, small, bucket, rows).program.mesh)
     for c in (small, big):
-      entry = exe.get('rollout', c, bucket, rows)
+      entry = exe.get(Stage.ROLLOUT, c, bucket, rows)
       p = jax.jit(lambda x: x, out_shardings=entry.program.in_shardings[0])(params)
-      args = stages.make_inputs(entry.program, p)
+      jax.block_until_ready(entry.compiled(*builders.make_inputs(entry.program, p)))
+      args = builders.make_inputs(entry.program, p)
       measured, result = memory.measure_run_peak(entry.compiled, args)
       out[c.name] = {
         'need': need[c],

@@ -16,6 +16,9 @@ budget: there the low-tp layouts are the fastest at short context and stop fitti
 import dataclasses
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.programs.builders import StageSpec
+from earl_jax.rollout.sampler import SamplingConfig
+from earl_jax.selector.profiler import MeasureConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,7 +32,9 @@ class SelectorBench:
     budget_mib: emulated per-device budget on CPU (a GPU uses its own limit when smaller).
     candidates: layouts to compare (None: every valid dp x tp, plus fsdp if `with_fsdp`).
     with_fsdp: include fsdp layouts in the default candidates.
-    decode_tokens: tokens decoded per measured call.
+    decode_tokens: tokens decoded per measured call (N of the rollout program).
+    chunk: prompt tokens each measured call prefills first (P of the rollout program; 1 makes
+      the measurement the paper's decode throughput).
     warmup, repeats, min_seconds, rounds: the profiler's measurement (the median of at least
       rounds x repeats calls, each visit timing at least min_seconds).
     compare: the two layouts of the paper's Eq. 1 speedup, (a, b): (TGS(b) - TGS(a)) / TGS(a).
@@ -48,6 +53,7 @@ class SelectorBench:
   candidates: tuple[ParallelConfig, ...] | None = None
   with_fsdp: bool = False
   decode_tokens: int = 8
+  chunk: int = 1
   warmup: int = 1
   repeats: int = 2
   min_seconds: float = 0.0
@@ -68,6 +74,18 @@ class SelectorBench:
       raise ValueError(f'budget_mib must be positive, got {self.budget_mib}.')
     if not 0 <= self.growth_spread < 1:
       raise ValueError(f'growth_spread must be in [0, 1), got {self.growth_spread}.')
+
+  @property
+  def spec(self) -> StageSpec:
+    """The stage settings of the measured rollout programs (greedy decoding)."""
+    sampling = SamplingConfig(max_new_tokens=self.decode_tokens, greedy=True)
+    return StageSpec(sampling=sampling, chunk=self.chunk)
+
+  @property
+  def measure(self) -> MeasureConfig:
+    return MeasureConfig(
+      warmup=self.warmup, repeats=self.repeats, min_seconds=self.min_seconds, rounds=self.rounds
+    )
 
 
 def get_config(name: str = 'cpu') -> SelectorBench:

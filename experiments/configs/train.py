@@ -14,14 +14,15 @@ import dataclasses
 
 from earl_jax.config import BucketConfig
 from earl_jax.envs.base import EnvConfig
+from earl_jax.experiment import ExperimentConfig
 from earl_jax.rl.advantages import AdvantageConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.rl.train_step import OptimConfig
 from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector.selector import SelectorConfig
+from earl_jax.selector.profiler import MeasureConfig
+from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 from earl_jax.testing import configs
-from earl_jax.trainer import ExperimentConfig
 
 # Connect Four with the built-in character tokenizer: a turn is ~58 tokens, an episode up to ~1300.
 GAME_BUCKETS = BucketConfig(lengths=(128, 256, 384, 512, 768, 1024, 1536))
@@ -47,10 +48,9 @@ def default() -> ExperimentConfig:
     selector=SelectorConfig(
       statistic='max',
       candidates=('dp8', 'dp4.tp2', 'dp2.tp4'),
-      profile_cache='.earl_cache/profile_default.json',
-      decode_tokens=4,
-      repeats=2,
-      rounds=1,
+      profile=ProfileSettings(
+        cache='.earl_cache/profile_default.json', measure=MeasureConfig(repeats=2, rounds=1)
+      ),
     ),
     steps=60,
     eval_every=10,
@@ -109,7 +109,9 @@ def qwen() -> ExperimentConfig:
     optim=OptimConfig(learning_rate=1e-6),
     loss=LossConfig(kl_coef=0.01),
     buckets=BucketConfig(lengths=(1024, 2048, 4096, 8192, 16384, 32768)),
-    selector=SelectorConfig(statistic='p95', profile_cache='.earl_cache/profile_qwen.json'),
+    selector=SelectorConfig(
+      statistic='p95', profile=ProfileSettings(cache='.earl_cache/profile_qwen.json')
+    ),
     steps=200,
   )
 

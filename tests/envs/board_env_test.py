@@ -5,11 +5,11 @@ import random
 import numpy as np
 import pytest
 
-from earl_jax.envs import base, board_env, connect_four, opponents, tic_tac_toe
+from earl_jax.envs import base, board_env, connect_four, opponents, registry, tic_tac_toe
 
 
 def _env(**changes) -> board_env.BoardGameEnv:
-  env = base.make_env(base.EnvConfig(**changes))
+  env = registry.make_env(base.EnvConfig(**changes))
   assert isinstance(env, board_env.BoardGameEnv)
   return env
 
@@ -489,7 +489,9 @@ def test_perfect_play_draws_tic_tac_toe_and_minimax_never_loses():
 
 
 def test_groups_share_start_and_opponent_randomness():
-  env = base.make_env(base.EnvConfig(game='connect_four', opponent='random', agent_first='random'))
+  env = registry.make_env(
+    base.EnvConfig(game='connect_four', opponent='random', agent_first='random')
+  )
   obs = env.reset(8, seed=3, group_size=4)
   assert obs[0:4] == [obs[0]] * 4 and obs[4:8] == [obs[4]] * 4
   # Same replies inside a group: identical games; a different reply: a different game.
@@ -506,7 +508,7 @@ def test_groups_share_start_and_opponent_randomness():
 
 def test_legal_move_reward_is_paid_per_legal_move():
   config = base.EnvConfig(game='connect_four', agent_first='always', legal_move_reward=0.25)
-  env = base.make_env(config)
+  env = registry.make_env(config)
   env.reset(3, seed=0)
   r1 = env.step(['1', 'x', '2']).rewards
   np.testing.assert_allclose(r1, [0.25, config.invalid_penalty, 0.25])

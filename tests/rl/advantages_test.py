@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from earl_jax.rl import advantages
-from earl_jax.rl.trajectory import Batch
+from earl_jax.rl.batch import Batch
 from earl_jax.testing import small_mesh
 from earl_jax.testing.typecheck import unchecked
 

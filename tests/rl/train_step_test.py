@@ -9,7 +9,7 @@ import pytest
 from earl_jax.config import ModelConfig
 from earl_jax.models import qwen2
 from earl_jax.rl import losses, train_step
-from earl_jax.rl.trajectory import Batch
+from earl_jax.rl.batch import Batch
 from earl_jax.testing import small_mesh
 from earl_jax.testing.typecheck import unchecked
 

@@ -9,6 +9,7 @@ from flax import nnx
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.envs import base as envs
 from earl_jax.models import hf_import, qwen2, tokenizer
+from earl_jax.programs import Executables, StageSpec
 from earl_jax.rollout import engine, sampler
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.testing import fixture_path, small_mesh
@@ -20,8 +21,8 @@ DIGITS = [TOK.encode(str(d))[0] for d in range(1, 10)]
 
 
 def _engine(
-  graphdef,
   *,
+  mesh=None,
   cfg=CFG,
   tok=TOK,
   episodes=8,
@@ -36,7 +37,12 @@ def _engine(
   rollout = engine.RolloutConfig(
     num_episodes=episodes, sampling=sampling, reply_tokens=reply_tokens
   )
-  return engine.RolloutEngine(cfg, graphdef, tok, env, rollout, BucketConfig(lengths=buckets))
+  spec = StageSpec.for_rollout(rollout, tok, cfg.vocab_size)
+  devices = None if mesh is None else list(mesh.devices.flat)
+  programs = Executables(cfg, spec=spec, devices=devices)
+  return engine.RolloutEngine(
+    cfg, tok, env, rollout, BucketConfig(lengths=buckets), programs=programs
+  )
 
 
 def _full_logprobs(graphdef, params, mesh, tokens, temperature=1.0, token_ids=None):
@@ -70,7 +76,7 @@ def digit_policy():
 @pytest.mark.parametrize('temperature', [1.0, 0.7])
 def test_logprobs_recorded_while_sampling_match_a_full_forward(digit_policy, temperature):
   mesh, graphdef, params = digit_policy
-  traj = _engine(graphdef, temperature=temperature).run(params, mesh, seed=3)
+  traj = _engine(mesh=mesh, temperature=temperature).run(params, mesh, seed=3)
   full = _full_logprobs(graphdef, params, mesh, traj.tokens, temperature)
   m = traj.loss_mask
   assert m.any()
@@ -83,7 +89,7 @@ def test_reply_tokens_constrain_sampling_and_match_the_restricted_forward():
   mesh = small_mesh(dp=2, tp=2)
   graphdef, params = qwen2.init_model(CFG, mesh, seed=1)
   allowed = ('2', '5', '9')
-  eng = _engine(graphdef, temperature=0.9, reply_tokens=allowed)
+  eng = _engine(mesh=mesh, temperature=0.9, reply_tokens=allowed)
   assert eng.token_ids == tuple(sorted(TOK.encode(t)[0] for t in allowed))
   traj = eng.run(params, mesh, seed=5)
   m = traj.loss_mask
@@ -94,7 +100,7 @@ def test_reply_tokens_constrain_sampling_and_match_the_restricted_forward():
   # The same replies under the unrestricted policy are far less likely.
   free = _full_logprobs(graphdef, params, mesh, traj.tokens, 0.9)
   assert (free[m] < traj.logprobs[m] - 0.5).all()
-  free_traj = _engine(graphdef, temperature=0.9).run(params, mesh, seed=5)
+  free_traj = _engine(mesh=mesh, temperature=0.9).run(params, mesh, seed=5)
   assert not set(free_traj.tokens[free_traj.loss_mask].tolist()) <= set(eng.token_ids)
 
 
@@ -107,14 +113,13 @@ def test_reply_tokens_constrain_sampling_and_match_the_restricted_forward():
   ],
 )
 def test_bad_reply_tokens_are_refused(reply_tokens, message):
-  graphdef, _ = qwen2.abstract_model(CFG, small_mesh(dp=1, tp=1))
   with pytest.raises(ValueError, match=message):
-    _engine(graphdef, reply_tokens=reply_tokens)
+    _engine(reply_tokens=reply_tokens)
 
 
 def test_loss_mask_covers_exactly_the_generated_tokens(digit_policy):
-  mesh, graphdef, params = digit_policy
-  traj = _engine(graphdef).run(params, mesh, seed=4)
+  mesh, _, params = digit_policy
+  traj = _engine(mesh=mesh).run(params, mesh, seed=4)
   assert traj.loss_mask.sum() == traj.generated_tokens
   for i in range(traj.num_episodes):
     starts = traj.turn_starts[i]
@@ -134,8 +139,8 @@ def test_loss_mask_covers_exactly_the_generated_tokens(digit_policy):
 
 
 def test_rollout_is_deterministic_in_its_seed(digit_policy):
-  mesh, graphdef, params = digit_policy
-  eng = _engine(graphdef)
+  mesh, _, params = digit_policy
+  eng = _engine(mesh=mesh)
   a, b, c = (eng.run(params, mesh, seed=s) for s in (5, 5, 6))
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert a.outcomes == b.outcomes
@@ -143,21 +148,21 @@ def test_rollout_is_deterministic_in_its_seed(digit_policy):
 
 
 def test_cache_grows_through_buckets_and_overflow_forfeits(digit_policy):
-  mesh, graphdef, params = digit_policy
+  mesh, _, params = digit_policy
   # A largest bucket of 40 tokens holds only the first turn (13-token prompt + 3 + ...).
-  eng = _engine(graphdef, buckets=(24, 40))
+  eng = _engine(mesh=mesh, buckets=(24, 40))
   traj = eng.run(params, mesh, seed=0)
   assert traj.cache_buckets[0] == 24
   assert set(traj.outcomes) <= {'overflow', 'invalid', 'win', 'loss', 'draw'}
   assert 'overflow' in traj.outcomes
   assert traj.lengths.max() <= 40
-  grown = _engine(graphdef, buckets=(24, 1024)).run(params, mesh, seed=0)
+  grown = _engine(mesh=mesh, buckets=(24, 1024)).run(params, mesh, seed=0)
   assert grown.cache_buckets == [24, 1024] and 'overflow' not in grown.outcomes
 
 
 def test_to_batch_pads_rows_and_tokens(digit_policy):
-  mesh, graphdef, params = digit_policy
-  traj = _engine(graphdef).run(params, mesh, seed=1)
+  mesh, _, params = digit_policy
+  traj = _engine(mesh=mesh).run(params, mesh, seed=1)
   batch = traj.to_batch(bucket=256, rows=16)
   assert batch.tokens.shape == (16, 256) and batch.valid.sum() == 8
   np.testing.assert_array_equal(batch.tokens[:8, : traj.tokens.shape[1]], traj.tokens)
@@ -172,7 +177,7 @@ def test_qwen_chat_template_rollout_with_hf_tokenizer():
   model_dir = fixture_path('qwen2_tiny')
   cfg, graphdef, params = hf_import.load(model_dir, mesh)
   tok = tokenizer.load_tokenizer(model_dir)
-  eng = _engine(graphdef, cfg=cfg, tok=tok, episodes=4, buckets=(128, 256, 512), parse='lenient')
+  eng = _engine(mesh=mesh, cfg=cfg, tok=tok, episodes=4, buckets=(128, 256, 512), parse='lenient')
   traj = eng.run(params, mesh, seed=0)
   full = _full_logprobs(graphdef, params, mesh, traj.tokens)
   m = traj.loss_mask
@@ -183,28 +188,25 @@ def test_qwen_chat_template_rollout_with_hf_tokenizer():
 
 def test_bad_inputs_are_refused_before_compiling():
   mesh = small_mesh(dp=4, tp=1)
-  graphdef, params = qwen2.init_model(CFG, mesh)
-  eng = _engine(graphdef, episodes=6)
+  _, params = qwen2.init_model(CFG, mesh)
+  eng = _engine(mesh=mesh, episodes=6)
   with pytest.raises(
     mesh_lib.ShardingError, match='num_episodes=6 is not divisible by the 4 batch shards'
   ):
     eng.run(params, mesh, seed=0)
+  rollout = engine.RolloutConfig(sampling=sampler.SamplingConfig(max_new_tokens=64))
+  programs = Executables(CFG, spec=StageSpec.for_rollout(rollout, TOK, CFG.vocab_size))
   with pytest.raises(ValueError, match='per-turn token limit'):
     engine.RolloutEngine(
-      CFG,
-      graphdef,
-      TOK,
-      envs.EnvConfig(),
-      engine.RolloutConfig(sampling=sampler.SamplingConfig(max_new_tokens=64)),
-      BucketConfig(lengths=(32, 64)),
+      CFG, TOK, envs.EnvConfig(), rollout, BucketConfig(lengths=(32, 64)), programs=programs
     )
   with pytest.raises(ValueError, match='group_size=3 must be a positive divisor'):
     engine.RolloutConfig(num_episodes=8, group_size=3)
 
 
 def test_token_returns_are_discounted_rewards_to_go(digit_policy):
-  mesh, graphdef, params = digit_policy
-  traj = _engine(graphdef, legal_move_reward=0.1).run(params, mesh, seed=2)
+  mesh, _, params = digit_policy
+  traj = _engine(mesh=mesh, legal_move_reward=0.1).run(params, mesh, seed=2)
   gamma = 0.5
   returns = traj.token_returns(gamma)
   for i in range(traj.num_episodes):

@@ -3,8 +3,10 @@
 import pytest
 
 from earl_jax.config import ModelConfig, ParallelConfig
-from earl_jax.selector.candidates import STAGES, stage_candidates
+from earl_jax.selector.candidates import stage_candidates
 from earl_jax.sharding.mesh import ShardingError
+from earl_jax.stage import STAGES, Stage
+from earl_jax.testing.typecheck import unchecked
 
 
 @pytest.mark.parametrize('stage', STAGES)
@@ -23,26 +25,26 @@ def test_every_valid_factorisation(stage):
 
 def test_the_model_and_the_load_must_divide():
   tiny = ModelConfig.preset('tiny')  # K = 4: tp8 splits no KV head
-  cands = stage_candidates('rollout', tiny, num_devices=8, with_fsdp=False)
+  cands = stage_candidates(Stage.ROLLOUT, tiny, num_devices=8, with_fsdp=False)
   assert [c.tp for c in cands] == [1, 2, 4]
   # 4 responses cannot split over 8 data shards.
-  cands = stage_candidates('rollout', tiny, num_devices=8, rows=(4, 12), with_fsdp=False)
+  cands = stage_candidates(Stage.ROLLOUT, tiny, num_devices=8, rows=(4, 12), with_fsdp=False)
   assert [c.name for c in cands] == ['dp4.tp2', 'dp2.tp4']
   qwen = ModelConfig.preset('qwen2.5-72b')  # H=64, K=8: TP4 and TP8 both valid, as in the paper
-  assert ParallelConfig(tp=8) in stage_candidates('rollout', qwen, num_devices=8)
+  assert ParallelConfig(tp=8) in stage_candidates(Stage.ROLLOUT, qwen, num_devices=8)
 
 
 def test_errors_name_the_problem():
   odd = ModelConfig.preset('tiny').replace(num_heads=3, num_kv_heads=3, head_dim=8)
   with pytest.raises(ShardingError, match='No layout of 8 devices is valid for train'):
-    stage_candidates('train', odd, num_devices=8, rows=(3,))
+    stage_candidates(Stage.TRAIN, odd, num_devices=8, rows=(3,))
   with pytest.raises(ShardingError, match=r'dp1\.tp8 is not valid for rollout.*num_kv_heads'):
     stage_candidates(
-      'rollout', ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(tp=8)]
+      Stage.ROLLOUT, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(tp=8)]
     )
   with pytest.raises(ShardingError, match='uses 4 devices; the rollout stage has 8'):
     stage_candidates(
-      'rollout', ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=4)]
+      Stage.ROLLOUT, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=4)]
     )
-  with pytest.raises(ValueError, match="Unknown stage 'decode'"):
+  with unchecked(), pytest.raises(ValueError, match="Unknown stage 'decode'"):
     stage_candidates('decode', ModelConfig.preset('tiny'), num_devices=8)

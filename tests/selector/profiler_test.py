@@ -7,14 +7,17 @@ import pytest
 from absl import logging
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.selector import memory, profiler, stages
+from earl_jax.programs import builders, memory
+from earl_jax.programs.executables import Executables
+from earl_jax.rollout.sampler import SamplingConfig
+from earl_jax.selector import profiler
 from earl_jax.selector.candidates import stage_candidates
-from earl_jax.selector.executables import Executables
 from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
 from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.stage import Stage
 
 CFG = ModelConfig.preset('tiny')
-SPEC = stages.StageSpec(decode_tokens=4)
+SPEC = builders.StageSpec(sampling=SamplingConfig(max_new_tokens=4))
 TABLE = BucketConfig(lengths=(32, 2048))  # K/V dominates the memory at 2048
 DP8, DP2TP4 = ParallelConfig(dp=8), ParallelConfig(dp=2, tp=4)
 MiB = memory.MiB
@@ -32,14 +35,12 @@ def _write(path, text):
 
 def _config(budget: int, **kw) -> profiler.ProfileConfig:
   return profiler.ProfileConfig(
-    stages=('rollout',),
+    stages=(Stage.ROLLOUT,),
     buckets=TABLE,
     rows=(8,),
     budget_bytes=budget,
     candidates=(DP8, DP2TP4),
-    warmup=1,
-    repeats=2,
-    rounds=1,
+    measure=profiler.MeasureConfig(warmup=1, repeats=2, rounds=1),
     spec=SPEC,
     **kw,
   )
@@ -54,10 +55,10 @@ def exe():
 @pytest.fixture(scope='module')
 def budget(exe):
   """Between dp2.tp4's and dp8's peak at the longest bucket: dp8 is OOM there, nothing else."""
-  need = {c: exe.get('rollout', c, 2048, 8).memory.peak for c in (DP8, DP2TP4)}
+  need = {c: exe.get(Stage.ROLLOUT, c, 2048, 8).memory.peak for c in (DP8, DP2TP4)}
   assert need[DP2TP4] < need[DP8]
-  assert exe.get('rollout', DP8, 32, 8).memory.peak < need[DP2TP4]
-  exe.get('rollout', DP2TP4, 32, 8)
+  assert exe.get(Stage.ROLLOUT, DP8, 32, 8).memory.peak < need[DP2TP4]
+  exe.get(Stage.ROLLOUT, DP2TP4, 32, 8)
   return (need[DP8] + need[DP2TP4]) // 2
 
 
@@ -67,15 +68,15 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
   prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert exe.compiles == compiles  # every executable came from the cache
   assert len(prof.cells) == 4
-  oom = prof.cell('rollout', 2048, 8, DP8)
+  oom = prof.cell(Stage.ROLLOUT, 2048, 8, DP8)
   assert oom.oom and oom.throughput is None and oom.peak_bytes > budget and not oom.times_ms
   for bucket, c in ((32, DP8), (32, DP2TP4), (2048, DP2TP4)):
-    cell = prof.cell('rollout', bucket, 8, c)
+    cell = prof.cell(Stage.ROLLOUT, bucket, 8, c)
     assert not cell.oom and cell.throughput > 0 and len(cell.times_ms) == 2
     # Throughput is decoded tokens per device per second from the median call.
     median_s = sorted(cell.times_ms)[0] / 2e3 + sorted(cell.times_ms)[1] / 2e3
     assert cell.throughput == pytest.approx(8 * 4 / median_s / 8)
-  assert prof.best('rollout', 2048, 8).config == 'dp2.tp4'
+  assert prof.best(Stage.ROLLOUT, 2048, 8).config == 'dp2.tp4'
   saved = _read(path)
   assert saved['key']['hardware']['platform'] == 'cpu'
   assert saved['key']['candidates'] == {'rollout': ['dp8.tp1', 'dp2.tp4']}
@@ -92,9 +93,9 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
     profile=prof,
     model=CFG,
   )
-  short = sel.decide('rollout', StepStats(episode_lengths=(20, 30), num_responses=8))
-  assert short.config.name == prof.best('rollout', 32, 8).config
-  long = sel.decide('rollout', StepStats(episode_lengths=(20, 1500), num_responses=8))
+  short = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(20, 30), num_responses=8))
+  assert short.config.name == prof.best(Stage.ROLLOUT, 32, 8).config
+  long = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(20, 1500), num_responses=8))
   assert long.config == DP2TP4 and 'infeasible: dp8.tp1' in long.reason
 
 
@@ -116,7 +117,7 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
   assert _read(path)['key']['hardware']['device_kind'] == 'cpu'
   # Another model: the key differs in the model's fields, so the file is not loaded.
   other = CFG.replace(name='tiny-wide', intermediate_size=256)
-  cands = {'rollout': stage_candidates('rollout', other, num_devices=8, only=(DP8, DP2TP4))}
+  cands = {Stage.ROLLOUT: stage_candidates(Stage.ROLLOUT, other, num_devices=8, only=(DP8, DP2TP4))}
   key = profiler.profile_key(other, _config(budget), cands)
   assert profiler.load_cached(path, key) is None
   assert 'model.{intermediate_size, name}' in warnings[-1]
@@ -127,40 +128,44 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
 
 
 def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
-  tiny_budget = exe.get('rollout', DP2TP4, 32, 8).memory.peak // 2
+  tiny_budget = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak // 2
   prof = profiler.run(CFG, _config(tiny_budget), executables=exe)
   assert all(c.oom for c in prof.cells.values())
   sel = Selector(
     SelectorConfig(budget_mib=tiny_budget / MiB), buckets=TABLE, rows=8, profile=prof, model=CFG
   )
-  need = exe.get('rollout', DP2TP4, 32, 8).memory.peak
+  need = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak
   with pytest.raises(
     memory.InfeasibleError, match=rf'smallest need is dp2\.tp4 with {need / MiB:.1f} MiB'
   ):
-    sel.decide('rollout', StepStats(episode_lengths=(30,), num_responses=8))
+    sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(30,), num_responses=8))
 
 
 def test_experience_and_train_are_profiled_in_tokens_per_second(exe):
   config = dataclasses.replace(
-    _config(None), stages=('experience', 'train'), buckets=BucketConfig(lengths=(32,)), repeats=1
+    _config(None),
+    stages=(Stage.EXPERIENCE, Stage.TRAIN),
+    buckets=BucketConfig(lengths=(32,)),
+    measure=profiler.MeasureConfig(repeats=1, rounds=1),
   )
   prof = profiler.run(CFG, config, executables=exe)
   assert len(prof.cells) == 4
-  for stage in ('experience', 'train'):
+  for stage in (Stage.EXPERIENCE, Stage.TRAIN):
     for c in (DP8, DP2TP4):
       cell = prof.cell(stage, 32, 8, c)
       assert not cell.oom and cell.measured and cell.peak_bytes > 0
       # Every one of the rows x bucket tokens counts, per device and second.
       assert cell.throughput == pytest.approx(8 * 32 / (cell.times_ms[0] / 1e3) / 8)
   # The train step holds the AdamW moments: more memory than the log-prob forward.
-  assert prof.cell('train', 32, 8, DP8).peak_bytes > prof.cell('experience', 32, 8, DP8).peak_bytes
+  train, experience = (prof.cell(s, 32, 8, DP8) for s in (Stage.TRAIN, Stage.EXPERIENCE))
+  assert train.peak_bytes > experience.peak_bytes
 
 
 def test_profile_config_validation():
   with pytest.raises(ValueError, match='rows must be strictly increasing'):
     _config(MiB).__class__(buckets=TABLE, rows=(16, 8), budget_bytes=MiB)
   with pytest.raises(ValueError, match='warmup must be >= 1'):
-    dataclasses.replace(_config(MiB), warmup=0)
+    profiler.MeasureConfig(warmup=0)
   with pytest.raises(ValueError, match="Unknown stage 'decode'"):
     dataclasses.replace(_config(MiB), stages=('decode',))
   with pytest.raises(mesh_lib.ShardingError, match='num_kv_heads'):

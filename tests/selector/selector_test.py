@@ -7,14 +7,19 @@ import json
 import pytest
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.selector import memory
+from earl_jax.programs import memory
+from earl_jax.programs.builders import StageSpec
+from earl_jax.selector import analytic
 from earl_jax.selector.profiler import Cell, Profile
 from earl_jax.selector.selector import (
+  ProfileSettings,
   Selector,
   SelectorConfig,
   StepStats,
   context_statistic,
 )
+from earl_jax.stage import Stage
+from earl_jax.testing.typecheck import unchecked
 
 MiB = memory.MiB
 TABLE = BucketConfig(lengths=(1024, 2048, 4096, 8192))
@@ -37,8 +42,8 @@ def _profile(rows=(16, 64)) -> Profile:
     for r in rows:
       for c, (tgs, mib) in zip((DP8, DP2TP4, TP8), triples):
         scale = r / rows[0]
-        cells[('rollout', bucket, r, c.name)] = Cell(
-          stage='rollout',
+        cells[(Stage.ROLLOUT, bucket, r, c.name)] = Cell(
+          stage=Stage.ROLLOUT,
           config=c.name,
           bucket=bucket,
           rows=r,
@@ -67,11 +72,11 @@ def _stats(*lengths, n=16, free=None) -> StepStats:
 
 def test_fastest_feasible_per_bucket_and_the_record():
   sel = _selector()
-  d = sel.decide('rollout', _stats(900, 1000))
+  d = sel.decide(Stage.ROLLOUT, _stats(900, 1000))
   assert (d.config, d.bucket, d.run_bucket, d.rows) == (DP8, 1024, 1024, 16)
   assert d.throughput == 300.0 and not d.switched and d.previous is None
   assert 'first decision' in d.reason and 'bucket 1024' in d.reason
-  d = sel.decide('rollout', _stats(3000, 4000))
+  d = sel.decide(Stage.ROLLOUT, _stats(3000, 4000))
   assert (d.config, d.bucket) == (TP8, 4096)
   assert d.switched and d.previous == DP8
   assert 'tp8 is 20% faster than dp8.tp1' in d.reason
@@ -84,7 +89,7 @@ def test_the_statistic_picks_the_ranking_row():
   assert context_statistic(lengths, 'mean') == pytest.approx(1450)
   assert 3000 < context_statistic(lengths, 'p95') < 8000
   for statistic, bucket in (('mean', 2048), ('p95', 4096), ('max', 8192)):
-    d = _selector(statistic=statistic).decide('rollout', _stats(*lengths))
+    d = _selector(statistic=statistic).decide(Stage.ROLLOUT, _stats(*lengths))
     assert d.bucket == bucket, statistic
     assert d.run_bucket == 8192  # memory is always checked where the longest episode runs
   with pytest.raises(ValueError, match='statistic must be one of'):
@@ -95,7 +100,7 @@ def test_memory_is_checked_at_the_longest_context_even_with_the_mean():
   # The mean reads bucket 1024 where dp8 is fastest, but the longest episode needs 8192, where
   # dp8 needs 180 MiB > 170: it would run out of memory mid-step, so it is not chosen. Of the two
   # that fit there, dp2.tp4 is the faster at 1024.
-  d = _selector(statistic='mean').decide('rollout', _stats(*(500,) * 31, 8000))
+  d = _selector(statistic='mean').decide(Stage.ROLLOUT, _stats(*(500,) * 31, 8000))
   assert d.bucket == 1024 and d.run_bucket == 8192
   assert d.config == DP2TP4
   assert 'infeasible: dp8.tp1' in d.reason
@@ -108,30 +113,30 @@ def test_memory_is_checked_at_the_longest_context_even_with_the_mean():
 
 def test_safety_margin_and_free_memory():
   # 165 MiB (dp2.tp4 at 8192) fits 170 MiB bare, not with a 5% margin (173.25).
-  bare = _selector().decide('rollout', _stats(3000, 8000, n=16))
+  bare = _selector().decide(Stage.ROLLOUT, _stats(3000, 8000, n=16))
   assert bare.config == TP8  # fastest anyway at 8192
   sel = _selector(safety_margin=0.05)
-  d = sel.decide('rollout', _stats(8000, n=16))
+  d = sel.decide(Stage.ROLLOUT, _stats(8000, n=16))
   assert d.config == TP8
   assert [o.feasible for o in d.options] == [False, False, True]
   # Free memory below the budget shrinks it: at 2048 dp8 needs 60 MiB, so 50 MiB free rules it out.
-  d = _selector().decide('rollout', _stats(1500, n=16, free=50 * MiB))
+  d = _selector().decide(Stage.ROLLOUT, _stats(1500, n=16, free=50 * MiB))
   assert d.config == DP2TP4 and d.budget_bytes == 50 * MiB
   assert 'free memory 50.0 MiB' in d.reason
 
 
 def test_switch_threshold_keeps_a_near_tie():
   sel = _selector(switch_threshold=0.06, budget_mib=1000)
-  assert sel.decide('rollout', _stats(1500)).config == DP8  # 200 vs 190 vs 150 at 2048
-  d = sel.decide('rollout', _stats(1500))
+  assert sel.decide(Stage.ROLLOUT, _stats(1500)).config == DP8  # 200 vs 190 vs 150 at 2048
+  d = sel.decide(Stage.ROLLOUT, _stats(1500))
   assert d.config == DP8 and not d.switched and 'kept dp8.tp1 (fastest feasible)' in d.reason
   # At 4096 tp8 (120) beats dp8 (100) by 20% > 6%: switch.
-  d = sel.decide('rollout', _stats(3500))
+  d = sel.decide(Stage.ROLLOUT, _stats(3500))
   assert d.config == TP8 and d.switched
   # With a 20% band the same move keeps dp8 (100 >= 0.8 x 120).
   sel = _selector(switch_threshold=0.2, budget_mib=1000)
-  sel.decide('rollout', _stats(1500))
-  d = sel.decide('rollout', _stats(3500))
+  sel.decide(Stage.ROLLOUT, _stats(1500))
+  d = sel.decide(Stage.ROLLOUT, _stats(3500))
   assert d.config == DP8 and not d.switched
   assert 'kept dp8.tp1 (within 20% of best dp1.tp8' in d.reason
 
@@ -141,7 +146,7 @@ def test_hysteresis_never_flip_flops_around_a_bucket_boundary():
   # The mean oscillates around 4096 (between the 4096 and 8192 rows): the bucket goes up at
   # once, and comes down only after three consecutive lower readings.
   readings = [3000, 5000, 4000, 5000, 4000, 5000, 4000, 4000, 4000, 4000]
-  decisions = [sel.decide('rollout', _stats(n)) for n in readings]
+  decisions = [sel.decide(Stage.ROLLOUT, _stats(n)) for n in readings]
   buckets = [d.bucket for d in decisions]
   assert buckets == [4096, 8192, 8192, 8192, 8192, 8192, 8192, 8192, 4096, 4096]
   assert sum(d.switched for d in decisions) <= 1
@@ -155,12 +160,12 @@ def test_hysteresis_never_flip_flops_around_a_bucket_boundary():
 
 def test_load_bins_and_bad_inputs():
   sel = _selector()
-  assert sel.decide('rollout', _stats(1000, n=20)).rows == 64
+  assert sel.decide(Stage.ROLLOUT, _stats(1000, n=20)).rows == 64
   with pytest.raises(ValueError, match='100 responses is more than the largest profiled load 64'):
-    sel.decide('rollout', _stats(1000, n=100))
+    sel.decide(Stage.ROLLOUT, _stats(1000, n=100))
   with pytest.raises(ValueError, match=r'context too long.*9000.*largest bucket 8192'):
-    sel.decide('rollout', _stats(1000, 9000))
-  with pytest.raises(ValueError, match="Unknown stage 'decode'"):
+    sel.decide(Stage.ROLLOUT, _stats(1000, 9000))
+  with unchecked(), pytest.raises(ValueError, match="Unknown stage 'decode'"):
     sel.decide('decode', _stats(1000))
   # The trainer checkpoints the statistics as JSON and rebuilds them.
   stats = StepStats(episode_lengths=[900, 1000], turn_lengths=[300, 300], num_responses=16)
@@ -192,7 +197,7 @@ def test_bucket_table_must_be_sorted_and_non_empty(lengths, match):
 def test_budget_too_small_names_the_smallest_need():
   sel = _selector(budget_mib=100, safety_margin=0.05)
   with pytest.raises(memory.InfeasibleError) as e:
-    sel.decide('rollout', _stats(6000))
+    sel.decide(Stage.ROLLOUT, _stats(6000))
   msg = str(e.value)
   assert 'No rollout layout fits the per-device budget of 100.0 MiB at bucket 8192' in msg
   assert 'smallest need is dp1.tp8 with 160.0 MiB per device' in msg
@@ -201,43 +206,47 @@ def test_budget_too_small_names_the_smallest_need():
 
 def test_lookahead_names_the_next_buckets_best():
   sel = _selector(budget_mib=1000)
-  d = sel.decide('rollout', _stats(1500))
+  d = sel.decide(Stage.ROLLOUT, _stats(1500))
   # The next bucket's fastest (tp8), and the current layout there in case hysteresis keeps it.
   assert sel.lookahead(d) == [
-    ('rollout', DP8, 2048, 16),
-    ('rollout', TP8, 4096, 16),
-    ('rollout', DP8, 4096, 16),
+    (Stage.ROLLOUT, DP8, 2048, 16),
+    (Stage.ROLLOUT, TP8, 4096, 16),
+    (Stage.ROLLOUT, DP8, 4096, 16),
   ]
-  d = sel.decide('rollout', _stats(8000))
-  assert sel.lookahead(d) == [('rollout', TP8, 8192, 16)]  # no larger bucket
+  d = sel.decide(Stage.ROLLOUT, _stats(8000))
+  assert sel.lookahead(d) == [(Stage.ROLLOUT, TP8, 8192, 16)]  # no larger bucket
 
 
 def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
+  spec = StageSpec(chunk=1)  # one prompt token per rollout call: decode dominates its memory
   cfg = ModelConfig.preset('small-kv')
   table = BucketConfig(lengths=(128, 4096))
   need = {
-    c: memory.estimate('rollout', cfg, c, 4096, 8).total for c in (DP8, ParallelConfig(dp=4, tp=2))
+    c: analytic.estimate(Stage.ROLLOUT, cfg, c, 4096, 8, chunk=spec.chunk).total
+    for c in (DP8, ParallelConfig(dp=4, tp=2))
   }
   budget_mib = (need[DP8] + need[ParallelConfig(dp=4, tp=2)]) / 2 / MiB
   # Nothing is compiled or measured: analytic memory, the fewest-splits preference.
-  config = SelectorConfig(profile_stages=(), budget_mib=budget_mib, safety_margin=0.0)
-  sel = Selector(config, model=cfg, buckets=table, rows=8)
+  config = SelectorConfig(
+    profile=ProfileSettings(stages=()), budget_mib=budget_mib, safety_margin=0.0
+  )
+  sel = Selector(config, model=cfg, buckets=table, rows=8, spec=spec)
   first = sel.initial_decisions()
-  assert set(first) == {'rollout', 'experience', 'train'} and not sel.history
-  assert first['rollout'].config == DP8 and not first['rollout'].measured
-  assert sel.decide('rollout', None).config == DP8  # before any statistics: the initial context
-  d = sel.decide('rollout', _stats(4000, n=8))
+  assert set(first) == {Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN} and not sel.history
+  assert first[Stage.ROLLOUT].config == DP8 and not first[Stage.ROLLOUT].measured
+  assert sel.decide(Stage.ROLLOUT, None).config == DP8  # before any statistics: the initial context
+  d = sel.decide(Stage.ROLLOUT, _stats(4000, n=8))
   assert d.config == ParallelConfig(dp=4, tp=2) and d.switched
   assert 'dp8.tp1 no longer fits' in d.reason and 'infeasible: dp8.tp1' in d.reason
   # Train holds the AdamW moments too: replicated 8 ways they do not fit even at 128 tokens.
-  t = sel.decide('train', _stats(100, n=8))
+  t = sel.decide(Stage.TRAIN, _stats(100, n=8))
   assert t.config == ParallelConfig(dp=4, tp=2) and 'infeasible: dp8.tp1' in t.reason
   state = json.loads(json.dumps(sel.state_dict()))
-  other = Selector(config, model=cfg, buckets=table, rows=8)
+  other = Selector(config, model=cfg, buckets=table, rows=8, spec=spec)
   other.load_state_dict(state)
-  assert other.current('rollout') == d.config and other.current('train') == t.config
+  assert other.current(Stage.ROLLOUT) == d.config and other.current(Stage.TRAIN) == t.config
   log = json.loads(json.dumps(sel.log()))
   assert [x['config'] for x in log] == ['dp8.tp1', 'dp4.tp2', 'dp4.tp2']
   # Without the model, a stage the profile does not cover cannot be decided.
   with pytest.raises(ValueError, match="no ranking for 'train'"):
-    _selector().decide('train', _stats(1000))
+    _selector().decide(Stage.TRAIN, _stats(1000))

@@ -1,183 +1,30 @@
-"""Per-device memory of a stage program: XLA's own numbers, an analytic model, and the budget.
+"""The analytic memory model: per-device bytes of a stage program, for shapes too large to compile.
 
-Two sources, one unit (bytes per device):
-
-* `xla_memory(compiled)`: `compiled.memory_analysis()` of the AOT-compiled SPMD program, i.e. what
-  one device holds: arguments + outputs - aliased (donated) + temporaries. This is the source of
-  truth for anything that can be compiled here; an infeasible program is refused before it runs.
-* `estimate(...)`: an analytic model (weights, optimizer state and gradients, KV cache,
-  activations) for shapes too large to compile here, such as Qwen2.5-72B on 8 x H100-80GB. Its
-  activation terms count the arrays XLA materialises for *this* model code (for instance the
-  [B, H, T, T] attention scores of `jax.nn.dot_product_attention`'s XLA path, and the f32
-  transposed copy of one layer's K/V in decode). `tests/selector/memory_test.py` checks it
-  against XLA on small models; the measured error is `ANALYTIC_REL_ERROR`.
-
-The budget is per device: on a GPU the device's own limit (`memory_stats()['bytes_limit']`); on
-CPU, where nothing runs out of memory, an emulated figure that must be given (a flag), so that
-"does not fit" is real and testable here.
+Weights, optimizer state and gradients, KV cache and activations, for shapes such as Qwen2.5-72B
+on 8 x H100-80GB. Its activation terms count the arrays XLA materialises for *this* model code
+(for instance the attention score tiles of the blockwise attention, and the f32 transposed copy
+of one layer's K/V in decode). `tests/selector/analytic_test.py` checks it against XLA's memory
+analysis of the compiled programs (`earl_jax.programs.memory.xla_memory`) on small models; the
+measured error is `ANALYTIC_REL_ERROR`.
 """
 
-import contextlib
 import dataclasses
 import math
-from typing import Any
-
-import jax
 
 from earl_jax.config import ModelConfig, ParallelConfig
-from earl_jax.selector.candidates import check_stage
+from earl_jax.stage import Stage
 
 MiB = 1 << 20
-GiB = 1 << 30
 
 # The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS).
 # Measured on 233 programs (3 small models, 4-6 layouts each, T = 128..2048, 8..32 rows, 8 fake
 # CPU devices, XLA:CPU): the largest relative error for peaks >= 8 MiB per device is 10% for
 # rollout (68 programs), 21% for experience (109) and 12% for train (56); below 8 MiB the
-# largest absolute error is under 2 MiB. Tested on a subset in tests/selector/memory_test.py.
+# largest absolute error is under 2 MiB. Tested on a subset in tests/selector/analytic_test.py.
 ANALYTIC_REL_ERROR = 0.25
-ANALYTIC_ABS_ERROR = 2 * (1 << 20)
+ANALYTIC_ABS_ERROR = 2 * MiB
 
 _BYTES = {'float32': 4, 'bfloat16': 2}
-
-
-class InfeasibleError(ValueError):
-  """No candidate layout fits the per-device memory budget."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryUse:
-  """Bytes per device of one compiled program (from `compiled.memory_analysis()`)."""
-
-  arguments: int
-  outputs: int
-  aliased: int
-  temporaries: int
-  code: int = 0
-
-  @property
-  def peak(self) -> int:
-    """arguments + outputs - aliased + temporaries: everything live at once, at worst."""
-    return self.arguments + self.outputs - self.aliased + self.temporaries
-
-  def as_dict(self) -> dict[str, int]:
-    return {**dataclasses.asdict(self), 'peak': self.peak}
-
-
-def xla_memory(compiled: Any) -> MemoryUse:
-  """Per-device memory of an AOT-compiled program (`jit(...).lower(...).compile()`)."""
-  m = compiled.memory_analysis()
-  if m is None:
-    raise RuntimeError('This backend gives no memory_analysis() for compiled programs.')
-  return MemoryUse(
-    arguments=int(m.argument_size_in_bytes),
-    outputs=int(m.output_size_in_bytes),
-    aliased=int(m.alias_size_in_bytes),
-    temporaries=int(m.temp_size_in_bytes),
-    code=int(getattr(m, 'generated_code_size_in_bytes', 0) or 0),
-  )
-
-
-def device_budget(devices: list[Any] | None = None, *, emulated: int | None = None) -> int:
-  """Per-device memory budget in bytes.
-
-  Args:
-    devices: the stage's devices (default: all).
-    emulated: the figure to use when the devices report no limit (CPU): required there.
-
-  Returns:
-    The smallest `bytes_limit` over the devices (GPU/TPU), or `emulated`. When both exist the
-    smaller one wins, so an emulated budget can also shrink a real device.
-
-  Raises:
-    ValueError: CPU devices and no emulated budget.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  limits = []
-  for d in devices:
-    stats = d.memory_stats() if hasattr(d, 'memory_stats') else None
-    if stats and stats.get('bytes_limit'):
-      limits.append(int(stats['bytes_limit']))
-  if limits:
-    return min([*limits, *([emulated] if emulated else [])])
-  if emulated is None or emulated <= 0:
-    raise ValueError(
-      f'Devices of platform {devices[0].platform!r} report no memory limit; give an emulated '
-      f'per-device budget in bytes (got {emulated!r}).'
-    )
-  return int(emulated)
-
-
-def resolve_budget(emulated: int | None = None, devices: list[Any] | None = None) -> int | None:
-  """The per-device budget a selector uses: `device_budget`, or None (unlimited) on CPU with none.
-
-  On a GPU the device's own limit (or `emulated` when smaller); on CPU the emulated figure when
-  given, otherwise None, and nothing is ever refused for memory.
-  """
-  try:
-    return device_budget(devices, emulated=emulated)
-  except ValueError:
-    return None
-
-
-def fits(need: int, budget: int, *, margin: float = 0.0) -> bool:
-  """need x (1 + margin) <= budget."""
-  return need * (1.0 + margin) <= budget
-
-
-def resident_bytes_per_device(tree: Any, device: Any | None = None) -> int:
-  """Bytes of the arrays of `tree` that live on `device` (default: the first canonical one)."""
-  leaves = jax.tree.leaves(tree)
-  if device is None:
-    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
-  total = 0
-  for x in leaves:
-    for shard in x.addressable_shards:
-      if shard.device == device:
-        total += shard.data.nbytes
-  return total
-
-
-def _proc_status_bytes(field: str) -> int:
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith(field + ':'):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError(f'/proc/self/status has no {field}.')
-
-
-def measure_run_peak(fn: Any, args: tuple[Any, ...]) -> tuple[int, Any]:
-  """Runs `fn(*args)` once and measures its real per-device peak on host-platform devices.
-
-  On CPU the fake devices share this process's memory, so the program's extra memory is the
-  rise of the process's resident set: freed heap is returned to the OS first (glibc
-  `malloc_trim`), the peak-RSS mark is reset (`/proc/self/clear_refs`), and the rise of the
-  mark during the run, split over the devices, is added to the bytes the arguments already hold
-  on one device. Linux only; call it with nothing else running in the process.
-
-  Returns:
-    (per-device peak bytes, the outputs).
-  """
-  import ctypes
-
-  leaves = jax.tree.leaves(args)
-  devices = {d for x in leaves for d in x.sharding.device_set}
-  if any(d.platform != 'cpu' for d in devices):
-    raise RuntimeError('measure_run_peak measures host memory: CPU devices only.')
-  jax.block_until_ready(args)
-  resident = resident_bytes_per_device(args)
-  with contextlib.suppress(OSError):
-    ctypes.CDLL('libc.so.6').malloc_trim(0)
-  base = _proc_status_bytes('VmRSS')
-  with open('/proc/self/clear_refs', 'w') as f:
-    f.write('5')  # resets VmHWM to the current RSS
-  out = jax.block_until_ready(fn(*args))
-  rise = max(0, _proc_status_bytes('VmHWM') - base)
-  return resident + rise // len(devices), out
-
-
-# ------------------------------------------------------------------------------------------------
-# Analytic model.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -285,30 +132,33 @@ def kv_cache_bytes_per_device(
 
 
 def estimate(
-  stage: str,
+  stage: Stage | str,
   model: ModelConfig,
   parallel: ParallelConfig,
   bucket: int,
   rows: int,
   *,
   decode_tokens: int = 8,
+  chunk: int = 0,
   micro_batches: int = 1,
   coefficients: Coefficients = Coefficients(),
 ) -> Estimate:
   """Analytic per-device bytes of a stage program (see the module docstring).
 
   Args:
-    stage: 'rollout' (decode with a KV cache of capacity `bucket`), 'experience' (log-probs of
-      [rows, bucket] tokens) or 'train' (AdamW step on [rows, bucket]).
+    stage: ROLLOUT (prefill a chunk of `chunk` tokens, then decode `decode_tokens` with a KV
+      cache of capacity `bucket`), EXPERIENCE (log-probs of [rows, bucket] tokens) or TRAIN
+      (AdamW step on [rows, bucket]).
     model: model shapes and dtypes.
     parallel: the layout.
     bucket: context length (cache capacity for rollout, sequence length otherwise).
     rows: responses (batch rows) of the whole stage.
-    decode_tokens: tokens decoded per rollout call (the Generation output).
+    decode_tokens: N, tokens decoded per rollout call (the Generation output).
+    chunk: P, prompt tokens a rollout call prefills before decoding (0: decode only).
     micro_batches: gradient-accumulation slices (train).
     coefficients: activation array counts (defaults: XLA:CPU, this model code).
   """
-  check_stage(stage)
+  stage = Stage.parse(stage)
   c = coefficients
   f32 = 4
   act = _BYTES[model.dtype]
@@ -324,19 +174,18 @@ def estimate(
   gathered = 0
   if parallel.fsdp > 1:
     full = weight_bytes_per_device(model, dataclasses.replace(parallel, fsdp=1))
-    gathered = full if stage == 'rollout' else 2 * full // model.num_layers
+    gathered = full if stage == Stage.ROLLOUT else 2 * full // model.num_layers
   optimizer = gradients = kv = 0
-  if stage == 'rollout':
+  if stage == Stage.ROLLOUT:
     kv = kv_cache_bytes_per_device(model, parallel, bucket, rows)
-    N = decode_tokens
-    activations = (
-      c.decode_kv_copies * 2 * B_l * T * K_l * Dh * f32  # f32 K/V of one layer, transposed
-      + 2 * B_l * H_l * T * f32  # scores and probabilities of one token
-      + c.decode_logits * B_l * V_l * f32
-      + 4 * B_l * (D + F_l) * act
-    )
-    io = B_l * V_l * f32 + B_l * (2 * N * 4 + 16)  # logits in, Generation out
-  elif stage == 'experience':
+    N, P = decode_tokens, chunk
+    kv_copies = c.decode_kv_copies * 2 * B_l * T * K_l * Dh * f32  # f32 K/V of one layer
+    decode = 2 * B_l * H_l * T * f32 + c.decode_logits * B_l * V_l * f32 + 4 * B_l * (D + F_l) * act
+    # The prefill runs first: scores and probabilities of P queries against the whole cache.
+    prefill = 2 * B_l * H_l * P * T * f32 + 4 * B_l * P * (D + F_l) * act
+    activations = kv_copies + max(decode, prefill)
+    io = B_l * (P * 4 + 4) + B_l * (2 * N * 4 + 16)  # the prompt in, the Generation out
+  elif stage == Stage.EXPERIENCE:
     C = min(model.logprob_chunk, T) if T % min(model.logprob_chunk, T) == 0 else T
     activations = (
       c.experience_scores * attention_score_bytes(model, B_l, H_l, T)

@@ -1,4 +1,5 @@
-"""Weights and optimizer state move between every pair of layouts, on device, unchanged."""
+"""Weights and optimizer state move between every pair of layouts, on device, unchanged; the
+resharder owns its compiled moves and keeps a bounded number of them."""
 
 import itertools
 
@@ -9,10 +10,12 @@ from jax._src import array as array_impl
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
+from earl_jax.programs import builders
 from earl_jax.rl import train_step as train_lib
-from earl_jax.selector import reshard, stages
 from earl_jax.selector.candidates import stage_candidates
 from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.sharding import reshard
+from earl_jax.stage import Stage
 
 # One layer and K = H = 8 so that tp = 8 is valid too: every factorisation of 8 devices.
 CFG = ModelConfig.preset('small-kv').replace(name='small-kv-1l', num_layers=1, vocab_size=64)
@@ -36,6 +39,12 @@ class HostBounces:
     monkeypatch.setattr(array_impl.ArrayImpl, '_value', property(counted))
 
 
+def _abstract_on(tree, shardings):
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
 def _host(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -54,9 +63,10 @@ def _euler_circuit(nodes):
 
 
 def test_params_between_every_pair_of_candidates(monkeypatch):
-  cands = stage_candidates('rollout', CFG, num_devices=8)
+  cands = stage_candidates(Stage.ROLLOUT, CFG, num_devices=8)
   assert len(cands) == 10  # every ordered (dp, fsdp, tp) with product 8
-  shardings = {c: reshard.param_shardings(CFG, c) for c in cands}
+  shardings = {c: builders.param_shardings(CFG, c) for c in cands}
+  resharder = reshard.Resharder()
   walk = _euler_circuit(cands)
   steps = list(itertools.pairwise(walk))
   assert sorted(steps, key=str) == sorted(itertools.permutations(cands, 2), key=str)
@@ -67,7 +77,7 @@ def test_params_between_every_pair_of_candidates(monkeypatch):
     src = params
     assert not reshard.needs_reshard(src, shardings[a])
     with jax.transfer_guard('disallow'):
-      params = reshard.reshard_tree(src, shardings[b])
+      params = resharder(src, shardings[b])
     leaf = params['layers'][0]['self_attn']['q_proj'][...]
     assert leaf.addressable_data(0).shape == (
       CFG.hidden_size // b.fsdp,
@@ -86,7 +96,8 @@ def test_the_host_bounce_detector_catches_device_put(monkeypatch):
   # detector must see it, or the test above would prove nothing.
   _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(ParallelConfig(dp=8)))
   bounces = HostBounces(monkeypatch)
-  jax.block_until_ready(jax.device_put(params, reshard.param_shardings(CFG, ParallelConfig(tp=8))))
+  target = builders.param_shardings(CFG, ParallelConfig(tp=8))
+  jax.block_until_ready(jax.device_put(params, target))
   assert bounces.count > 0
 
 
@@ -106,9 +117,9 @@ def test_train_state_moves_with_its_optimizer_moments(monkeypatch, src, dst):
   state = state.replace(opt_state=jax.tree.map(lambda x: x + 0.5, state.opt_state))
   expected = _host(state)
   bounces = HostBounces(monkeypatch)
-  target = stages.train_state_shardings(CFG, dst, optim)
+  target = jax.tree.map(lambda a: a.sharding, builders.abstract_train_state(CFG, dst, optim))
   with jax.transfer_guard('disallow'):
-    moved = reshard.reshard_tree(state, target)
+    moved = reshard.Resharder()(state, target)
   assert bounces.count == 0
   mu = moved.opt_state[1][0].mu['layers'][0]['mlp']['up_proj'][...]
   p = moved.params['layers'][0]['mlp']['up_proj'][...]
@@ -124,5 +135,27 @@ def test_train_state_moves_with_its_optimizer_moments(monkeypatch, src, dst):
 def test_no_move_is_a_no_op():
   pc = ParallelConfig(dp=2, tp=4)
   _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(pc))
-  assert not reshard.needs_reshard(params, reshard.param_shardings(CFG, pc))
-  assert reshard.reshard_tree(params, reshard.param_shardings(CFG, pc)) is params
+  assert not reshard.needs_reshard(params, builders.param_shardings(CFG, pc))
+  resharder = reshard.Resharder()
+  assert resharder(params, builders.param_shardings(CFG, pc)) is params
+  assert len(resharder) == 0  # nothing to move: nothing compiled
+
+
+def test_the_resharder_keeps_a_bounded_number_of_moves():
+  layouts = [ParallelConfig(dp=8), ParallelConfig(tp=8), ParallelConfig(dp=2, tp=4)]
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(layouts[0]), seed=2)
+  expected = _host(params)
+  resharder = reshard.Resharder(max_entries=2)
+  for dst in [*layouts[1:], layouts[0], layouts[1]]:  # 4 distinct (source, target) moves
+    params = resharder(params, builders.param_shardings(CFG, dst))
+  assert resharder.compiles == 4 and len(resharder) == 2
+  # The two most recent moves are kept (dp2.tp4 -> dp8, dp8 -> tp8); the older ones are gone.
+  on = {c: _abstract_on(params, builders.param_shardings(CFG, c)) for c in layouts}
+  sh = {c: builders.param_shardings(CFG, c) for c in layouts}
+  assert resharder.is_prepared(on[layouts[2]], sh[layouts[0]])
+  assert resharder.is_prepared(on[layouts[0]], sh[layouts[1]])
+  assert not resharder.is_prepared(on[layouts[1]], sh[layouts[2]])
+  for got, want in zip(_host(params), expected):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match='max_entries must be >= 1'):
+    reshard.Resharder(max_entries=0)

@@ -1,4 +1,4 @@
-"""Compiled stage programs, one per (stage, config, bucket, rows), built ahead of time.
+"""Compiled stage programs, one per `ProgramKey`, built ahead of time and cached.
 
 Each executable is `jit(...).lower(abstract args).compile()`: compile time and per-device memory
 are known before anything runs, and an executable that does not fit the budget is refused
@@ -7,26 +7,35 @@ runs (the mesh context of `jax.set_mesh` is per thread, so this does not disturb
 Entry points enable the persistent compilation cache (`earl_jax.runtime.setup`), so a later
 process gets most compiles from disk.
 
-  exe = Executables(cfg, spec=StageSpec(decode_tokens=8))
-  rollout = exe.get('rollout', ParallelConfig(dp=2, tp=4), bucket=1024, rows=16)
-  exe.precompile('rollout', ParallelConfig(tp=8), bucket=2048, rows=16)     # returns a Future
-  params, rollout, record = switch('rollout', params, exe, ParallelConfig(tp=8), 2048, 16)
+One `Executables` serves one run: the rollout engine, the trainer and the profiler take their
+programs from it, so each stage has one compile path. It owns what its programs need and
+nothing outlives it: the layouts' parameter shardings, the abstract train states, and the
+device-to-device moves between layouts (a `sharding.reshard.Resharder`).
+
+  exe = Executables(cfg, spec=StageSpec(sampling=SamplingConfig(max_new_tokens=8)))
+  rollout = exe.get(Stage.ROLLOUT, ParallelConfig(dp=2, tp=4), bucket=1024, rows=16)
+  exe.precompile(Stage.ROLLOUT, ParallelConfig(tp=8), bucket=2048, rows=16)   # a Future
+  params, rollout, record = switch(Stage.ROLLOUT, params, exe, ParallelConfig(tp=8), 2048, 16)
   record.stall_ms          # what the step waited: executable (if still compiling) + reshard
 """
 
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
+import jax
 from absl import logging
 
 from earl_jax.config import ModelConfig, ParallelConfig
-from earl_jax.selector import memory as memory_lib
-from earl_jax.selector import reshard as reshard_lib
-from earl_jax.selector import stages
+from earl_jax.programs import builders
+from earl_jax.programs import memory as memory_lib
+from earl_jax.rl import train_step as train_lib
 from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.sharding import reshard as reshard_lib
+from earl_jax.stage import Stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -42,7 +51,7 @@ class Executable:
     background: built by `precompile` in the background thread.
   """
 
-  program: stages.Program
+  program: builders.Program
   compiled: Any
   memory: memory_lib.MemoryUse
   lower_ms: float
@@ -50,7 +59,7 @@ class Executable:
   background: bool
 
   @property
-  def key(self) -> stages.ProgramKey:
+  def key(self) -> builders.ProgramKey:
     return self.program.key
 
   def __call__(self, *args: Any) -> Any:
@@ -71,7 +80,7 @@ class SwitchRecord:
     precompiled: the executable was requested by `precompile` before the step needed it.
   """
 
-  stage: str
+  stage: Stage
   step: int | None
   source: str | None
   target: str
@@ -84,11 +93,11 @@ class SwitchRecord:
   precompiled: bool
 
   def as_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    return {**dataclasses.asdict(self), 'stage': str(self.stage)}
 
 
 class Executables:
-  """The executable cache of one model: compile once per key, reuse forever.
+  """The executable cache of one model and one set of stage settings: compile once per key.
 
   Thread-safe: `get` from the step thread and `precompile` into one background worker. A key is
   compiled at most once; asking for a key that is being precompiled waits for that compile.
@@ -98,23 +107,28 @@ class Executables:
     self,
     model: ModelConfig,
     *,
-    spec: stages.StageSpec | None = None,
-    builders: dict[str, stages.Builder] | None = None,
+    spec: builders.StageSpec | None = None,
+    devices: Sequence[jax.Device] | None = None,
     background_workers: int = 1,
+    max_moves: int = 64,
   ):
     """Args:
     model: the model config.
-    spec: static stage settings (decode tokens per call, micro-batches, optimizer).
-    builders: replace the program of a stage (e.g. the rollout engine's own generate program);
-      a builder is `(model, parallel, bucket, rows, spec) -> stages.Program`.
+    spec: static stage settings (sampling, micro-batches, optimizer, loss).
+    devices: the devices every stage runs on (default: all), in canonical order.
     background_workers: threads for `precompile`.
+    max_moves: compiled layout-to-layout moves kept by the resharder.
     """
     self.model = model
-    self.spec = spec or stages.StageSpec()
-    self._builders = {**stages.BUILDERS, **(builders or {})}
+    self.spec = spec or builders.StageSpec()
+    self.devices = mesh_lib.canonical_devices(devices)
+    self._meshes: dict[ParallelConfig, jax.sharding.Mesh] = {}
+    self.resharder = reshard_lib.Resharder(max_entries=max_moves)
     self._lock = threading.Lock()
-    self._entries: dict[stages.ProgramKey, Executable] = {}
-    self._pending: dict[stages.ProgramKey, futures.Future] = {}
+    self._entries: dict[builders.ProgramKey, Executable] = {}
+    self._pending: dict[builders.ProgramKey, futures.Future] = {}
+    self._param_shardings: dict[ParallelConfig, Any] = {}
+    self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
     self._pool = futures.ThreadPoolExecutor(
       max_workers=background_workers, thread_name_prefix='earl-precompile'
     )
@@ -122,12 +136,54 @@ class Executables:
     self.hits = 0
     self.compiles = 0
 
-  # -- keys ---------------------------------------------------------------------------------------
+  # -- keys and layouts ----------------------------------------------------------------------------
 
-  def key(self, stage: str, config: ParallelConfig, bucket: int, rows: int) -> stages.ProgramKey:
-    return stages.ProgramKey(stage=stage, config=config, bucket=bucket, rows=rows)
+  def key(
+    self,
+    stage: Stage | str,
+    config: ParallelConfig,
+    bucket: int,
+    rows: int,
+    *,
+    chunk: int | None = None,
+    greedy: bool = False,
+  ) -> builders.ProgramKey:
+    """The key of a program; a rollout program without a chunk gets `spec.chunk`."""
+    stage = Stage.parse(stage)
+    if stage == Stage.ROLLOUT and chunk is None:
+      chunk = self.spec.chunk
+    return builders.ProgramKey(
+      stage=stage, config=config, bucket=bucket, rows=rows, chunk=chunk or 0, greedy=greedy
+    )
 
-  def __contains__(self, key: stages.ProgramKey) -> bool:
+  def mesh(self, config: ParallelConfig) -> jax.sharding.Mesh:
+    """The mesh of a layout over this cache's devices (one per layout)."""
+    with self._lock:
+      if config not in self._meshes:
+        self._meshes[config] = mesh_lib.make_mesh(config, self.devices)
+      return self._meshes[config]
+
+  def param_shardings(self, config: ParallelConfig) -> Any:
+    """The parameters' shardings on a layout (built once per layout: it traces the model)."""
+    with self._lock:
+      found = self._param_shardings.get(config)
+    if found is None:
+      found = builders.param_shardings(self.model, self.mesh(config))
+      with self._lock:
+        self._param_shardings[config] = found
+    return found
+
+  def abstract_train_state(self, config: ParallelConfig) -> train_lib.TrainState:
+    """The train state's ShapeDtypeStructs on a layout (moments sharded like their parameters)."""
+    with self._lock:
+      found = self._train_states.get(config)
+    if found is None:
+      found = builders.abstract_train_state(self.model, self.mesh(config), self.spec.optim)
+      with self._lock:
+        self._train_states[config] = found
+    return found
+
+  def __contains__(self, key: builders.ProgramKey) -> bool:
     with self._lock:
       return key in self._entries
 
@@ -137,9 +193,9 @@ class Executables:
 
   # -- compile ------------------------------------------------------------------------------------
 
-  def _build(self, key: stages.ProgramKey, background: bool) -> Executable:
+  def _build(self, key: builders.ProgramKey, background: bool) -> Executable:
     t0 = time.perf_counter()
-    program = self._builders[key.stage](self.model, key.config, key.bucket, key.rows, self.spec)
+    program = builders.build(key, self.model, self.spec, self.mesh(key.config))
     lowered = program.lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
@@ -177,18 +233,20 @@ class Executables:
 
   def get(
     self,
-    stage: str,
+    stage: Stage | str,
     config: ParallelConfig,
     bucket: int,
     rows: int,
     *,
+    chunk: int | None = None,
+    greedy: bool = False,
     budget: int | None = None,
     margin: float = 0.0,
   ) -> Executable:
     """The executable of a key: cached, finished by a precompile, or compiled now.
 
     Args:
-      stage, config, bucket, rows: the key.
+      stage, config, bucket, rows, chunk, greedy: the key (see `key`).
       budget: per-device bytes; when given, an executable whose peak x (1 + margin) exceeds it
         is refused (InfeasibleError) instead of being returned to run.
       margin: safety margin on the peak.
@@ -196,7 +254,7 @@ class Executables:
     Raises:
       memory.InfeasibleError: over budget, with the need and the budget in the message.
     """
-    key = self.key(stage, config, bucket, rows)
+    key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     with self._lock:
       entry = self._entries.get(key)
       pending = self._pending.get(key)
@@ -216,18 +274,32 @@ class Executables:
       )
     return entry
 
+  def generate(
+    self, config: ParallelConfig, bucket: int, rows: int, *, chunk: int, greedy: bool = False
+  ) -> Executable:
+    """The rollout program the engine runs for one turn (`get` of a rollout key)."""
+    return self.get(Stage.ROLLOUT, config, bucket, rows, chunk=chunk, greedy=greedy)
+
   def precompile(
-    self, stage: str, config: ParallelConfig, bucket: int, rows: int, *, tree: Any = None
+    self,
+    stage: Stage | str,
+    config: ParallelConfig,
+    bucket: int,
+    rows: int,
+    *,
+    chunk: int | None = None,
+    greedy: bool = False,
+    tree: Any = None,
   ) -> futures.Future:
     """Starts compiling a key in the background (no-op if cached or in flight).
 
     Args:
-      stage, config, bucket, rows: the key.
+      stage, config, bucket, rows, chunk, greedy: the key.
       tree: the program's first argument as it is laid out now (the weights, or the train
         state); when given, the device-to-device move onto the new layout is compiled too, so
         that a later `switch` pays only for moving the bytes.
     """
-    key = self.key(stage, config, bucket, rows)
+    key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     layout = None if tree is None else mesh_lib.abstract_arrays(tree)
     with self._lock:
       entry = self._entries.get(key)
@@ -242,15 +314,17 @@ class Executables:
       future.set_result(entry)
     return future
 
-  def _prepare_move(self, key: stages.ProgramKey, layout: Any) -> Executable:
-    entry = self.get(key.stage, key.config, key.bucket, key.rows)
-    reshard_lib.prepare(layout, entry.program.in_shardings[0])
+  def _prepare_move(self, key: builders.ProgramKey, layout: Any) -> Executable:
+    entry = self.get(
+      key.stage, key.config, key.bucket, key.rows, chunk=key.chunk or None, greedy=key.greedy
+    )
+    self.resharder.prepare(layout, entry.program.in_shardings[0])
     return entry
 
-  def is_ready(self, stage: str, config: ParallelConfig, bucket: int, rows: int) -> bool:
+  def is_ready(self, stage: Stage | str, config: ParallelConfig, bucket: int, rows: int) -> bool:
     return self.key(stage, config, bucket, rows) in self
 
-  def requested(self, key: stages.ProgramKey) -> bool:
+  def requested(self, key: builders.ProgramKey) -> bool:
     """Compiled, or being compiled in the background."""
     with self._lock:
       return key in self._entries or key in self._pending
@@ -273,7 +347,7 @@ class Executables:
 
 
 def switch(
-  stage: str,
+  stage: Stage | str,
   tree: Any,
   executables: Executables,
   config: ParallelConfig,
@@ -296,13 +370,14 @@ def switch(
   Raises:
     memory.InfeasibleError: the executable does not fit `budget` (checked before any move).
   """
+  stage = Stage.parse(stage)
   key = executables.key(stage, config, bucket, rows)
   precompiled = executables.requested(key)
   t0 = time.perf_counter()
   entry = executables.get(stage, config, bucket, rows, budget=budget, margin=margin)
   t1 = time.perf_counter()
   targets = entry.program.in_shardings[0]
-  tree, reshard_ms = reshard_lib.timed_reshard(tree, targets)
+  tree, reshard_ms = executables.resharder.timed(tree, targets)
   wait_ms = 1e3 * (t1 - t0)
   record = SwitchRecord(
     stage=stage,

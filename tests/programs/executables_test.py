@@ -7,12 +7,14 @@ import pytest
 from earl_jax import buckets
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
-from earl_jax.selector import memory, reshard, stages
-from earl_jax.selector.executables import Executables, switch
+from earl_jax.programs import builders, memory
+from earl_jax.programs.executables import Executables, switch
+from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.stage import Stage
 
 CFG = ModelConfig.preset('tiny')  # K = 4: tp <= 4
-SPEC = stages.StageSpec(decode_tokens=4)
+SPEC = builders.StageSpec(sampling=SamplingConfig(max_new_tokens=4))
 DP8, DP2TP4 = ParallelConfig(dp=8), ParallelConfig(dp=2, tp=4)
 
 
@@ -33,7 +35,7 @@ def test_each_bucket_compiles_once_and_is_reused(monkeypatch):
     for n in (5, 17, 32, 33, 60, 64, 20, 48):
       tokens = rng.randint(1, CFG.vocab_size, (8, n)).astype(np.int32)
       padded, bucket = buckets.pad_to_bucket(tokens, table, axis=1)
-      entry = exe.get('experience', DP2TP4, bucket, 8)
+      entry = exe.get(Stage.EXPERIENCE, DP2TP4, bucket, 8)
       lp = entry(params, jax.device_put(padded, entry.program.in_shardings[1]))
       assert lp.shape == (8, bucket)
       seen.setdefault(bucket, entry)
@@ -57,19 +59,19 @@ def test_background_precompile_switch_and_refusal():
   _, params = qwen2.init_model(CFG, mesh_a, seed=1)
   before = [np.asarray(x) for x in jax.tree.leaves(params)]
   with Executables(CFG, spec=SPEC) as exe:
-    exe.get('rollout', DP8, 32, 8)
+    exe.get(Stage.ROLLOUT, DP8, 32, 8)
     with jax.set_mesh(mesh_a):
-      future = exe.precompile('rollout', DP2TP4, 64, 8)
-      assert exe.precompile('rollout', DP2TP4, 64, 8) is future  # in flight: not twice
+      future = exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8)
+      assert exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8) is future  # in flight: not twice
       # With the current weights: the move onto the new layout is compiled as well.
-      move = exe.precompile('rollout', DP2TP4, 64, 8, tree=params)
+      move = exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8, tree=params)
       entry = future.result()
       assert move.result() is entry
       # Lowering in the background thread never touched this thread's mesh.
       assert dict(jax.sharding.get_abstract_mesh().shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
     assert entry.background and exe.log[-1]['thread'].startswith('earl-precompile')
-    assert reshard.is_prepared(params, entry.program.in_shardings[0])
-    params, got, record = switch('rollout', params, exe, DP2TP4, 64, 8, source=DP8, step=3)
+    assert exe.resharder.is_prepared(params, entry.program.in_shardings[0])
+    params, got, record = switch(Stage.ROLLOUT, params, exe, DP2TP4, 64, 8, source=DP8, step=3)
     assert got is entry and exe.compiles == 2
     assert record.precompiled and record.source == 'dp8.tp1' and record.target == 'dp2.tp4'
     assert record.stall_ms == pytest.approx(record.wait_ms + record.reshard_ms)
@@ -80,36 +82,37 @@ def test_background_precompile_switch_and_refusal():
     for got_leaf, want in zip(jax.tree.leaves(params), before):
       np.testing.assert_array_equal(np.asarray(got_leaf), want)
     # The switched-to executable runs: N = 4 tokens for every row, written into the cache.
-    args = stages.make_inputs(got.program, params)
+    args = builders.make_inputs(got.program, params)
     gen, cache = got(*args)
     assert np.all(np.asarray(gen.num_tokens) == 4)
     assert np.all(np.asarray(cache.lengths) == 64)
     # Over budget: refused before running, and the weights stay where they were.
-    with pytest.raises(memory.InfeasibleError, match=r'rollout/dp8\.tp1/S64/R8 needs'):
-      switch('rollout', params, exe, DP8, 64, 8, budget=1024)
+    with pytest.raises(memory.InfeasibleError, match=r'rollout/dp8\.tp1/S64/R8/P16 needs'):
+      switch(Stage.ROLLOUT, params, exe, DP8, 64, 8, budget=1024)
     assert not q.is_deleted()
 
 
 def test_train_switch_moves_params_and_moments_and_steps():
-  optim = SPEC.optim
   with Executables(CFG, spec=SPEC) as exe:
     # A train state on another layout, with every moment non-zero.
     _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(DP8), seed=2)
-    state = stages.make_inputs(stages.train_program(CFG, DP8, 32, 8, SPEC), params, seed=0)[0]
+    key = builders.ProgramKey(stage=Stage.TRAIN, config=DP8, bucket=32, rows=8)
+    program = builders.build(key, CFG, SPEC)
+    state = builders.make_inputs(program, params, seed=0)[0]
     state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
-    state, got, record = switch('train', state, exe, DP2TP4, 32, 8, source=DP8)
+    state, got, record = switch(Stage.TRAIN, state, exe, DP2TP4, 32, 8, source=DP8)
     # Not precompiled: the step waited for the whole compile.
     assert not record.precompiled and record.wait_ms >= got.compile_ms
-    assert exe.get('train', DP2TP4, 32, 8) is got
+    assert exe.get(Stage.TRAIN, DP2TP4, 32, 8) is got
     entry = got
     mu = state.opt_state[1][0].mu['layers'][0]['mlp']['up_proj'][...]
     p = state.params['layers'][0]['mlp']['up_proj'][...]
     assert mu.sharding.is_equivalent_to(p.sharding, 2)
     assert mu.addressable_data(0).shape == (CFG.hidden_size, CFG.intermediate_size // 4)
-    batch = stages.make_inputs(entry.program, state.params, seed=1)[1]
+    batch = builders.make_inputs(entry.program, state.params, seed=1)[1]
     state, metrics = got(state, batch)
     assert np.isfinite(float(metrics['loss'])) and int(state.step) == 1
-    want = stages.train_state_shardings(CFG, DP2TP4, optim)
+    want = jax.tree.map(lambda a: a.sharding, exe.abstract_train_state(DP2TP4))
     assert not jax.tree.leaves(
       jax.tree.map(lambda x, s: None if x.sharding.is_equivalent_to(s, x.ndim) else x, state, want)
     )

@@ -1,0 +1,117 @@
+"""The configuration of one training run of the EARL loop: `ExperimentConfig`.
+
+Presets live in `experiments/configs/train.py`; any field is set from the command line with
+`--config.a.b=value` (`earl_jax.config_cli`). This module holds only the config, so that presets,
+notebooks and tests import it without the trainer.
+
+  config = ExperimentConfig(rollout=RolloutConfig(num_episodes=64), steps=60)
+  config.fingerprint()          # what --resume checks
+"""
+
+import dataclasses
+import hashlib
+import json
+
+from earl_jax import dispatch as dispatch_lib
+from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive
+from earl_jax.envs import base as envs
+from earl_jax.rl import advantages as advantages_lib
+from earl_jax.rl import losses, train_step
+from earl_jax.rollout import engine
+from earl_jax.selector import selector as selector_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+  """Everything one training run needs; presets live in experiments/configs/train.py.
+
+  Attributes:
+    name: a label for logs.
+    model: a ModelConfig preset (ignored when model_dir is set).
+    model_dir: a HF Qwen2 checkpoint directory (weights + tokenizer), e.g. for GPU runs.
+    param_dtype: parameter and compute dtype.
+    tokenizer: 'game' (the built-in character tokenizer) or a directory with tokenizer.json.
+    env: the training environment.
+    eval_env: the evaluation environment (fixed seeds, greedy decoding).
+    rollout: episodes per step, group size, sampling.
+    advantages, loss, optim: the RL algorithm.
+    buckets: the context-length bucket table (cache capacities and train lengths).
+    selector: the Parallelism Selector (candidates, statistic, hysteresis, memory budget).
+    dispatch: the Data Dispatcher (strategy).
+    steps: training steps.
+    micro_batches: gradient-accumulation slices of each update.
+    update_epochs: optimizer updates per rollout batch (PPO's sample reuse). Every one uses the
+      same old log-probs and advantages, so from the second on the ratio departs from 1 and
+      `loss.clip_eps` bounds how far the policy moves; the logged loss metrics are the last
+      update's.
+    balance: permute rows inside the experience -> train dispatch so that every train
+      data-parallel rank gets the same number of real (unpadded) tokens. Off by default: the
+      train program runs on padded buckets, so balanced real tokens do not change its time yet.
+    eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
+    checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
+    seed: seeds the environment and the sampler of every step.
+    init_seed: seeds the random initialisation (ignored with model_dir).
+  """
+
+  name: str = 'default'
+  model: str = 'tiny-game'
+  model_dir: str | None = None
+  param_dtype: DType = 'float32'
+  tokenizer: str = 'game'
+  env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
+  eval_env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
+  rollout: engine.RolloutConfig = dataclasses.field(default_factory=engine.RolloutConfig)
+  advantages: advantages_lib.AdvantageConfig = dataclasses.field(
+    default_factory=advantages_lib.AdvantageConfig
+  )
+  loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+  optim: train_step.OptimConfig = dataclasses.field(default_factory=train_step.OptimConfig)
+  buckets: BucketConfig = dataclasses.field(default_factory=BucketConfig)
+  selector: selector_lib.SelectorConfig = dataclasses.field(
+    default_factory=selector_lib.SelectorConfig
+  )
+  dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
+    default_factory=dispatch_lib.DispatchConfig
+  )
+  steps: int = 20
+  micro_batches: int = 1
+  update_epochs: int = 1
+  balance: bool = False
+  eval_every: int = 10
+  eval_episodes: int = 128
+  eval_seed: int = 1_000_000
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  seed: int = 0
+  init_seed: int = 0
+
+  def __post_init__(self):
+    check_positive(self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes')
+    for field in ('eval_every', 'checkpoint_every', 'seed', 'init_seed', 'eval_seed'):
+      if getattr(self, field) < 0:
+        raise ValueError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
+    if self.model_dir is None:
+      ModelConfig.preset(self.model)  # raises for an unknown preset
+    if self.rollout.num_episodes % self.micro_batches:
+      raise ValueError(
+        f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
+        f'{self.rollout.num_episodes}.'
+      )
+    first_turn = self.rollout.prompt_buckets[0] + self.rollout.sampling.max_new_tokens
+    if first_turn > self.buckets.max_length:
+      raise ValueError(
+        f'The per-turn token limit rollout.sampling.max_new_tokens='
+        f'{self.rollout.sampling.max_new_tokens} plus the smallest prompt bucket '
+        f'{self.rollout.prompt_buckets[0]} does not fit the largest context bucket '
+        f'{self.buckets.max_length}; raise buckets.lengths or lower the limit.'
+      )
+
+  def to_json(self) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  def fingerprint(self) -> str:
+    """Identifies the run for --resume: everything but the step count and evaluation cadence."""
+    d = self.to_json()
+    for key in ('steps', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'name'):
+      d.pop(key, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,416 @@
+"""The per-stage programs: what runs, what the selector sizes and measures, and what it switches.
+
+A builder turns a `ProgramKey` (stage, parallel config, context bucket, rows, and for rollout the
+prompt chunk and greedy flag) into a `Program`: a jitted step function with explicit in/out
+shardings and donation, plus abstract arguments (ShapeDtypeStructs carrying shardings) to lower
+it ahead of time, so that its memory is known before anything runs. The rollout engine, the
+trainer and the profiler all run these same programs (through `executables.Executables`).
+
+  rollout     `sampler.generate`: prefill a right-padded chunk of P new prompt tokens per row
+              after what the cache of capacity S = bucket holds, then decode up to N =
+              `spec.sampling.max_new_tokens` tokens (the cache is donated and comes back
+              updated). The end-of-turn id is an argument: the engine passes the tokenizer's,
+              the profiler -1 (never sampled), so that every measured call decodes exactly N
+              tokens with the very executable the engine runs. Throughput counts B x N tokens.
+  experience  `qwen2.token_logprobs` of [B, T] tokens: reference and old log-probs are the same
+              program with other weights. Throughput counts B x T tokens.
+  train       `train_step.train_step` on a [B, T] `Batch` (the train state is donated).
+              Throughput counts B x T tokens.
+
+  prog = builders.build(ProgramKey(stage=Stage.ROLLOUT, config=ParallelConfig(dp=2, tp=4),
+                                   bucket=1024, rows=16, chunk=32), cfg, spec, mesh)
+  compiled = prog.lower().compile()
+  gen, cache = compiled(*builders.make_inputs(prog, params))     # params already on prog.mesh
+
+Dimension letters as in `earl_jax.config`.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.models import qwen2
+from earl_jax.models.tokenizer import Tokenizer
+from earl_jax.rl import losses
+from earl_jax.rl import train_step as train_lib
+from earl_jax.rl.batch import Batch
+from earl_jax.rollout import engine, sampler
+from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.sharding import rules
+from earl_jax.stage import Stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageSpec:
+  """Static settings of the stage programs (everything but the key).
+
+  Attributes:
+    sampling: the rollout's sampling (temperature, top-p, N = max_new_tokens per call). The
+      experience and train log-probs are those of softmax(logits / temperature): the policy
+      that sampled the tokens.
+    chunk: P, the prompt chunk of a rollout program when its key names none (the one the
+      profiler measures: a turn's new observation, the smallest prompt bucket).
+    token_ids: the rollout's constrained reply vocabulary (`RolloutConfig.reply_tokens` as
+      ids), or None: every stage's policy is then the softmax over these ids alone.
+    micro_batches: gradient-accumulation slices of the train step.
+    optim: optimizer of the train step (its state is part of the train program's memory).
+    loss: loss settings of the train step.
+  """
+
+  sampling: sampler.SamplingConfig = dataclasses.field(default_factory=sampler.SamplingConfig)
+  chunk: int = 16
+  token_ids: tuple[int, ...] | None = None
+  micro_batches: int = 1
+  optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
+  loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+
+  def __post_init__(self):
+    if self.token_ids is not None and (
+      not isinstance(self.token_ids, tuple)
+      or not self.token_ids
+      or not all(isinstance(i, int) and i >= 0 for i in self.token_ids)
+    ):
+      raise ValueError(
+        f'StageSpec.token_ids must be None or a non-empty tuple of ids, got {self.token_ids!r}.'
+      )
+    for name in ('chunk', 'micro_batches'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'StageSpec.{name} must be an int >= 1, got {value!r}.')
+
+  @classmethod
+  def for_rollout(
+    cls, rollout: engine.RolloutConfig, tokenizer: Tokenizer, vocab_size: int, **train: Any
+  ) -> 'StageSpec':
+    """The settings a rollout config implies: its sampling, its smallest prompt bucket as the
+    profiled chunk, its reply tokens as ids of `tokenizer`; `train` sets the other fields."""
+    return cls(
+      sampling=rollout.sampling,
+      chunk=rollout.prompt_buckets[0],
+      token_ids=engine.reply_token_ids(tokenizer, rollout.reply_tokens, vocab_size),
+      **train,
+    )
+
+  @property
+  def decode_tokens(self) -> int:
+    """N: tokens a rollout call decodes at most (exactly, when no end-of-turn is sampled)."""
+    return self.sampling.max_new_tokens
+
+  @property
+  def temperature(self) -> float:
+    return self.sampling.temperature
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramKey:
+  """What identifies one executable.
+
+  Attributes:
+    stage: the stage.
+    config: the parallel layout.
+    bucket: S, the cache capacity (rollout), or T, the sequence length (experience, train).
+    rows: B, the batch rows (responses).
+    chunk: P, the prompt tokens a rollout call prefills (0 for the other stages).
+    greedy: a rollout program that decodes by argmax (evaluation).
+  """
+
+  stage: Stage
+  config: ParallelConfig
+  bucket: int
+  rows: int
+  chunk: int = 0
+  greedy: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, 'stage', Stage.parse(self.stage))
+    for name in ('bucket', 'rows'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'ProgramKey.{name} must be a positive int, got {value!r}.')
+    if self.stage == Stage.ROLLOUT:
+      if not isinstance(self.chunk, int) or self.chunk < 1:
+        raise ValueError(f'ProgramKey.chunk of a rollout program must be >= 1, got {self.chunk}.')
+    elif self.chunk or self.greedy:
+      raise ValueError(f'ProgramKey: chunk and greedy are rollout settings, not {self.stage}.')
+
+  def __str__(self) -> str:
+    name = f'{self.stage}/{self.config.name}/S{self.bucket}/R{self.rows}'
+    if self.stage == Stage.ROLLOUT:
+      name += f'/P{self.chunk}' + ('/greedy' if self.greedy else '')
+    return name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Program:
+  """A stage's step function for one key, ready to lower ahead of time.
+
+  Attributes:
+    key: what the program is for.
+    model: the model config.
+    spec: the static stage settings.
+    mesh: the stage mesh (over the canonical devices).
+    fn: the jitted function (explicit in/out shardings, donation).
+    abstract_args: ShapeDtypeStructs with shardings, one per positional argument.
+    tokens: tokens produced or processed per call (the throughput numerator).
+  """
+
+  key: ProgramKey
+  model: ModelConfig
+  spec: StageSpec
+  mesh: jax.sharding.Mesh
+  fn: Any
+  abstract_args: tuple[Any, ...]
+  tokens: int
+
+  def lower(self) -> Any:
+    """`fn.lower(*abstract_args)` under the stage mesh (thread-safe: the mesh context is per thread)."""
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*self.abstract_args)
+
+  @property
+  def in_shardings(self) -> tuple[Any, ...]:
+    return tuple(jax.tree.map(lambda a: a.sharding, arg) for arg in self.abstract_args)
+
+  @property
+  def param_shardings(self) -> Any:
+    """Where the program wants the model parameters (inside the train state for train)."""
+    first = self.in_shardings[0]
+    return first.params if self.key.stage == Stage.TRAIN else first
+
+
+Builder = Callable[[ProgramKey, ModelConfig, StageSpec, jax.sharding.Mesh], Program]
+
+
+def _replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _with_shardings(shapes: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
+
+
+def _setup(key: ProgramKey, model: ModelConfig, mesh: jax.sharding.Mesh):
+  if mesh_lib.parallel_config_of(mesh) != key.config:
+    raise ValueError(f'Program {key} built on a mesh of shape {dict(mesh.shape)}.')
+  mesh_lib.check_model_fits(key.config, model)
+  mesh_lib.check_batch_fits(key.config, key.rows, what='rows (responses)')
+  graphdef, abstract_params = qwen2.abstract_model(model, mesh)
+  return graphdef, abstract_params
+
+
+def generation_shardings(mesh: jax.sharding.Mesh) -> sampler.Generation:
+  bt = rules.sharding(('batch', None), mesh)
+  b = rules.sharding(('batch',), mesh)
+  return sampler.Generation(tokens=bt, logprobs=bt, num_tokens=b, stopped=b)
+
+
+def rollout_program(
+  key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
+) -> Program:
+  """Prefill of a P-token chunk, then decode of up to N tokens, for B rows with a cache of S.
+
+  Arguments: (params, cache, prompt [B, P] int32, num_prompt [B] int32, key (a PRNG key),
+  eot_id [] int32); the cache is donated. Returns (Generation [B, N], cache). Rows with
+  num_prompt == 0 idle (their cache and fill are unchanged). Prompt positions past the capacity
+  are dropped (a small cache bucket with a larger prompt bucket).
+  """
+  S, B, N = key.bucket, key.rows, spec.decode_tokens
+  graphdef, abstract_params = _setup(key, model, mesh)
+  cache = qwen2.KVCache.abstract(model, B, S, mesh)
+  prompt = _sds((B, key.chunk), jnp.int32, rules.sharding(('batch', 'seq'), mesh))
+  num_prompt = _sds((B,), jnp.int32, rules.sharding(('batch',), mesh))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  rng = _sds(rng.shape, rng.dtype, _replicated(mesh))
+  eot_id = _sds((), jnp.int32, _replicated(mesh))
+  sampling = dataclasses.replace(spec.sampling, greedy=key.greedy or spec.sampling.greedy)
+
+  def step(params, cache, prompt, num_prompt, rng, eot_id):
+    m = nnx.merge(graphdef, params)
+    return sampler.generate(
+      m,
+      cache,
+      prompt,
+      num_prompt,
+      rng,
+      eot_id=eot_id,
+      config=sampling,
+      token_ids=spec.token_ids,
+    )
+
+  abstract_args = (abstract_params, cache, prompt, num_prompt, rng, eot_id)
+  shardings = tuple(jax.tree.map(lambda a: a.sharding, x) for x in abstract_args)
+  fn = jax.jit(
+    step,
+    in_shardings=shardings,
+    out_shardings=(generation_shardings(mesh), shardings[1]),
+    donate_argnums=(1,),
+  )
+  return Program(
+    key=key,
+    model=model,
+    spec=spec,
+    mesh=mesh,
+    fn=fn,
+    abstract_args=abstract_args,
+    tokens=B * N,
+  )
+
+
+def experience_program(
+  key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
+) -> Program:
+  """Per-token log-probs of [B, T] tokens: (params, tokens) -> log-probs [B, T] f32."""
+  graphdef, abstract_params = _setup(key, model, mesh)
+  bt = rules.sharding(('batch', 'seq'), mesh)
+  tokens = _sds((key.rows, key.bucket), jnp.int32, bt)
+
+  def step(params, tokens):
+    model = nnx.merge(graphdef, params)
+    return qwen2.token_logprobs(model, tokens, spec.temperature, spec.token_ids)
+
+  abstract_args = (abstract_params, tokens)
+  fn = jax.jit(step, in_shardings=(qwen2.state_shardings(abstract_params), bt), out_shardings=bt)
+  return Program(
+    key=key,
+    model=model,
+    spec=spec,
+    mesh=mesh,
+    fn=fn,
+    abstract_args=abstract_args,
+    tokens=key.rows * key.bucket,
+  )
+
+
+def _mesh_of(where: ParallelConfig | jax.sharding.Mesh) -> jax.sharding.Mesh:
+  return where if isinstance(where, jax.sharding.Mesh) else mesh_lib.make_mesh(where)
+
+
+def abstract_train_state(
+  model: ModelConfig, where: ParallelConfig | jax.sharding.Mesh, optim: train_lib.OptimConfig
+) -> train_lib.TrainState:
+  """The train state's ShapeDtypeStructs on a mesh (or a layout over all devices), moments
+  sharded like their parameters."""
+  _, abstract_params = qwen2.abstract_model(model, _mesh_of(where))
+  return train_lib.abstract_train_state(abstract_params, train_lib.make_optimizer(optim))
+
+
+def param_shardings(model: ModelConfig, where: ParallelConfig | jax.sharding.Mesh) -> Any:
+  """The model's parameter shardings on a mesh (or a layout over all canonical devices)."""
+  _, abstract = qwen2.abstract_model(model, _mesh_of(where))
+  return qwen2.state_shardings(abstract)
+
+
+def train_program(
+  key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
+) -> Program:
+  """One optimizer update on a [B, T] batch: (state, batch) -> (state, metrics)."""
+  if key.rows % spec.micro_batches:
+    raise ValueError(f'rows={key.rows} is not divisible by micro_batches={spec.micro_batches}.')
+  graphdef, _ = _setup(key, model, mesh)
+  state = abstract_train_state(model, mesh, spec.optim)
+  batch_sh = Batch.shardings(mesh)
+  batch = _with_shardings(Batch.zeros(key.rows, key.bucket), batch_sh)
+  fn = train_lib.make_train_step(
+    graphdef,
+    train_lib.make_optimizer(spec.optim),
+    spec.loss,
+    micro_batches=spec.micro_batches,
+    temperature=spec.temperature,
+    token_ids=spec.token_ids,
+    state_shardings=jax.tree.map(lambda a: a.sharding, state),
+    batch_shardings=batch_sh,
+    metrics_sharding=_replicated(mesh),
+  )
+  return Program(
+    key=key,
+    model=model,
+    spec=spec,
+    mesh=mesh,
+    fn=fn,
+    abstract_args=(state, batch),
+    tokens=key.rows * key.bucket,
+  )
+
+
+BUILDERS: dict[Stage, Builder] = {
+  Stage.ROLLOUT: rollout_program,
+  Stage.EXPERIENCE: experience_program,
+  Stage.TRAIN: train_program,
+}
+
+
+def build(
+  key: ProgramKey,
+  model: ModelConfig,
+  spec: StageSpec | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+) -> Program:
+  """The program of `key` on `mesh` (default: `key.config` over all canonical devices)."""
+  mesh = mesh if mesh is not None else mesh_lib.make_mesh(key.config)
+  return BUILDERS[key.stage](key, model, spec or StageSpec(), mesh)
+
+
+def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[Any, ...]:
+  """Concrete arguments for `program`, created on its mesh; `params` must already be there.
+
+  rollout: a zero cache filled to S - P - N, a random P-token prompt on every row, the
+  end-of-turn id -1 (so that every row decodes N tokens and fills the cache to S). experience:
+  random tokens. train: a fresh train state built from a copy of `params` (the step donates it)
+  and a random batch whose every row is valid with a loss on all positions but the first.
+  """
+  key = program.key
+  shardings = program.in_shardings
+  B, S = key.rows, key.bucket
+  model = program.model
+  rng = jax.random.key(seed)
+  if key.stage == Stage.ROLLOUT:
+    P, N = key.chunk, program.spec.decode_tokens
+    if S < P + N:
+      raise ValueError(
+        f'rollout bucket {S} must be longer than chunk {P} + decode_tokens {N} to measure '
+        f'program {key}.'
+      )
+    cache_abs = program.abstract_args[1]
+
+    def make_rest():
+      cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_abs)
+      cache = cache.replace(lengths=jnp.full((B,), S - P - N, jnp.int32))
+      prompt = jax.random.randint(rng, (B, P), 0, model.vocab_size, jnp.int32)
+      num_prompt = jnp.full((B,), P, jnp.int32)
+      return cache, prompt, num_prompt, jax.random.fold_in(rng, 1), jnp.int32(-1)
+
+    rest = jax.jit(make_rest, out_shardings=shardings[1:])()
+    return (params, *rest)
+  if key.stage == Stage.EXPERIENCE:
+    tokens = jax.jit(
+      lambda: jax.random.randint(rng, (B, S), 0, model.vocab_size, jnp.int32),
+      out_shardings=shardings[1],
+    )()
+    return (params, tokens)
+  state = train_lib.init_train_state(
+    jax.tree.map(jnp.copy, params), train_lib.make_optimizer(program.spec.optim)
+  )
+
+  def make_batch():
+    k1, k2 = jax.random.split(rng)
+    mask = jnp.broadcast_to(jnp.arange(S) > 0, (B, S))
+    return Batch.zeros(B, S, xp=jnp).replace(
+      tokens=jax.random.randint(k1, (B, S), 0, model.vocab_size, jnp.int32),
+      loss_mask=mask,
+      advantages=jnp.where(mask, jax.random.normal(k2, (B, S)), 0.0),
+      lengths=jnp.full((B,), S, jnp.int32),
+      valid=jnp.ones((B,), jnp.bool_),
+    )
+
+  with jax.set_mesh(program.mesh):
+    return state, jax.jit(make_batch, out_shardings=shardings[1])()

@@ -1,0 +1,113 @@
+"""Finished multi-turn episodes, as the rollout engine hands them on: ragged rows on the host.
+
+One row per episode holds the whole conversation (turn prompts and the policy's replies) in one
+token sequence, right-padded to T, the longest episode. `to_batch` pads them to a context bucket
+and a row count that divides the next stage's mesh: the `rl.batch.Batch` the RL stages read.
+
+  traj = engine.run(params, mesh, seed=step)
+  traj.context_stats()                       # Fig. 1's turn- and episode-level context lengths
+  batch = traj.to_batch(bucket=1024, rows=64, gamma=0.9)
+"""
+
+import dataclasses
+
+import numpy as np
+from jaxtyping import Bool, Float32, Int32
+
+from earl_jax.rl.batch import Batch
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """Finished episodes on the host.
+
+  Attributes:
+    tokens: every token of each episode, right-padded with the tokenizer's pad id.
+    loss_mask: the tokens the policy generated.
+    logprobs: their sampling log-probs (0 elsewhere).
+    lengths: the episode-level context length (tokens).
+    returns: the episode return (the sum of its rewards).
+    group_ids: the episode's group (episodes that share their randomness).
+    turn_rewards: the reward each turn earned, per episode.
+    turn_starts: the token index where each turn's prompt starts, per episode.
+    turn_tokens: the tokens of each turn (prompt + reply): the turn-level context length.
+    outcomes: 'win' | 'loss' | 'draw' | 'invalid' | 'overflow' | 'truncated', per episode.
+    generated_tokens: tokens the policy generated in all.
+    cache_buckets: the KV-cache capacities the rollout went through.
+    timings: seconds spent generating, in the environment and on the host.
+  """
+
+  tokens: Int32[np.ndarray, 'B T']
+  loss_mask: Bool[np.ndarray, 'B T']
+  logprobs: Float32[np.ndarray, 'B T']
+  lengths: Int32[np.ndarray, ' B']
+  returns: Float32[np.ndarray, ' B']
+  group_ids: Int32[np.ndarray, ' B']
+  turn_rewards: list[list[float]]
+  turn_starts: list[list[int]]
+  turn_tokens: list[list[int]]
+  outcomes: list[str]
+  generated_tokens: int
+  cache_buckets: list[int]
+  timings: dict[str, float]
+
+  @property
+  def num_episodes(self) -> int:
+    return len(self.outcomes)
+
+  def win_rate(self) -> float:
+    return float(np.mean([o == 'win' for o in self.outcomes]))
+
+  def outcome_rates(self) -> dict[str, float]:
+    n = len(self.outcomes)
+    return {o: sum(x == o for x in self.outcomes) / n for o in sorted(set(self.outcomes))}
+
+  def context_stats(self) -> dict[str, float]:
+    turns = [t for row in self.turn_tokens for t in row]
+    return {
+      'episode_len_mean': float(np.mean(self.lengths)),
+      'episode_len_max': float(np.max(self.lengths)),
+      'episode_len_p95': float(np.percentile(self.lengths, 95)),
+      'turn_len_mean': float(np.mean(turns)) if turns else 0.0,
+      'turns_mean': float(np.mean([len(t) for t in self.turn_tokens])),
+    }
+
+  def token_returns(self, gamma: float) -> Float32[np.ndarray, 'B T']:
+    """On every generated token, the discounted reward-to-go from its turn on.
+
+    G_t = sum_k gamma^(k - t) r_k over the episode's turns k >= t; 0 on template tokens.
+    """
+    out = np.zeros(self.tokens.shape, np.float32)
+    for i, rewards in enumerate(self.turn_rewards):
+      g, returns = 0.0, [0.0] * len(rewards)
+      for t in range(len(rewards) - 1, -1, -1):
+        g = rewards[t] + gamma * g
+        returns[t] = g
+      starts = [*self.turn_starts[i], int(self.lengths[i])]
+      for t, g in enumerate(returns):
+        lo, hi = starts[t], starts[t + 1]
+        out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], g, 0.0)
+    return out
+
+  def to_batch(self, *, bucket: int, rows: int, gamma: float = 1.0) -> Batch:
+    """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
+
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`).
+    """
+    B, T = self.tokens.shape
+    if bucket < T:
+      raise ValueError(f'to_batch: bucket {bucket} is shorter than the longest episode ({T}).')
+    if rows < B:
+      raise ValueError(f'to_batch: rows={rows} is fewer than the {B} episodes.')
+    out = Batch.zeros(rows, bucket)
+    pad = lambda x, v=0: np.pad(x, ((0, rows - B), (0, bucket - T)), constant_values=v)  # noqa: E731
+    return out.replace(
+      tokens=pad(self.tokens).astype(np.int32),
+      loss_mask=pad(self.loss_mask, False),
+      sample_logprobs=pad(self.logprobs).astype(np.float32),
+      returns=pad(self.token_returns(gamma)),
+      rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
+      lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
+      group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
+      valid=np.arange(rows) < B,
+    )

@@ -1,0 +1,118 @@
+"""Pytrees of arrays from one layout to another over the same devices, device to device.
+
+Every stage mesh is built over the same canonical devices, so a layout switch is one jitted
+identity whose `out_shardings` are the target layout: XLA turns it into local slices and
+collectives, and nothing goes through the host (unlike `jax.device_put` between two shardings
+over the same devices, which in this JAX version gathers to host numpy and scatters again).
+The source is donated: leaves whose per-device shards keep their shape are aliased, the others
+are freed right after the copy, so the old layout does not outlive the switch.
+
+A `Resharder` owns the compiled moves, keyed by (tree structure, source layout, target layout,
+donation), in a bounded least-recently-used table: the object that owns a run's meshes owns its
+moves too, and nothing outlives it.
+
+  resharder = Resharder()
+  params = resharder(params, targets)                # the old params are consumed
+  resharder.prepare(abstract_params, targets)        # compile ahead (any thread), then move fast
+  params, ms = resharder.timed(params, targets)
+"""
+
+import time
+import warnings
+from typing import Any
+
+import jax
+
+from earl_jax.caching import LRUCache
+from earl_jax.sharding import mesh as mesh_lib
+
+_DONATION_WARNING = 'Some donated buffers were not usable'
+
+
+def needs_reshard(tree: Any, target_shardings: Any) -> bool:
+  """Whether any leaf of `tree` (arrays or ShapeDtypeStructs) is not laid out as its target."""
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(target_shardings)
+  return any(not leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets))
+
+
+class Resharder:
+  """Device-to-device moves of pytrees between layouts, compiled once per layout pair.
+
+  Thread-safe: `prepare` may run in a background thread while the step thread moves trees.
+  At most `max_entries` compiled moves are kept (least recently used go first).
+  """
+
+  def __init__(self, max_entries: int = 64):
+    if not isinstance(max_entries, int) or max_entries < 1:
+      raise ValueError(f'Resharder.max_entries must be >= 1, got {max_entries!r}.')
+    self._compiled: LRUCache[Any, Any] = LRUCache(max_entries)
+    self.compiles = 0
+
+  def __len__(self) -> int:
+    return len(self._compiled)
+
+  @staticmethod
+  def _key(tree: Any, target_shardings: Any, donate: bool) -> tuple[Any, tuple[Any, ...]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = tuple(treedef.flatten_up_to(target_shardings))
+    source = tuple((tuple(x.shape), str(x.dtype), x.sharding) for x in leaves)
+    return (treedef, source, targets, donate), targets
+
+  def _compile(self, key: Any, tree: Any, targets: tuple[Any, ...], donate: bool) -> Any:
+    treedef = key[0]
+    out_shardings = jax.tree.unflatten(treedef, targets)
+    fn = jax.jit(lambda t: t, out_shardings=out_shardings, donate_argnums=0 if donate else ())
+    with warnings.catch_warnings():
+      warnings.filterwarnings('ignore', message=_DONATION_WARNING)
+      compiled = fn.lower(mesh_lib.abstract_arrays(tree)).compile()
+    self.compiles += 1
+    return self._compiled.put(key, compiled)
+
+  def prepare(self, tree: Any, target_shardings: Any, *, donate: bool = True) -> None:
+    """Compiles the move of `tree`'s layout to `target_shardings` ahead of time.
+
+    `tree` may hold arrays or ShapeDtypeStructs with shardings: only structure, shapes, dtypes
+    and shardings are used.
+    """
+    if not needs_reshard(tree, target_shardings):
+      return
+    key, targets = self._key(tree, target_shardings, donate)
+    if self._compiled.get(key) is None:
+      self._compile(key, tree, targets, donate)
+
+  def is_prepared(self, tree: Any, target_shardings: Any, *, donate: bool = True) -> bool:
+    """Whether this move is compiled and cached."""
+    key, _ = self._key(tree, target_shardings, donate)
+    return key in self._compiled
+
+  def __call__(self, tree: Any, target_shardings: Any, *, donate: bool = True) -> Any:
+    """Moves every leaf of `tree` to its target sharding, device to device.
+
+    Args:
+      tree: a pytree of jax Arrays (parameters, a TrainState, ...), all on the canonical devices.
+      target_shardings: a pytree of the same structure whose leaves are the target shardings.
+      donate: consume `tree` (its buffers are aliased where possible and deleted otherwise).
+
+    Returns:
+      The same values laid out as `target_shardings`. When nothing has to move, `tree` itself.
+    """
+    if not needs_reshard(tree, target_shardings):
+      return tree
+    key, targets = self._key(tree, target_shardings, donate)
+    fn = self._compiled.get(key) or self._compile(key, tree, targets, donate)
+    with warnings.catch_warnings():
+      # Leaves whose shard shape changes cannot be aliased; they are deleted below instead.
+      warnings.filterwarnings('ignore', message=_DONATION_WARNING)
+      out = fn(tree)
+    if donate:
+      for leaf in jax.tree.leaves(tree):
+        if not leaf.is_deleted():
+          leaf.delete()
+    return out
+
+  def timed(self, tree: Any, target_shardings: Any, *, donate: bool = True) -> tuple[Any, float]:
+    """The move, waited for; returns (tree, milliseconds)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(self(tree, target_shardings, donate=donate))
+    return out, 1e3 * (time.perf_counter() - t0)

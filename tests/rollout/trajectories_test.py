@@ -1,0 +1,55 @@
+"""Trajectories: discounted returns per turn, padding to a bucket, context statistics."""
+
+import numpy as np
+import pytest
+
+from earl_jax.rollout.trajectories import Trajectories
+
+
+def _trajectories():
+  # Two episodes: [p p r | p r] (two turns) and [p p r] (one turn, then padding).
+  tokens = np.array([[5, 6, 1, 7, 2], [5, 6, 3, 0, 0]], np.int32)
+  mask = np.array([[0, 0, 1, 0, 1], [0, 0, 1, 0, 0]], bool)
+  return Trajectories(
+    tokens=tokens,
+    loss_mask=mask,
+    logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
+    lengths=np.array([5, 3], np.int32),
+    returns=np.array([1.5, -1.0], np.float32),
+    group_ids=np.array([0, 1], np.int32),
+    turn_rewards=[[0.5, 1.0], [-1.0]],
+    turn_starts=[[0, 3], [0]],
+    turn_tokens=[[3, 2], [3]],
+    outcomes=['win', 'loss'],
+    generated_tokens=3,
+    cache_buckets=[8],
+    timings={},
+  )
+
+
+def test_token_returns_are_rewards_to_go_on_generated_tokens_only():
+  r = _trajectories().token_returns(gamma=0.5)
+  np.testing.assert_allclose(r[0], [0, 0, 0.5 + 0.5 * 1.0, 0, 1.0])
+  np.testing.assert_allclose(r[1], [0, 0, -1.0, 0, 0])
+
+
+def test_to_batch_pads_rows_and_tokens_and_marks_padding_invalid():
+  traj = _trajectories()
+  batch = traj.to_batch(bucket=8, rows=4, gamma=1.0)
+  assert batch.tokens.shape == (4, 8) and batch.valid.tolist() == [True, True, False, False]
+  np.testing.assert_array_equal(batch.tokens[:2, :5], traj.tokens)
+  assert not batch.loss_mask[2:].any() and not batch.tokens[:, 5:].any()
+  np.testing.assert_allclose(batch.returns[0, :5], [0, 0, 1.5, 0, 1.0])
+  assert batch.rewards.tolist() == [1.5, -1.0, 0.0, 0.0]
+  with pytest.raises(ValueError, match='bucket 4 is shorter than the longest episode \\(5\\)'):
+    traj.to_batch(bucket=4, rows=4)
+  with pytest.raises(ValueError, match='rows=1 is fewer than the 2 episodes'):
+    traj.to_batch(bucket=8, rows=1)
+
+
+def test_context_and_outcome_statistics():
+  traj = _trajectories()
+  stats = traj.context_stats()
+  assert stats['episode_len_mean'] == 4.0 and stats['episode_len_max'] == 5.0
+  assert stats['turn_len_mean'] == pytest.approx(8 / 3) and stats['turns_mean'] == 1.5
+  assert traj.win_rate() == 0.5 and traj.outcome_rates() == {'loss': 0.5, 'win': 0.5}
