@@ -10,6 +10,10 @@ loopback, each with its own fake CPU devices and gloo collectives, so that multi
   # from a shell: N local workers of one experiment
   python -m earl_jax.launch --num_processes=8 --devices_per_process=1 -- \
       python experiments/dispatch_latency.py --out=/tmp/d.json
+
+The agreement helpers at the end (`process_min`, `process_max`, `broadcast_json`, `gather_rows`) make small host
+values identical on every process (a budget, a measured profile, per-episode statistics), so that
+every process of one program takes the same decisions; they never carry a batch.
 """
 
 import dataclasses
@@ -18,6 +22,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 ENV_COORDINATOR = 'EARL_COORDINATOR'
 ENV_NUM_PROCESSES = 'EARL_NUM_PROCESSES'
@@ -190,3 +195,84 @@ def launch_local(
       lines.append(f'--- process {r.process_id} (exit {r.returncode}) stderr tail:\n{tail}')
     raise LaunchError('\n'.join(lines))
   return done
+
+
+# ------------------------------------------------------------------------------------------------
+# Agreement between the processes of one program (multi-controller): small host values only.
+# Every function is a collective: every process calls it at the same point, with its own value.
+
+
+def process_min(value: int | None) -> int | None:
+  """The smallest of every process's `value` (None where every process has None)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return value
+  mine = np.array([-1 if value is None else int(value)], np.int64)
+  values = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+  known = values[values >= 0]
+  return int(known.min()) if known.size else None
+
+
+def process_max(values: Sequence[int]) -> list[int]:
+  """The elementwise largest of every process's int `values` (each process passes as many)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return [int(v) for v in values]
+  mine = np.asarray(list(values), np.int64)
+  return np.asarray(multihost_utils.process_allgather(mine)).max(axis=0).astype(int).tolist()
+
+
+def broadcast_json(obj: Any) -> Any:
+  """Process 0's JSON-able `obj`, on every process (the others pass anything, e.g. None)."""
+  import json
+
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return obj
+  data = json.dumps(obj).encode() if jax.process_index() == 0 else b''
+  size = int(multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int64))[0])
+  buf = np.zeros(size, np.uint8)
+  if jax.process_index() == 0:
+    buf[:] = np.frombuffer(data, np.uint8)
+  out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  return json.loads(out.tobytes().decode())
+
+
+def gather_rows(values: Any, held: Any) -> Any:
+  """Per-row host values of every process, merged: row i from the first process that holds it.
+
+  Args:
+    values: [B, ...] numpy array; rows this process does not hold may contain anything.
+    held: bool [B], the rows this process holds.
+
+  Returns:
+    [B, ...]: every row, as the (first) process that holds it has it.
+
+  Raises:
+    ValueError: some row is held by no process.
+  """
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  values, held = np.asarray(values), np.asarray(held, bool)
+  if jax.process_count() == 1:
+    if not held.all():
+      raise ValueError(f'gather_rows: rows {np.flatnonzero(~held)[:8].tolist()} are held nowhere.')
+    return values
+  all_values = np.asarray(multihost_utils.process_allgather(values))  # [P, B, ...]
+  all_held = np.asarray(multihost_utils.process_allgather(held))  # [P, B]
+  if not all_held.any(axis=0).all():
+    missing = np.flatnonzero(~all_held.any(axis=0))[:8].tolist()
+    raise ValueError(f'gather_rows: rows {missing} are held by no process.')
+  first = np.argmax(all_held, axis=0)  # [B]
+  return all_values[first, np.arange(values.shape[0])]

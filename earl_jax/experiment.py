@@ -37,7 +37,8 @@ class ExperimentConfig:
     advantages, loss, optim: the RL algorithm.
     buckets: the context-length bucket table (cache capacities and train lengths).
     selector: the Parallelism Selector (candidates, statistic, hysteresis, memory budget).
-    dispatch: the Data Dispatcher (strategy).
+    dispatch: the Data Dispatcher: every stage move (rollout -> experience -> train layout)
+      goes through it, with the layout-aware collectives by default.
     steps: training steps.
     micro_batches: gradient-accumulation slices of each update.
     update_epochs: optimizer updates per rollout batch (PPO's sample reuse). Every one uses the
@@ -71,7 +72,7 @@ class ExperimentConfig:
     default_factory=selector_lib.SelectorConfig
   )
   dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
-    default_factory=dispatch_lib.DispatchConfig
+    default_factory=lambda: dispatch_lib.DispatchConfig(strategy='layout_aware')
   )
   steps: int = 20
   micro_batches: int = 1

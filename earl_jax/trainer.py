@@ -4,17 +4,25 @@ One step (`Trainer.step`), every stage on its own mesh over the same devices (co
 
   1. plan       the Parallelism Selector picks each stage's ParallelConfig and context bucket
                 from the previous step's statistics (rollout) or this step's (experience, train);
+                a layout whose program XLA refuses is marked and the next one taken;
   2. reshard    parameters move device to device onto the rollout and experience meshes, and the
                 train state (parameters + optimizer moments) when the train mesh changes;
-  3. rollout    multi-turn episodes with a KV cache that persists across turns (host env), each
-                turn a compiled rollout program of the shared executable cache;
-  4. experience old and reference log-probs on the experience layout;
-  5. dispatch   the batch moves to the train layout through the Data Dispatcher (its configured
-                strategy; `balance` permutes rows by real tokens inside the same move);
-  6. advantages group statistics with collectives on the train layout;
-  7. train      one PPO-clip update (micro-batched), AOT-compiled per (layout, bucket), state
+  3. rollout    multi-turn episodes with a KV cache that persists across turns, each turn a
+                compiled rollout program of the shared executable cache; every process steps the
+                environments of the rows its devices hold, and the batch is built on the
+                rollout layout from every process's own rows;
+  4. dispatch   rollout layout -> experience layout, through the Data Dispatcher, on devices;
+  5. experience old and reference log-probs on the experience layout;
+  6. dispatch   experience layout -> train layout (`balance` permutes rows by real tokens
+                inside the same move);
+  7. advantages group statistics with collectives on the train layout;
+  8. train      one PPO-clip update (micro-batched), AOT-compiled per (layout, bucket), state
                 donated;
-  8. metrics    one line per step, JSONL + TensorBoard; Orbax checkpoints every N steps.
+  9. metrics    per-episode statistics merged over processes; process 0 writes one line per
+                step, JSONL + TensorBoard; Orbax checkpoints (every process) every N steps.
+
+The same program runs on every process of a multi-controller run (`jax.distributed`): every
+decision is taken from statistics that every process holds alike.
 
 Construction is explicit: the model and tokenizer, the stage programs (`programs.Executables`),
 the start-up profile (measured by its own call, `profiler.run`, unless one is passed in), the
@@ -47,7 +55,7 @@ from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import train_step
 from earl_jax.rl.batch import Batch
 from earl_jax.rollout import engine
-from earl_jax.rollout.trajectories import Trajectories
+from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
 from earl_jax.selector import profiler
 from earl_jax.selector import selector as selector_lib
 from earl_jax.sharding import mesh as mesh_lib
@@ -73,11 +81,20 @@ class StageTimer:
 
 
 @dataclasses.dataclass
+class _Rollout:
+  """What the rollout stage hands on: this process's episodes and the whole batch's statistics."""
+
+  traj: Trajectories
+  episodes: EpisodeStats
+  stats: selector_lib.StepStats
+  decision: selector_lib.Decision
+
+
+@dataclasses.dataclass
 class _Experience:
-  """What the experience stage hands on: the batch on its layout, and the host batch it came from."""
+  """What the experience stage hands on: the batch on its layout and its bucket."""
 
   batch: Batch
-  host: Batch
   layout: dispatch_lib.Layout
   bucket: int
 
@@ -107,8 +124,9 @@ class Trainer:
     self.log = log_fn or (lambda line: logging.info('%s', line))
     self.devices = mesh_lib.canonical_devices()
     self.is_main = jax.process_index() == 0
-    self._meshes: dict[ParallelConfig, jax.sharding.Mesh] = {}
     self._advantage_fns: dict[ParallelConfig, Any] = {}
+    self._reshard_ms_per_byte: float | None = None  # measured device-to-device moves
+    self.profile_s = 0.0  # spent measuring profile cells during the run
     self.num_groups = config.rollout.num_episodes // config.rollout.group_size
 
     self.model_cfg, self.tokenizer = self._load_model_config()
@@ -130,6 +148,8 @@ class Trainer:
       num_devices=len(self.devices),
       profile=profile if profile is not None else self.measure_profile(),
       spec=self.spec,
+      measure=self._measure_bucket if config.selector.profile.lazy else None,
+      switch_cost=self._switch_cost,
     )
     self.plans: dict[Stage, selector_lib.Decision] = {}
     self.switches: list[dict] = []
@@ -165,25 +185,61 @@ class Trainer:
     )
     return model, tokenizer.load_tokenizer(cfg.tokenizer)
 
-  def measure_profile(self) -> profiler.Profile | None:
-    """The start-up profile of `config.selector.profile.stages` (None when it names none).
-
-    Compiles and times every candidate program of those stages at every bucket, or loads the
-    cached profile when it was made for exactly this setup.
-    """
-    sel = self.config.selector
-    if not sel.profile.stages:
-      return None
-    pconfig = selector_lib.profile_config(
-      sel,
+  def _profile_config(self) -> profiler.ProfileConfig:
+    return selector_lib.profile_config(
+      self.config.selector,
       buckets=self.config.buckets,
       rows=self.config.rollout.num_episodes,
       spec=self.spec,
       budget_bytes=self._budget(),
     )
+
+  def measure_profile(self) -> profiler.Profile | None:
+    """The start-up profile of `config.selector.profile.stages` (None when it names none).
+
+    Compiles and times every candidate program of those stages at every bucket (with
+    `profile.lazy`: none; each bucket is measured when a decision first needs it), or loads
+    what the cache holds when it was made for exactly this setup.
+    """
+    sel = self.config.selector
+    if not sel.profile.stages:
+      return None
     return profiler.run(
-      self.model_cfg, pconfig, executables=self.executables, cache_path=sel.profile.cache
+      self.model_cfg,
+      self._profile_config(),
+      executables=self.executables,
+      cache_path=sel.profile.cache,
+      measure=not sel.profile.lazy,
     )
+
+  def _measure_bucket(self, stage: Stage, bucket: int) -> profiler.Profile:
+    """The profile with `bucket` measured for every profiled stage (cached on disk)."""
+    del stage  # every profiled stage is measured at once
+    t0 = time.perf_counter()
+    out = profiler.run(
+      self.model_cfg,
+      self._profile_config(),
+      executables=self.executables,
+      cache_path=self.config.selector.profile.cache,
+      buckets=(bucket,),
+    )
+    self.profile_s += time.perf_counter() - t0
+    return out
+
+  def _switch_cost(self, stage: Stage, src: ParallelConfig, dst: ParallelConfig, bucket, rows):
+    """What moving `stage` from `src` to `dst` would stall a step, in ms: the compile of the
+    program when it is not compiled or compiling yet (its profiled compile time), and for train
+    the move of the train state (its bytes at the measured device-to-device rate)."""
+    del src
+    cost = 0.0
+    key = self.executables.key(stage, dst, bucket, rows)
+    if not self.executables.requested(key):
+      profile = self.selector.profile(stage)
+      cell = profile.cells.get((stage, bucket, rows, dst.name))
+      cost += cell.compile_ms if cell is not None and cell.compile_ms else 0.0
+    if stage == Stage.TRAIN and self._reshard_ms_per_byte is not None:
+      cost += self._reshard_ms_per_byte * _tree_bytes(self.state)
+    return cost
 
   def _budget(self) -> int | None:
     """The per-device budget: the device's own limit, or the emulated one (None: unlimited)."""
@@ -239,18 +295,27 @@ class Trainer:
   # Meshes, parameters on a mesh, compiled programs.
 
   def mesh(self, parallel: ParallelConfig) -> jax.sharding.Mesh:
-    if parallel not in self._meshes:
-      self._meshes[parallel] = mesh_lib.make_mesh(parallel, self.devices)
-    return self._meshes[parallel]
+    return self.executables.mesh(parallel)
 
   def params_on(self, parallel: ParallelConfig):
     """The train parameters laid out on `parallel`'s mesh: the state's own arrays on the train
     layout, else a device-to-device copy that the caller drops as soon as its stage is done."""
     if parallel == self.train_config:
       return self.state.params
-    return self.executables.resharder(
-      self.state.params, self.executables.param_shardings(parallel), donate=False
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(
+      self.executables.resharder(
+        self.state.params, self.executables.param_shardings(parallel), donate=False
+      )
     )
+    self._note_reshard(out, time.perf_counter() - t0)
+    return out
+
+  def _note_reshard(self, tree: Any, seconds: float) -> None:
+    """Keeps the device-to-device move rate (ms per byte) the switch-cost gate estimates from."""
+    rate = 1e3 * seconds / max(_tree_bytes(tree), 1)
+    old = self._reshard_ms_per_byte
+    self._reshard_ms_per_byte = rate if old is None else 0.5 * (old + rate)
 
   def _ref_on(self, parallel: ParallelConfig):
     """The reference parameters, moved (donated) to `parallel` when the experience layout changes."""
@@ -272,6 +337,22 @@ class Trainer:
       margin=self.config.selector.safety_margin,
     )
 
+  def _decide(self, stage: Stage, stats: selector_lib.StepStats | None, bucket: int | None = None):
+    """The stage's decision and its program at `bucket` (default: the decision's run bucket).
+
+    A program that XLA's memory analysis refuses at compile time marks its layout infeasible
+    there; the decision is taken again, with the next candidate (logged with the reason).
+    """
+    while True:
+      decision = self._plan(stage, stats)
+      try:
+        if stage == Stage.TRAIN and decision.config != self.train_config:
+          return decision, None  # the switch compiles it (and is refused the same way)
+        return decision, self._executable(decision, bucket or decision.run_bucket)
+      except memory_lib.InfeasibleError as e:
+        self.selector.mark_infeasible(decision, str(e))
+        self.log(f'refused at compile time, deciding again: {e}')
+
   def _layout(self, parallel: ParallelConfig) -> dispatch_lib.Layout:
     """The batch layout every stage program is compiled for (`Batch.shardings`)."""
     mesh = self.mesh(parallel)
@@ -289,7 +370,7 @@ class Trainer:
 
   def _switch_train(self, decision: selector_lib.Decision, bucket: int):
     """Moves the train state (params + AdamW moments) to the new layout; returns the program."""
-    self.state, program, record = executables_lib.switch(
+    state, program, record = executables_lib.switch(
       Stage.TRAIN,
       self.state,
       self.executables,
@@ -301,6 +382,8 @@ class Trainer:
       budget=self.selector.budget_bytes,
       margin=self.config.selector.safety_margin,
     )
+    self.state = state
+    self._note_reshard(state, record.reshard_ms / 1e3)
     self.train_config = decision.config
     self.switches.append(record.as_dict())
     return program, record.stall_ms
@@ -313,112 +396,149 @@ class Trainer:
     self.plans[stage] = decision
     return decision
 
-  def _roll_out(self, timer: StageTimer) -> tuple[Trajectories, selector_lib.StepStats]:
+  def _roll_out(self, timer: StageTimer) -> _Rollout:
     """1-3. Rollout plan from the previous step's statistics; the episodes on its layout (the
-    cache starts at the planned bucket and grows if an episode outgrows it)."""
-    d_roll = self._plan(Stage.ROLLOUT, self.prev_stats)
+    cache starts at the planned bucket and grows if an episode outgrows it); the statistics of
+    the whole batch, merged over the processes."""
+    cfg = self.config
+    d_roll, _ = self._decide(Stage.ROLLOUT, self.prev_stats)
     params_r = timer('reshard', self.params_on, d_roll.config)
     t0 = time.perf_counter()
     traj = self.engine.run(
       params_r,
       self.mesh(d_roll.config),
-      seed=_step_seed(self.config.seed, self.global_step),
+      seed=_step_seed(cfg.seed, self.global_step),
       capacity=d_roll.run_bucket,
     )
     timer.add('rollout', time.perf_counter() - t0)
+    episodes = EpisodeStats.gather(traj)
+    T = cfg.buckets.bucket_for(int(episodes.lengths.max()))
+    B = cfg.rollout.num_episodes
     stats = selector_lib.StepStats(
-      episode_lengths=tuple(traj.lengths.tolist()),
-      turn_lengths=tuple(t for row in traj.turn_tokens for t in row),
-      num_responses=traj.num_episodes,
+      episode_lengths=tuple(episodes.lengths.tolist()),
+      num_responses=B,
+      free_memory_bytes=memory_lib.free_memory(self.devices),
+      stage_tokens={
+        Stage.ROLLOUT: episodes.generated_tokens,
+        Stage.EXPERIENCE: B * T * (2 if self.ref_params is not None else 1),
+        Stage.TRAIN: B * T * cfg.update_epochs,
+      },
     )
-    return traj, stats
+    return _Rollout(traj=traj, episodes=episodes, stats=stats, decision=d_roll)
 
-  def _experience(
-    self, traj: Trajectories, stats: selector_lib.StepStats, timer: StageTimer
-  ) -> _Experience:
-    """4. Old (and reference) log-probs, on the layout planned from this step's lengths. The
-    trajectories are on the host (the environments are), so they go straight to that layout."""
+  def _move(self, name: str, batch: Batch, src, dst, timer: StageTimer, moves: dict, perm=None):
+    """One stage-to-stage move through the Data Dispatcher, timed and accounted."""
+    t0 = time.perf_counter()
+    out, report = self.dispatcher.dispatch(batch, dst, src=src, perm=perm)
+    out = jax.block_until_ready(out)
+    seconds = time.perf_counter() - t0
+    timer.add('dispatch', seconds)
+    moves[name] = {
+      'strategy': report.strategy,
+      'bytes': int(report.min_bytes or 0),
+      'ms': 1e3 * seconds,
+    }
+    return out
+
+  def _experience(self, rollout: _Rollout, timer: StageTimer, moves: dict) -> _Experience:
+    """4-5. The batch, built on the rollout layout from every process's own episodes, moves to
+    the experience layout (planned from this step's lengths); old (and reference) log-probs."""
     cfg = self.config
-    d_exp = self._plan(Stage.EXPERIENCE, stats)
-    T = max(d_exp.run_bucket, cfg.buckets.bucket_for(int(traj.tokens.shape[1])))
-    host = traj.to_batch(bucket=T, rows=cfg.rollout.num_episodes, gamma=cfg.advantages.gamma)
+    # The run bucket holds the longest episode (times the headroom): every row fits it.
+    d_exp, logprobs = self._decide(Stage.EXPERIENCE, rollout.stats)
+    T = d_exp.run_bucket
+    roll_layout = self._layout(rollout.decision.config)
+    batch = timer(
+      'put',
+      rollout.traj.to_device_batch,
+      bucket=T,
+      shardings=roll_layout.shardings(),
+      gamma=cfg.advantages.gamma,
+    )
     layout = self._layout(d_exp.config)
-    batch = timer('h2d', _put, host, layout)
+    batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves)
     params_e = timer('reshard', self.params_on, d_exp.config)
-    logprobs = self._executable(d_exp, T)
     old = timer('experience', logprobs, params_e, batch.tokens)
     del params_e
     ref = old
     if self.ref_params is not None:
       ref = timer('experience', logprobs, self._ref_on(d_exp.config), batch.tokens)
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
-    return _Experience(batch=batch, host=host, layout=layout, bucket=T)
+    return _Experience(batch=batch, layout=layout, bucket=T)
 
   def _train_program(self, stats: selector_lib.StepStats, T: int, timer: StageTimer):
-    """5a. The train plan; the train state switched if the layout changed; the next bucket's
-    program precompiled in the background. Returns (decision, program, switch ms)."""
-    d_train = self._plan(Stage.TRAIN, stats)
-    switch_ms = 0.0
-    if d_train.config != self.train_config:
-      update, switch_ms = self._switch_train(d_train, T)
-      timer.add('reshard', switch_ms / 1e3)
-    else:
-      update = self._executable(d_train, T)
+    """6a. The train plan; the train state switched if the layout changed; the neighbouring
+    buckets' programs precompiled in the background. Returns (decision, program, switch ms)."""
+    while True:
+      d_train, update = self._decide(Stage.TRAIN, stats, T)
+      switch_ms = 0.0
+      if update is not None:
+        break
+      try:
+        update, switch_ms = self._switch_train(d_train, T)
+        timer.add('reshard', switch_ms / 1e3)
+        break
+      except memory_lib.InfeasibleError as e:
+        self.selector.mark_infeasible(d_train, str(e))
+        self.log(f'refused at compile time, deciding again: {e}')
     for key in self.selector.lookahead(d_train)[1:]:
       self.executables.precompile(*key, tree=self.state)
     return d_train, update, switch_ms
 
-  def _dispatch(self, exp: _Experience, d_train: selector_lib.Decision, timer: StageTimer):
-    """5b. The batch from the experience layout to the train layout (optionally balancing real
+  def _to_train(self, exp: _Experience, rollout: _Rollout, d_train, timer, moves) -> Batch:
+    """6b. The batch from the experience layout to the train layout (optionally balancing real
     tokens across the train ranks inside the same move)."""
     train_layout = self._layout(d_train.config)
     perm = None
     if self.config.balance:
       perm = dispatch_lib.balanced_permutation(
-        exp.host.lengths, exp.layout, train_layout, like=exp.host
+        rollout.episodes.lengths, exp.layout, train_layout, like=mesh_lib.abstract_arrays(exp.batch)
       )
-    return timer(
-      'dispatch', self.dispatcher.dispatch, exp.batch, train_layout, src=exp.layout, perm=perm
-    )
+    return self._move('experience_train', exp.batch, exp.layout, train_layout, timer, moves, perm)
 
   def _update(self, batch: Batch, d_train: selector_lib.Decision, update, timer: StageTimer):
-    """6-7. Advantages with collectives, then the update(s), on the train mesh."""
+    """7-8. Advantages with collectives, then the update(s), on the train mesh."""
     mesh_t = self.mesh(d_train.config)
     with jax.set_mesh(mesh_t):
       batch = timer('advantages', self._advantages(d_train.config), batch)
     for _ in range(self.config.update_epochs):
       self.state, m = timer('train', update, self.state, batch)
-    return jax.device_get((m, self.state.skipped))
+    return jax.device_get((m, self.state.skipped))  # replicated scalars: every process has them
 
   def step(self) -> dict:
     """One EARL step (see the module docstring); returns its metrics record."""
     t_step = time.perf_counter()
     timer = StageTimer()
-    traj, stats = self._roll_out(timer)
-    exp = self._experience(traj, stats, timer)
-    d_train, update, switch_ms = self._train_program(stats, exp.bucket, timer)
-    batch, report = self._dispatch(exp, d_train, timer)
+    moves: dict[str, dict] = {}
+    profile_s = self.profile_s
+    rollout = self._roll_out(timer)
+    exp = self._experience(rollout, timer, moves)
+    d_train, update, switch_ms = self._train_program(rollout.stats, exp.bucket, timer)
+    batch = self._to_train(exp, rollout, d_train, timer, moves)
     m, skipped = self._update(batch, d_train, update, timer)
     self.global_step += 1
-    self.prev_stats = stats
-    return self._record(traj, exp.bucket, m, skipped, report, switch_ms, timer, t_step)
+    self.prev_stats = rollout.stats
+    if self.profile_s > profile_s:
+      timer.add('profile', self.profile_s - profile_s)
+    return self._record(rollout, exp.bucket, m, skipped, moves, switch_ms, timer, t_step)
 
-  def _record(self, traj, T, m, skipped, report, switch_ms, timer, t_step) -> dict:
+  def _record(self, rollout, T, m, skipped, moves, switch_ms, timer, t_step) -> dict:
     elapsed = time.perf_counter() - t_step
+    ep = rollout.episodes
     return {
-      'win_rate': traj.win_rate(),
-      'return_mean': float(np.mean(traj.returns)),
-      'invalid_rate': traj.outcome_rates().get('invalid', 0.0),
-      **{f'ctx/{k}': v for k, v in traj.context_stats().items()},
+      'win_rate': ep.win_rate(),
+      'return_mean': float(np.mean(ep.returns)),
+      'invalid_rate': ep.outcome_rates().get('invalid', 0.0),
+      **{f'ctx/{k}': v for k, v in ep.context_stats().items()},
       'bucket': T,
-      'tokens': int(np.sum(traj.lengths)),
-      'generated_tokens': traj.generated_tokens,
-      'tokens_per_s': float(np.sum(traj.lengths)) / elapsed,
-      'rollout_tokens_per_s': traj.generated_tokens / max(timer.times['rollout'], 1e-9),
+      'tokens': ep.tokens,
+      'generated_tokens': ep.generated_tokens,
+      'tokens_per_s': ep.tokens / elapsed,
+      'rollout_tokens_per_s': ep.generated_tokens / max(timer.times['rollout'], 1e-9),
       **{f'loss/{k}': float(v) for k, v in m.items()},
       'skipped_steps': int(skipped),
-      'dispatch/strategy': report.strategy,
-      'dispatch/bytes_moved': float(report.min_bytes or 0),
+      **{f'dispatch/{name}/{k}': v for name, move in moves.items() for k, v in move.items()},
+      'dispatch/bytes_moved': float(sum(move['bytes'] for move in moves.values())),
       'switch_ms': switch_ms,
       **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
       **{f'time/{k}_s': v for k, v in timer.times.items()},
@@ -429,17 +549,19 @@ class Trainer:
   # Evaluation, checkpoints, the loop.
 
   def evaluate(self) -> dict:
+    """Greedy games from fixed seeds on the rollout layout, every process playing its rows."""
     d = self.plans.get(Stage.ROLLOUT) or self.selector.initial_decisions()[Stage.ROLLOUT]
     traj = self.eval_engine.run(
       self.params_on(d.config), self.mesh(d.config), seed=self.config.eval_seed, greedy=True
     )
-    rates = traj.outcome_rates()
+    ep = EpisodeStats.gather(traj)
+    rates = ep.outcome_rates()
     return {
-      'eval/win_rate': traj.win_rate(),
+      'eval/win_rate': ep.win_rate(),
       'eval/invalid_rate': rates.get('invalid', 0.0),
       'eval/draw_rate': rates.get('draw', 0.0),
-      'eval/return_mean': float(np.mean(traj.returns)),
-      'eval/episode_len_mean': float(np.mean(traj.lengths)),
+      'eval/return_mean': float(np.mean(ep.returns)),
+      'eval/episode_len_mean': float(np.mean(ep.lengths)),
     }
 
   def _meta(self) -> dict:
@@ -534,22 +656,50 @@ class Trainer:
       'eval_win_rate_first': evals[0] if evals else None,
       'eval_win_rate_last': evals[-1] if evals else None,
       'skipped_steps': int(self.state.skipped),
+      'profile_s': self.profile_s,
+      'moves': move_summary(self.history),
+      'switches': self.switches,
       'decisions': self.selector.log(),
     }
+
+
+def move_summary(history: list[dict]) -> dict[str, Any]:
+  """Per stage move, over the train steps of `history`: how many steps ran it, on how many
+  the stages' layouts differed and bytes really moved, the bytes and milliseconds in all."""
+  out: dict[str, Any] = {}
+  steps = [r for r in history if 'plan/train' in r]
+  pairs = {
+    'rollout_experience': ('rollout', 'experience'),
+    'experience_train': ('experience', 'train'),
+  }
+  for name, (a, b) in pairs.items():
+    rows = [r for r in steps if f'dispatch/{name}/bytes' in r]
+    layout = lambda r, s: r[f'plan/{s}'].split('@')[0]  # noqa: E731
+    out[name] = {
+      'steps': len(rows),
+      'layouts_differ': sum(layout(r, a) != layout(r, b) for r in rows),
+      'bytes_moved_steps': sum(r[f'dispatch/{name}/bytes'] > 0 for r in rows),
+      'bytes': int(sum(r[f'dispatch/{name}/bytes'] for r in rows)),
+      'ms': float(sum(r[f'dispatch/{name}/ms'] for r in rows)),
+      'strategies': sorted({r[f'dispatch/{name}/strategy'] for r in rows}),
+    }
+  return out
 
 
 def _step_seed(seed: int, step: int) -> int:
   return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
-def _put(host: Batch, layout: dispatch_lib.Layout) -> Batch:
-  """Host batch -> device arrays on `layout` (each process puts only its own shards)."""
-  shardings = layout.shardings()
-  return jax.tree.map(
-    lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx, x=x: x[idx]),
-    host,
-    shardings,
-  )
+def _tree_bytes(tree: Any) -> int:
+  """Bytes of every array of `tree` (globally, counting each element once)."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _size(n: float) -> str:
+  for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+    if n >= scale:
+      return f'{n / scale:.1f}{unit}'
+  return f'{n:.0f}B'
 
 
 def format_line(r: dict) -> str:
@@ -567,6 +717,12 @@ def format_line(r: dict) -> str:
   )
   parts.append(f'{r.get("tokens_per_s", 0):,.0f} tok/s')
   parts.append('plan ' + ' '.join(f'{s[0]}={r.get(f"plan/{s}", "?")}' for s in STAGES))
+  moves = []
+  for name, short in (('rollout_experience', 'r>e'), ('experience_train', 'e>t')):
+    if f'dispatch/{name}/bytes' in r:
+      moves.append(f'{short} {_size(r[f"dispatch/{name}/bytes"])} {r[f"dispatch/{name}/ms"]:.0f}ms')
+  if moves:
+    parts.append('moved ' + ' '.join(moves))
   times = ' '.join(
     f'{k[5:-2]} {v:.2f}s' for k, v in r.items() if k.startswith('time/') and k != 'time/step_s'
   )
@@ -574,4 +730,4 @@ def format_line(r: dict) -> str:
   return ' | '.join(parts)
 
 
-__all__ = ['ExperimentConfig', 'ResumeError', 'Trainer', 'format_line']
+__all__ = ['ExperimentConfig', 'ResumeError', 'Trainer', 'format_line', 'move_summary']

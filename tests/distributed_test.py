@@ -33,3 +33,22 @@ def test_launch_reports_failures_with_stderr():
       devices_per_process=1,
       timeout=60,
     )
+
+
+@pytest.mark.multiprocess
+def test_processes_agree_on_small_values_and_hold_their_rows():
+  r0, r1 = multiprocess.run(
+    'earl_jax.testing.mp_bodies:agreement_and_rows', num_processes=2, devices_per_process=4
+  )
+  for r in (r0, r1):
+    assert r['min'] == 10 and r['min_none'] == 5 and r['max'] == [1, 7]
+    assert r['json'] == {'from': 0, 'cells': [0, 1, 2]}  # process 0's, everywhere
+    # Row i from the first process that holds it: 0-2 from process 0, 3-7 from process 1.
+    assert r['rows'] == [100, 101, 102, 203, 204, 205, 206, 207]
+    for layout in r['layouts'].values():
+      assert layout['back'] and layout['total'] == sum(range(16))
+  # dp8 and dp2.tp4 split the rows between the processes; dp1.tp8 replicates them on both.
+  assert r0['layouts']['dp8']['rows'] == list(range(8))
+  assert r1['layouts']['dp8']['rows'] == list(range(8, 16))
+  assert r0['layouts']['dp2.tp4']['rows'] == list(range(8))
+  assert r0['layouts']['dp1.tp8']['rows'] == r1['layouts']['dp1.tp8']['rows'] == list(range(16))

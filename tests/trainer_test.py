@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from earl_jax import metrics, trainer
-from earl_jax.config import BucketConfig
+from earl_jax.config import BucketConfig, ParallelConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.sharding.mesh import ShardingError
 from earl_jax.stage import STAGES
-from earl_jax.testing import fixture_path
-from earl_jax.testing.configs import smoke_experiment
+from earl_jax.testing import fixture_path, mp_bodies, multiprocess
+from earl_jax.testing.configs import smoke_experiment, staged_profile
 from earl_jax.testing.typecheck import unchecked
 
 
@@ -160,3 +160,91 @@ def test_a_hf_checkpoint_trains_with_the_qwen_chat_template(tmp_path):
   assert np.isfinite(row['loss/loss'])
   after = [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
   assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# Stages on three layouts: the rollout's rows reach the experience layout in place, and the
+# experience -> train move sends rows across devices (and across processes on 2 x 4).
+WINNERS = {'rollout': 'dp4.tp2', 'experience': 'dp8', 'train': 'dp2.tp4'}
+EXACT = ('win_rate', 'return_mean', 'invalid_rate', 'tokens', 'generated_tokens', 'bucket')
+
+
+def _compare(rows, ref):
+  assert [r['step'] for r in rows] == [r['step'] for r in ref]
+  for a, b in zip(rows, ref):
+    for k in b:
+      if k in EXACT or k.startswith(('ctx/', 'eval/', 'plan/')) or k.endswith('/bytes'):
+        assert a[k] == b[k], (a['step'], k, a[k], b[k])
+      elif k.startswith('loss/'):
+        assert abs(a[k] - b[k]) <= 1e-5, (a['step'], k, a[k], b[k])
+
+
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_and_resume_there(tmp_path):
+  """2 processes x 4 devices: 3 steps (a checkpoint), then --resume for 1 more, equal the same
+  seed's run on this process's 8 devices; the experience -> train move sends real bytes."""
+  ref = mp_bodies.trainer_run(str(tmp_path / 'one'), steps=4, resume=False, winners=WINNERS)
+  kwargs = {'workdir': str(tmp_path / 'two'), 'steps': 3, 'resume': False, 'winners': WINNERS}
+  first = multiprocess.run(
+    'earl_jax.testing.mp_bodies:trainer_run', num_processes=2, devices_per_process=4, kwargs=kwargs
+  )
+  assert [r['steps'] for r in first] == [3, 3] and first[1]['rows'] is None  # process 0 writes
+  assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '3']
+  again = multiprocess.run(
+    'earl_jax.testing.mp_bodies:trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={**kwargs, 'steps': 4, 'resume': True},
+  )
+  rows = again[0]['rows']
+  _compare(rows, ref['rows'])
+  for r in rows[1:]:
+    assert (r['plan/rollout'].split('@')[0], r['plan/experience'].split('@')[0]) == (
+      'dp4.tp2',
+      'dp8.tp1',
+    )
+    assert r['plan/train'].startswith('dp2.tp4')
+    assert r['dispatch/experience_train/strategy'] == 'layout_aware'
+    assert r['dispatch/experience_train/bytes'] > 0
+  moves = first[0]['moves']['experience_train']
+  assert moves['layouts_differ'] == 3 and moves['bytes_moved_steps'] == 3 and moves['bytes'] > 0
+
+
+def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
+  """Experience and train on other layouts than the rollout's give the same run as every stage
+  on the rollout's layout: the dispatcher moves the batch, and nothing else changes."""
+  one = mp_bodies.trainer_run(
+    str(tmp_path / 'one'), steps=3, resume=False, winners=dict.fromkeys(WINNERS, 'dp4.tp2')
+  )
+  staged = mp_bodies.trainer_run(str(tmp_path / 'staged'), steps=3, resume=False, winners=WINNERS)
+  assert all(r['dispatch/experience_train/bytes'] > 0 for r in staged['rows'][1:])
+  ref = [
+    {k: v for k, v in r.items() if not k.startswith(('plan/', 'dispatch/'))} for r in one['rows']
+  ]
+  _compare(staged['rows'], ref)
+
+
+def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_path):
+  """The selector believes dp8 fits the train stage, XLA's memory analysis says it does not:
+  the trainer marks it, takes the next candidate, and the run goes on."""
+  base = smoke_experiment(steps=2, eval_every=0, checkpoint_every=0)
+  probe = trainer.Trainer(base, workdir=str(tmp_path / 'probe'), log_fn=lambda _: None)
+  peak = {
+    c: probe.executables.get('train', ParallelConfig.parse(c), 64, 8).memory.peak
+    for c in ('dp8', 'dp4.tp2')
+  }
+  assert peak['dp4.tp2'] < peak['dp8']
+  budget_mib = (peak['dp4.tp2'] + peak['dp8']) / 2 / (1 << 20)
+  config = dataclasses.replace(
+    base,
+    selector=dataclasses.replace(base.selector, budget_mib=budget_mib, safety_margin=0.0),
+  )
+  # The profile puts train on dp8 and claims it needs nothing (as a wrong estimate would).
+  profile = staged_profile(config, {'train': 'dp8'}, needs={'train': {'dp8': 1}})
+  lines = []
+  t = trainer.Trainer(config, workdir=str(tmp_path / 'run'), log_fn=lines.append, profile=profile)
+  summary = t.run(progress=False)
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'run', 'metrics.jsonl'))
+  assert summary['steps'] == 2 and all(r['plan/train'].startswith('dp4.tp2') for r in rows)
+  refused = [d for d in summary['decisions'] if 'REFUSED' in d['reason']]
+  assert refused and all(d['stage'] == 'train' and d['config'] == 'dp8.tp1' for d in refused)
+  assert 'needs' in refused[0]['reason'] and any('refused at compile time' in x for x in lines)

@@ -223,11 +223,16 @@ class TextEnv(abc.ABC):
     """B, the batch size of the last `reset` (0 before it)."""
 
   @abc.abstractmethod
-  def reset(self, n: int, seed: int, *, group_size: int = 1) -> list[str]:
+  def reset(
+    self, n: int, seed: int, *, group_size: int = 1, rows: Sequence[int] | None = None
+  ) -> list[str]:
     """Starts n episodes, deterministically given `seed`; returns their first observations.
 
     Consecutive groups of `group_size` episodes share their random draws (start and opponent
-    randomness), so they differ only by the agent's replies.
+    randomness), so they differ only by the agent's replies. With `rows`, only those episodes
+    of the n are played (in that order; `num_envs` is then len(rows)), and each plays exactly
+    the game it would play in the full batch: the random draws are those of all n. One process
+    of a multi-process run plays the rows its devices hold this way.
     """
 
   @abc.abstractmethod

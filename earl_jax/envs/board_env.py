@@ -43,6 +43,8 @@ class BoardGameEnv(base.TextEnv):
     self.opponent = opponent
     self._rng: np.random.Generator | None = None
     self._group_size = 1
+    self._batch = 0  # n of the last reset: the draws are made for all of them
+    self._rows = np.zeros(0, np.int64)  # the played episodes among the n
     self._boards: np.ndarray | None = None
     self._done = np.zeros(0, dtype=bool)
     self._turns = np.zeros(0, dtype=np.int64)
@@ -101,18 +103,22 @@ class BoardGameEnv(base.TextEnv):
     *,
     start_boards: Int8[np.ndarray, 'B R W'] | None = None,
     group_size: int = 1,
+    rows: Sequence[int] | None = None,
   ) -> list[str]:
-    """Starts n episodes.
+    """Starts n episodes (or the subset `rows` of them).
 
     Args:
       n: the number of episodes.
       seed: a non-negative int; the same seed and the same replies replay the same games.
       start_boards: optional positions to start from, agent to move in every episode
         (`config.agent_first` is then ignored); each must be running (no winner, not full).
+        One per played episode.
       group_size: episodes per group sharing their random draws (must divide n).
+      rows: play only these episodes of the n (distinct, in [0, n)); each draws what it would
+        draw in the full batch, so it plays the same game (see `base.TextEnv.reset`).
 
     Returns:
-      The first observation of each episode.
+      The first observation of each played episode.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
       raise ValueError(f'reset needs a positive number of episodes, got n={n!r}.')
@@ -120,11 +126,21 @@ class BoardGameEnv(base.TextEnv):
       raise ValueError(f'reset needs a non-negative int seed, got {seed!r}.')
     if not isinstance(group_size, int) or group_size <= 0 or n % group_size:
       raise ValueError(f'reset: group_size={group_size!r} must be a positive divisor of n={n}.')
+    played = np.arange(n) if rows is None else np.asarray(list(rows), np.int64)
+    if (
+      played.size == 0
+      or len(set(played.tolist())) != played.size
+      or not ((played >= 0).all() and (played < n).all())
+    ):
+      raise ValueError(f'reset: rows must be distinct episodes in [0, {n}), got {list(played)}.')
     game = self.game
     rng = np.random.default_rng(seed)
     self._group_size = group_size
+    self._batch = n
+    self._rows = played
     coins = self._draw(rng, (n,))
     noise = self._draw(rng, (n, game.num_actions))
+    n = played.size
     if start_boards is not None:
       boards = self._check_start_boards(start_boards, n)
       opponent_first = np.zeros(n, dtype=bool)
@@ -151,9 +167,10 @@ class BoardGameEnv(base.TextEnv):
     return self._observe(np.arange(n), [None] * n)
 
   def _draw(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Uniform draws of `shape`, one per group of episodes, repeated over the group."""
+    """Uniform draws of `shape` ([n, ...] for the whole batch), one per group of episodes and
+    repeated over the group; the rows of the played episodes."""
     size = self._group_size
-    return rng.random((shape[0] // size, *shape[1:])).repeat(size, axis=0)
+    return rng.random((shape[0] // size, *shape[1:])).repeat(size, axis=0)[self._rows]
 
   def _check_start_boards(self, start_boards: np.ndarray, n: int) -> np.ndarray:
     game = self.game
@@ -200,7 +217,7 @@ class BoardGameEnv(base.TextEnv):
     if isinstance(actions, str) or len(actions) != n:
       got = 'a single str' if isinstance(actions, str) else f'{len(actions)} replies'
       raise ValueError(f'step needs one reply per episode ({n}), got {got}.')
-    noise = self._draw(self._rng, (n, game.num_actions))  # every step: see the module docstring
+    noise = self._draw(self._rng, (self._batch, game.num_actions))  # every step: see the docstring
     active = ~self._done
     active_idx = np.flatnonzero(active)
 

@@ -219,8 +219,8 @@ def rollout_program(
 ) -> Program:
   """Prefill of a P-token chunk, then decode of up to N tokens, for B rows with a cache of S.
 
-  Arguments: (params, cache, prompt [B, P] int32, num_prompt [B] int32, key (a PRNG key),
-  eot_id [] int32); the cache is donated. Returns (Generation [B, N], cache). Rows with
+  Arguments: (params, cache, prompt [B, P] int32, num_prompt [B] int32, key_data uint32[2]
+  (`jax.random.key_data` of the turn's key), eot_id [] int32); the cache is donated. Returns (Generation [B, N], cache). Rows with
   num_prompt == 0 idle (their cache and fill are unchanged). Prompt positions past the capacity
   are dropped (a small cache bucket with a larger prompt bucket).
   """
@@ -229,8 +229,8 @@ def rollout_program(
   cache = qwen2.KVCache.abstract(model, B, S, mesh)
   prompt = _sds((B, key.chunk), jnp.int32, rules.sharding(('batch', 'seq'), mesh))
   num_prompt = _sds((B,), jnp.int32, rules.sharding(('batch',), mesh))
-  rng = jax.eval_shape(lambda: jax.random.key(0))
-  rng = _sds(rng.shape, rng.dtype, _replicated(mesh))
+  # The PRNG key travels as its raw uint32 data: a plain host value every process can place.
+  rng = _sds((2,), jnp.uint32, _replicated(mesh))
   eot_id = _sds((), jnp.int32, _replicated(mesh))
   sampling = dataclasses.replace(spec.sampling, greedy=key.greedy or spec.sampling.greedy)
 
@@ -241,7 +241,7 @@ def rollout_program(
       cache,
       prompt,
       num_prompt,
-      rng,
+      jax.random.wrap_key_data(rng),
       eot_id=eot_id,
       config=sampling,
       token_ids=spec.token_ids,
@@ -387,7 +387,8 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
       cache = cache.replace(lengths=jnp.full((B,), S - P - N, jnp.int32))
       prompt = jax.random.randint(rng, (B, P), 0, model.vocab_size, jnp.int32)
       num_prompt = jnp.full((B,), P, jnp.int32)
-      return cache, prompt, num_prompt, jax.random.fold_in(rng, 1), jnp.int32(-1)
+      key_data = jax.random.key_data(jax.random.fold_in(rng, 1))
+      return cache, prompt, num_prompt, key_data, jnp.int32(-1)
 
     rest = jax.jit(make_rest, out_shardings=shardings[1:])()
     return (params, *rest)

@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from earl_jax import distributed
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -62,7 +64,7 @@ def xla_memory(compiled: Any) -> MemoryUse:
 
 
 def device_budget(devices: list[Any] | None = None, *, emulated: int | None = None) -> int:
-  """Per-device memory budget in bytes.
+  """Per-device memory budget in bytes, the same on every process.
 
   Args:
     devices: the stage's devices (default: all).
@@ -70,25 +72,41 @@ def device_budget(devices: list[Any] | None = None, *, emulated: int | None = No
 
   Returns:
     The smallest `bytes_limit` over the devices (GPU/TPU), or `emulated`. When both exist the
-    smaller one wins, so an emulated budget can also shrink a real device.
+    smaller one wins, so an emulated budget can also shrink a real device. Each process reads
+    its own devices (only they report memory) and the processes agree on the minimum.
 
   Raises:
     ValueError: CPU devices and no emulated budget.
   """
   devices = list(jax.devices() if devices is None else devices)
-  limits = []
-  for d in devices:
-    stats = d.memory_stats() if hasattr(d, 'memory_stats') else None
-    if stats and stats.get('bytes_limit'):
-      limits.append(int(stats['bytes_limit']))
-  if limits:
-    return min([*limits, *([emulated] if emulated else [])])
+  limits = [s['bytes_limit'] for s in _local_stats(devices) if s and s.get('bytes_limit')]
+  limit = distributed.process_min(min(limits) if limits else None)
+  if limit is not None:
+    return min([int(limit), *([emulated] if emulated else [])])
   if emulated is None or emulated <= 0:
     raise ValueError(
       f'Devices of platform {devices[0].platform!r} report no memory limit; give an emulated '
       f'per-device budget in bytes (got {emulated!r}).'
     )
   return int(emulated)
+
+
+def _local_stats(devices: list[Any]) -> list[dict | None]:
+  """`memory_stats()` of the devices this process addresses (None where a device has none)."""
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  return [d.memory_stats() if hasattr(d, 'memory_stats') else None for d in mine]
+
+
+def free_memory(devices: list[Any] | None = None) -> int | None:
+  """The least free bytes on any device (limit - in use), agreed by every process; None when
+  the devices report no memory (CPU)."""
+  devices = list(jax.devices() if devices is None else devices)
+  free = [
+    int(s['bytes_limit']) - int(s.get('bytes_in_use', 0))
+    for s in _local_stats(devices)
+    if s and s.get('bytes_limit')
+  ]
+  return distributed.process_min(min(free) if free else None)
 
 
 def resolve_budget(emulated: int | None = None, devices: list[Any] | None = None) -> int | None:

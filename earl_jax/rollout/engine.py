@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.envs import base as envs
 from earl_jax.envs import registry
@@ -188,7 +189,14 @@ class _Episodes:
     self.active &= ~result.dones
 
   def trajectories(
-    self, *, pad_id: int, group_size: int, cache_buckets: list[int], timings: dict[str, float]
+    self,
+    *,
+    pad_id: int,
+    group_size: int,
+    cache_buckets: list[int],
+    timings: dict[str, float],
+    row_ids: np.ndarray,
+    batch_rows: int,
   ) -> Trajectories:
     B = len(self.rows)
     T = max(1, max(len(r) for r in self.rows))
@@ -207,19 +215,22 @@ class _Episodes:
       lengths=np.array([len(r) for r in self.rows], np.int32),
       returns=self.returns,
       turn_rewards=self.turn_rewards,
-      group_ids=(np.arange(B) // group_size).astype(np.int32),
+      group_ids=(row_ids // group_size).astype(np.int32),
       turn_starts=self.turn_starts,
       turn_tokens=self.turn_tokens,
       outcomes=self.outcomes,
       generated_tokens=self.generated,
       cache_buckets=cache_buckets,
       timings=timings,
+      row_ids=row_ids.astype(np.int32),
+      batch_rows=batch_rows,
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Turn:
-  """One turn's inputs: each row's new prompt tokens, which rows play, and the padded chunk."""
+  """One turn's inputs for this process's rows: each row's new prompt tokens, which rows play,
+  and the padded chunk (P is the prompt bucket every process agreed on)."""
 
   prompts: list[list[int]]
   num_prompt: np.ndarray  # int64 [B]: 0 for rows that do not play
@@ -282,45 +293,39 @@ class RolloutEngine:
 
   # -- the KV cache ---------------------------------------------------------------------------------
 
-  def _cache_shardings(self, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
-    program = self.programs.generate(
-      parallel,
-      capacity,
-      self.config.num_episodes,
-      chunk=self.prompt_buckets.lengths[0],
-      greedy=False,
-    ).program
-    return program.in_shardings[1]
-
-  def _empty_cache(self, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
-    key = ('empty', parallel, capacity)
+  def _empty_cache(self, mesh: jax.sharding.Mesh, capacity: int) -> qwen2.KVCache:
+    """A zero cache of `capacity` laid out as the rollout programs on `mesh` take it."""
+    key = ('empty', mesh, capacity)
     if key not in self._cache_ops:
-      shardings = self._cache_shardings(parallel, capacity)
       abstract = qwen2.KVCache.abstract(self.model_cfg, self.config.num_episodes, capacity)
       self._cache_ops[key] = jax.jit(
         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-        out_shardings=shardings,
+        out_shardings=qwen2.KVCache.shardings(self.model_cfg, mesh),
       )
     return self._cache_ops[key]()
 
-  def _grow(self, cache: qwen2.KVCache, parallel: ParallelConfig, capacity: int) -> qwen2.KVCache:
+  def _grow(self, cache: qwen2.KVCache, mesh: jax.sharding.Mesh, capacity: int) -> qwen2.KVCache:
     """The cache copied into a larger bucket, on device."""
-    key = ('grow', parallel, cache.capacity, capacity)
+    key = ('grow', mesh, cache.capacity, capacity)
     if key not in self._cache_ops:
       extra = capacity - cache.capacity
       pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
       self._cache_ops[key] = jax.jit(
         lambda c: dataclasses.replace(c, k=tuple(map(pad, c.k)), v=tuple(map(pad, c.v))),
-        out_shardings=self._cache_shardings(parallel, capacity),
+        out_shardings=qwen2.KVCache.shardings(self.model_cfg, mesh),
       )
     return self._cache_ops[key](cache)
 
   # -- one turn -------------------------------------------------------------------------------------
 
-  def _prepare_turn(self, turn: int, obs: list[str], ep: _Episodes) -> _Turn:
-    """Tokenizes each playing row's new observation and pads the chunk to a prompt bucket."""
-    tok, B = self.tokenizer, self.config.num_episodes
-    prompts: list[list[int]] = [[] for _ in range(B)]
+  def _prepare_turn(self, turn: int, obs: list[str], ep: _Episodes) -> tuple[_Turn, int]:
+    """Tokenizes each playing row's new observation and pads the chunk to a prompt bucket.
+
+    Returns the turn and the cache fill it may reach, both agreed by every process (the prompt
+    bucket and the cache bucket are shapes of the one program they all run).
+    """
+    tok = self.tokenizer
+    prompts: list[list[int]] = [[] for _ in range(len(ep.rows))]
     for i in np.flatnonzero(ep.active).tolist():
       ids = tok.turn_prompt_ids(obs[i], first=turn == 0)
       prompts[i] = (tok.reply_suffix_ids() if ep.unterminated[i] else []) + ids
@@ -329,30 +334,40 @@ class RolloutEngine:
     overflow = ep.active & (need > self.buckets.max_length)
     played = ep.active & ~overflow
     num_prompt[~played] = 0
-    P = self.prompt_buckets.bucket_for(max(int(num_prompt.max()), 1))
-    chunk = np.full((B, P), tok.pad_id, np.int32)
+    longest, reach = distributed.process_max(
+      [int(num_prompt.max(initial=0)), int(need[played].max(initial=0))]
+    )
+    P = self.prompt_buckets.bucket_for(max(longest, 1))
+    chunk = np.full((len(ep.rows), P), tok.pad_id, np.int32)
     for i in np.flatnonzero(played).tolist():
       chunk[i, : num_prompt[i]] = prompts[i]
-    return _Turn(prompts, num_prompt, played, overflow, need, chunk)
+    return _Turn(prompts, num_prompt, played, overflow, need, chunk), reach
 
-  def _generate(self, program, params, cache, turn: _Turn, key, eot) -> tuple[Any, Any]:
-    """Runs the turn's program; returns the host (tokens, log-probs, counts, stopped) and cache."""
+  def _generate(self, program, params, cache, turn: _Turn, rows, key_data, eot) -> tuple:
+    """Runs the turn's program on the whole batch, each process putting its own `rows`; returns
+    this process's rows of (tokens, log-probs, counts, stopped) and the cache."""
     sh = program.program.in_shardings
+    B, P = self.config.num_episodes, turn.chunk.shape[1]
     gen, cache = program(
       params,
       cache,
-      jax.device_put(turn.chunk, sh[2]),
-      jax.device_put(turn.num_prompt.astype(np.int32), sh[3]),
-      jax.device_put(key, sh[4]),
+      mesh_lib.put_rows(turn.chunk, rows, (B, P), sh[2]),
+      mesh_lib.put_rows(turn.num_prompt.astype(np.int32), rows, (B,), sh[3]),
+      mesh_lib.put_replicated(key_data, sh[4]),
       eot,
     )
-    host = jax.device_get((gen.tokens, gen.logprobs, gen.num_tokens, gen.stopped))
-    return host, cache
+    host = []
+    for x in (gen.tokens, gen.logprobs, gen.num_tokens, gen.stopped):
+      got, values = mesh_lib.host_rows(x)
+      if not np.array_equal(got, rows):
+        raise AssertionError(f'rollout rows {got[:8]} read back where {rows[:8]} were put.')
+      host.append(values)
+    return tuple(host), cache
 
   def _record_replies(self, ep: _Episodes, turn: _Turn, host) -> list[str]:
     """Books each playing row's reply; returns the reply texts for the environment."""
     gen_tokens, gen_lps, gen_n, gen_stop = host
-    replies = [''] * self.config.num_episodes
+    replies = [''] * len(ep.rows)
     for i in np.flatnonzero(turn.played).tolist():
       n = int(gen_n[i])
       reply = gen_tokens[i, :n].tolist()
@@ -385,40 +400,44 @@ class RolloutEngine:
     parallel = mesh_lib.parallel_config_of(mesh)
     mesh_lib.check_batch_fits(parallel, B, what='num_episodes')
     greedy = greedy or cfg.sampling.greedy
+    S = capacity or self.buckets.lengths[0]
+    first = self.programs.generate(
+      parallel, S, B, chunk=self.prompt_buckets.lengths[0], greedy=greedy
+    ).program
+    if not mesh_lib.same_devices(first.mesh, mesh):
+      raise ValueError(
+        f'The rollout mesh {dict(mesh.shape)} is not over the devices of the rollout programs; '
+        'build the programs with the devices of the mesh.'
+      )
+    # This process plays the episodes whose rows its devices hold.
+    rows = mesh_lib.local_rows(first.in_shardings[2], (B, 1))
     env = registry.make_env(self.env_config)
     max_turns = cfg.max_turns or env.max_turns
     timings = {'generate_s': 0.0, 'env_s': 0.0, 'host_s': 0.0}
     t0 = time.perf_counter()
-    obs = env.reset(B, seed, group_size=cfg.group_size)
+    obs = env.reset(B, seed, group_size=cfg.group_size, rows=rows.tolist())
     timings['env_s'] += time.perf_counter() - t0
 
-    ep = _Episodes.empty(B)
+    ep = _Episodes.empty(len(rows))
     key = jax.random.fold_in(jax.random.key(seed), 0x5EED)
-    S = capacity or self.buckets.lengths[0]
-    cache = self._empty_cache(parallel, S)
+    eot = mesh_lib.put_replicated(np.int32(self.tokenizer.eot_id), first.in_shardings[5])
+    cache = self._empty_cache(first.mesh, S)
     cache_buckets = [S]
-    eot = None
     for turn in range(max_turns):
-      if not ep.active.any():
+      if not distributed.process_max([int(ep.active.any())])[0]:
         break
       t0 = time.perf_counter()
-      step = self._prepare_turn(turn, obs, ep)
-      if step.played.any() and step.need[step.played].max() > S:
-        S = self.buckets.bucket_for(int(step.need[step.played].max()))
-        cache = self._grow(cache, parallel, S)
+      step, reach = self._prepare_turn(turn, obs, ep)
+      if reach > S:
+        S = self.buckets.bucket_for(reach)
+        cache = self._grow(cache, first.mesh, S)
         cache_buckets.append(S)
       timings['host_s'] += time.perf_counter() - t0
 
       t0 = time.perf_counter()
       program = self.programs.generate(parallel, S, B, chunk=step.chunk.shape[1], greedy=greedy)
-      if eot is None:
-        if not mesh_lib.same_devices(program.program.mesh, mesh):
-          raise ValueError(
-            f'The rollout mesh {dict(mesh.shape)} is not over the devices of the rollout '
-            'programs; build the programs with the devices of the mesh.'
-          )
-        eot = jax.device_put(np.int32(self.tokenizer.eot_id), program.program.in_shardings[5])
-      host, cache = self._generate(program, params, cache, step, jax.random.fold_in(key, turn), eot)
+      key_data = np.asarray(jax.random.key_data(jax.random.fold_in(key, turn)))
+      host, cache = self._generate(program, params, cache, step, rows, key_data, eot)
       timings['generate_s'] += time.perf_counter() - t0
 
       t0 = time.perf_counter()
@@ -436,4 +455,6 @@ class RolloutEngine:
       group_size=cfg.group_size,
       cache_buckets=cache_buckets,
       timings=timings,
+      row_ids=rows,
+      batch_rows=B,
     )

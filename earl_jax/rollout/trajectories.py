@@ -1,20 +1,30 @@
 """Finished multi-turn episodes, as the rollout engine hands them on: ragged rows on the host.
 
 One row per episode holds the whole conversation (turn prompts and the policy's replies) in one
-token sequence, right-padded to T, the longest episode. `to_batch` pads them to a context bucket
-and a row count that divides the next stage's mesh: the `rl.batch.Batch` the RL stages read.
+token sequence, right-padded to T, the longest episode. In a run of several processes each one
+holds the episodes whose rows its devices hold (`row_ids` among the `batch_rows` of the whole
+batch). `to_device_batch` puts them, padded to a context bucket, onto a layout as one global
+`rl.batch.Batch` built from every process's own rows; `to_batch` is the host batch of a single
+process. `EpisodeStats.gather` merges the per-episode statistics of every process, so that all of
+them log and decide on the same numbers.
 
   traj = engine.run(params, mesh, seed=step)
-  traj.context_stats()                       # Fig. 1's turn- and episode-level context lengths
-  batch = traj.to_batch(bucket=1024, rows=64, gamma=0.9)
+  stats = EpisodeStats.gather(traj)          # the whole batch's lengths, returns, outcomes
+  stats.context_stats()                      # Fig. 1's turn- and episode-level context lengths
+  batch = traj.to_device_batch(bucket=1024, shardings=Batch.shardings(mesh), gamma=0.9)
 """
 
 import dataclasses
 
+import jax
 import numpy as np
 from jaxtyping import Bool, Float32, Int32
 
+from earl_jax import distributed
 from earl_jax.rl.batch import Batch
+from earl_jax.sharding import mesh as mesh_lib
+
+OUTCOMES = ('win', 'loss', 'draw', 'invalid', 'overflow', 'truncated')
 
 
 @dataclasses.dataclass
@@ -35,6 +45,8 @@ class Trajectories:
     generated_tokens: tokens the policy generated in all.
     cache_buckets: the KV-cache capacities the rollout went through.
     timings: seconds spent generating, in the environment and on the host.
+    row_ids: the row of each episode in the whole batch (default: 0..B-1, a single process).
+    batch_rows: the rows of the whole batch (default: B).
   """
 
   tokens: Int32[np.ndarray, 'B T']
@@ -50,6 +62,15 @@ class Trajectories:
   generated_tokens: int
   cache_buckets: list[int]
   timings: dict[str, float]
+  row_ids: Int32[np.ndarray, ' B'] | None = None
+  batch_rows: int | None = None
+
+  def __post_init__(self):
+    B = len(self.outcomes)
+    if self.row_ids is None:
+      self.row_ids = np.arange(B, dtype=np.int32)
+    if self.batch_rows is None:
+      self.batch_rows = B
 
   @property
   def num_episodes(self) -> int:
@@ -92,7 +113,8 @@ class Trajectories:
   def to_batch(self, *, bucket: int, rows: int, gamma: float = 1.0) -> Batch:
     """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
 
-    `gamma` discounts the per-token reward-to-go (`Batch.returns`).
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`). The episodes' rows: this is
+    the whole batch only in a single process (see `to_device_batch`).
     """
     B, T = self.tokens.shape
     if bucket < T:
@@ -111,3 +133,88 @@ class Trajectories:
       group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
       valid=np.arange(rows) < B,
     )
+
+  def to_device_batch(self, *, bucket: int, shardings: Batch, gamma: float = 1.0) -> Batch:
+    """The whole batch (`batch_rows` rows, tokens padded to `bucket`) as device arrays on
+    `shardings`, built from this process's episodes: every process calls it with its own, and
+    each puts only the rows its devices hold (which must be among them)."""
+    host = self.to_batch(bucket=bucket, rows=self.num_episodes, gamma=gamma)
+    return jax.tree.map(
+      lambda x, sh: mesh_lib.put_rows(x, self.row_ids, (self.batch_rows, *x.shape[1:]), sh),
+      host,
+      shardings,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeStats:
+  """Per-episode statistics of the whole batch, identical on every process.
+
+  Attributes:
+    lengths: the episode-level context length of every row.
+    returns: its return.
+    turns: its agent turns.
+    generated: the tokens the policy generated in it.
+    outcomes: its outcome (one of OUTCOMES).
+  """
+
+  lengths: Int32[np.ndarray, ' B']
+  returns: Float32[np.ndarray, ' B']
+  turns: Int32[np.ndarray, ' B']
+  generated: Int32[np.ndarray, ' B']
+  outcomes: list[str]
+
+  @classmethod
+  def gather(cls, traj: Trajectories) -> 'EpisodeStats':
+    """Every process's episodes merged (a collective: every process calls it)."""
+    B = traj.batch_rows
+    held = np.zeros(B, bool)
+    held[traj.row_ids] = True
+    table = np.zeros((B, 5), np.float64)
+    table[traj.row_ids] = np.stack(
+      [
+        traj.lengths,
+        traj.returns,
+        [len(t) for t in traj.turn_tokens],
+        traj.loss_mask.sum(axis=1),
+        [OUTCOMES.index(o) for o in traj.outcomes],
+      ],
+      axis=1,
+    )
+    table = distributed.gather_rows(table, held)
+    return cls(
+      lengths=table[:, 0].astype(np.int32),
+      returns=table[:, 1].astype(np.float32),
+      turns=table[:, 2].astype(np.int32),
+      generated=table[:, 3].astype(np.int32),
+      outcomes=[OUTCOMES[int(i)] for i in table[:, 4]],
+    )
+
+  @property
+  def num_episodes(self) -> int:
+    return len(self.outcomes)
+
+  @property
+  def tokens(self) -> int:
+    return int(np.sum(self.lengths))
+
+  @property
+  def generated_tokens(self) -> int:
+    return int(np.sum(self.generated))
+
+  def win_rate(self) -> float:
+    return float(np.mean([o == 'win' for o in self.outcomes]))
+
+  def outcome_rates(self) -> dict[str, float]:
+    n = len(self.outcomes)
+    return {o: sum(x == o for x in self.outcomes) / n for o in sorted(set(self.outcomes))}
+
+  def context_stats(self) -> dict[str, float]:
+    """Episode-level lengths (mean, max, p95), the mean turn-level length, turns per episode."""
+    return {
+      'episode_len_mean': float(np.mean(self.lengths)),
+      'episode_len_max': float(np.max(self.lengths)),
+      'episode_len_p95': float(np.percentile(self.lengths, 95)),
+      'turn_len_mean': float(np.sum(self.lengths) / max(int(np.sum(self.turns)), 1)),
+      'turns_mean': float(np.mean(self.turns)),
+    }

@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
 from earl_jax.programs import builders
@@ -41,7 +42,7 @@ from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables
 from earl_jax.selector.candidates import stage_candidates
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.stage import Stage
+from earl_jax.stage import STAGES, Stage
 
 FORMAT_VERSION = 2
 
@@ -86,7 +87,8 @@ class ProfileConfig:
     rows: numbers of responses (the load bins), strictly increasing.
     budget_bytes: per-device memory budget; cells over it are OOM and not run (None: unlimited).
     candidates: restrict the layouts (default: every valid factorisation of the devices).
-    with_fsdp: include fsdp > 1 layouts in the default candidates.
+    with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
+      an fsdp layout in `candidates` is dropped for the other stages.
     measure: how each cell is timed.
     spec: static stage settings (sampling, prompt chunk, micro-batches, optimizer).
   """
@@ -96,7 +98,7 @@ class ProfileConfig:
   rows: tuple[int, ...]
   budget_bytes: int | None
   candidates: tuple[ParallelConfig, ...] | None = None
-  with_fsdp: bool = True
+  with_fsdp: bool | tuple[Stage | str, ...] = True
   measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
   spec: builders.StageSpec = dataclasses.field(default_factory=builders.StageSpec)
 
@@ -104,6 +106,7 @@ class ProfileConfig:
     if not self.stages:
       raise ValueError('ProfileConfig.stages is empty.')
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
+    object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
       raise ValueError(f'ProfileConfig.rows must be positive ints, got {rows}.')
@@ -188,6 +191,19 @@ class Profile:
     if stage not in self.key['candidates']:
       raise KeyError(f'The profile has no {stage!r} stage; it has {self.stages}.')
     return [ParallelConfig.parse(n) for n in self.key['candidates'][stage]]
+
+  def covers(self, stage: Stage, bucket: int, rows: int) -> bool:
+    """Whether every candidate of `stage` has a cell at (bucket, rows)."""
+    stage = Stage.parse(stage)
+    if str(stage) not in self.key['candidates']:
+      return False
+    return all((stage, bucket, rows, c.name) in self.cells for c in self.candidates(stage))
+
+  def merged(self, other: 'Profile') -> 'Profile':
+    """This profile with `other`'s cells added (same setup; other's cells win)."""
+    return Profile(
+      key=self.key, cells={**self.cells, **other.cells}, wall_s=self.wall_s + other.wall_s
+    )
 
   def rows_bin(self, num_responses: int) -> int:
     """The smallest profiled row count that holds `num_responses` (the load bin)."""
@@ -348,18 +364,39 @@ def measure(
   return times, args
 
 
+def fsdp_stages(with_fsdp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
+  """The stages a `with_fsdp` setting names (True: every stage, False: none)."""
+  if isinstance(with_fsdp, bool):
+    return tuple(STAGES) if with_fsdp else ()
+  return tuple(Stage.parse(s) for s in with_fsdp)
+
+
+def candidates_for(
+  stage: Stage,
+  model: ModelConfig,
+  *,
+  num_devices: int,
+  rows: Sequence[int],
+  with_fsdp: Sequence[Stage],
+  only: Sequence[ParallelConfig] | None,
+) -> list[ParallelConfig]:
+  """A stage's candidates: `only` (fsdp layouts kept for the `with_fsdp` stages), or every
+  valid layout of the devices."""
+  fsdp = stage in with_fsdp
+  if only is not None:
+    only = [c for c in only if fsdp or c.fsdp == 1]
+  return stage_candidates(
+    stage, model, num_devices=num_devices, rows=rows, with_fsdp=fsdp, only=only
+  )
+
+
 def default_candidates(
   model: ModelConfig, config: ProfileConfig, num_devices: int | None = None
 ) -> dict[Stage, list[ParallelConfig]]:
   n = num_devices or len(mesh_lib.canonical_devices())
   return {
-    s: stage_candidates(
-      s,
-      model,
-      num_devices=n,
-      rows=config.rows,
-      with_fsdp=config.with_fsdp,
-      only=config.candidates,
+    s: candidates_for(
+      s, model, num_devices=n, rows=config.rows, with_fsdp=config.with_fsdp, only=config.candidates
     )
     for s in config.stages
   }
@@ -373,8 +410,14 @@ def run(
   params: nnx.State | None = None,
   cache_path: str | None = None,
   progress: Callable[[Cell], None] | None = None,
+  buckets: Sequence[int] | None = None,
+  measure: bool = True,
 ) -> Profile:
   """Profiles every (stage, bucket, rows, candidate), or loads a matching cached profile.
+
+  Several processes of one program run it together (every process calls it): the programs are
+  SPMD, and process 0's cache and measurements are broadcast, so that every process holds the
+  same profile and takes the same decisions.
 
   Args:
     model: the model (random weights unless `params` is given).
@@ -382,19 +425,31 @@ def run(
     executables: the compile cache to use (and fill); its spec must equal `config.spec`.
     params: weights on any layout of the canonical devices (consumed: they are moved between
       candidate layouts); default: random weights.
-    cache_path: JSON file to reuse when it matches this setup, and to write otherwise.
+    cache_path: JSON file to reuse when it matches this setup, and to write otherwise. It may
+      hold only some buckets (see `buckets`): those are reused, the others measured and added.
     progress: called with every finished cell.
+    buckets: measure only these buckets of `config.buckets` (default: all of them).
+    measure: False: return what the cache holds (possibly no cell), measuring nothing.
 
   Returns:
     The profile. Every cell over budget is OOM; every other cell has a median throughput.
   """
   candidates = default_candidates(model, config)
   key = profile_key(model, config, candidates)
+  cached = None
   if cache_path:
-    cached = load_cached(cache_path, key)
-    if cached is not None:
-      logging.info('Reusing the profile in %s (%d cells).', cache_path, len(cached.cells))
-      return cached
+    found = load_cached(cache_path, key) if jax.process_index() == 0 else None
+    data = distributed.broadcast_json(None if found is None else found.to_json())
+    cached = None if data is None else Profile.from_json(data)
+  have = cached or Profile(key=key, cells={})
+  wanted = tuple(config.buckets.lengths if buckets is None else buckets)
+  missing = [
+    b for b in wanted if not all(have.covers(s, b, r) for s in config.stages for r in config.rows)
+  ]
+  if cached is not None and not missing:
+    logging.info('Reusing the profile in %s (%d cells).', cache_path, len(cached.cells))
+  if not missing or not measure:
+    return have
   own = executables is None
   exe = executables if executables is not None else Executables(model, spec=config.spec)
   if exe.spec != config.spec:
@@ -402,11 +457,11 @@ def run(
   t_start = time.perf_counter()
   if params is None:
     first = next(iter(candidates.values()))[0]
-    _, params = qwen2.init_model(model, mesh_lib.make_mesh(first), seed=config.measure.seed)
+    _, params = qwen2.init_model(model, exe.mesh(first), seed=config.measure.seed)
   cells: dict[CellKey, Cell] = {}
   try:
     for stage in config.stages:
-      for bucket in config.buckets.lengths:
+      for bucket in missing:
         for rows in config.rows:
           params = _profile_cell(
             exe, stage, bucket, rows, candidates[stage], config, params, cells, progress
@@ -414,8 +469,10 @@ def run(
   finally:
     if own:
       exe.close()
-  profile = Profile(key=key, cells=cells, wall_s=time.perf_counter() - t_start)
-  if cache_path:
+  measured = Profile(key=key, cells=cells, wall_s=time.perf_counter() - t_start)
+  measured = Profile.from_json(distributed.broadcast_json(measured.to_json()))  # process 0's
+  profile = have.merged(measured)
+  if cache_path and jax.process_index() == 0:
     profile.save(cache_path)
   return profile
 

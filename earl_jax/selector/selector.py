@@ -11,9 +11,16 @@ the number of responses (the load) and, optionally, the free per-device memory. 
 3. Feasible layouts: their per-device peak at (run bucket, load) x (1 + safety margin) fits the
    budget (the configured one, or the free memory when smaller). None feasible: an error that
    names the smallest layout's need.
-4. The fastest feasible layout wins, with hysteresis so that the choice never flip-flops: the
-   current layout is kept while it is feasible and within `switch_threshold` of the best, and
-   the bucket moves *down* only after `patience` consecutive lower readings (up at once).
+4. The fastest feasible layout wins, with hysteresis so that the choice never flip-flops:
+   - the bucket moves *down* only after `patience` consecutive lower readings (up at once);
+   - the layout is held for `patience` decisions after a switch (a minimum dwell), so it never
+     flips back within that, unless it stops fitting;
+   - the current layout is kept while it is feasible and within `switch_threshold` of the best;
+   - a switch must pay for itself: the measured time it saves over the steps expected in this
+     bucket (the mean run of steps per bucket so far) must exceed what it costs (the reshard
+     and any compile, from `switch_cost`), both numbers in the reason.
+   A layout whose program XLA refuses at compile time (`mark_infeasible`) is left out from then
+   on, and the decision that chose it is taken again.
 5. Every decision is recorded with its reason.
 
 Where the ranking comes from, per stage: a measured `Profile` (the paper: decode throughput per
@@ -31,9 +38,10 @@ paying for a profile.
   for key in sel.lookahead(d): executables.precompile(*key, tree=params)
 """
 
+import copy
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -44,8 +52,14 @@ from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.selector import analytic
-from earl_jax.selector.candidates import stage_candidates
-from earl_jax.selector.profiler import Cell, MeasureConfig, Profile, ProfileConfig
+from earl_jax.selector.profiler import (
+  Cell,
+  MeasureConfig,
+  Profile,
+  ProfileConfig,
+  candidates_for,
+  fsdp_stages,
+)
 from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
@@ -61,11 +75,14 @@ class ProfileSettings:
       are ranked by the analytic model and the fewest-splits preference.
     cache: JSON file of the profile (reused when it matches the setup).
     measure: how each cell is timed.
+    lazy: measure a bucket the first time a decision needs it (a run pays only for the buckets
+      it reaches); False: every bucket at start-up.
   """
 
   stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
   cache: str | None = None
   measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
+  lazy: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
@@ -83,8 +100,10 @@ class SelectorConfig:
     patience: consecutive lower-bucket readings before the bucket moves down.
     budget_mib: per-device budget in MiB. None: the device's own limit (GPU/TPU); on CPU, where
       devices report none, unlimited unless given (an emulated figure).
-    candidates: layout names to consider ('dp8', 'dp2.tp4', ...); None: every valid one.
-    with_fsdp: include fsdp > 1 layouts in the default candidates.
+    candidates: layout names to consider ('dp8', 'dp2.tp4', 'fsdp8', ...); None: every valid
+      one.
+    with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
+      the default lets the train stage shard parameters and moments over every device.
     profile: what the start-up profile measures (`profile_config` turns it into a
       `ProfileConfig`; `profiler.run` measures it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
@@ -97,7 +116,7 @@ class SelectorConfig:
   patience: int = 2
   budget_mib: float | None = None
   candidates: tuple[str, ...] | None = None
-  with_fsdp: bool = False
+  with_fsdp: bool | tuple[Stage | str, ...] = (Stage.TRAIN,)
   profile: ProfileSettings = dataclasses.field(default_factory=ProfileSettings)
   initial_context: int | None = None
 
@@ -118,6 +137,7 @@ class SelectorConfig:
       raise ValueError(f'SelectorConfig.patience must be an int >= 1, got {self.patience!r}.')
     if self.budget_mib is not None and not self.budget_mib > 0:
       raise ValueError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
+    object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
       for c in self.candidates:
@@ -173,12 +193,16 @@ class StepStats:
     turn_lengths: tokens of each agent-environment round (recorded with the decision).
     num_responses: concurrent responses (rows) the stage will run: the load.
     free_memory_bytes: per-device bytes available to the stage's program, if known.
+    stage_tokens: per stage name, the tokens it processes in a step (rollout: the tokens it
+      generates; experience and train: rows x bucket per forward or update), in the units of
+      the profile's throughput: what a layout's time per step is estimated from.
   """
 
   episode_lengths: Sequence[int]
   num_responses: int
   turn_lengths: Sequence[int] = ()
   free_memory_bytes: int | None = None
+  stage_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     lengths = tuple(int(n) for n in self.episode_lengths)
@@ -188,6 +212,9 @@ class StepStats:
       raise ValueError(f'StepStats.episode_lengths must be positive, got min {min(lengths)}.')
     object.__setattr__(self, 'episode_lengths', lengths)
     object.__setattr__(self, 'turn_lengths', tuple(int(n) for n in self.turn_lengths))
+    object.__setattr__(
+      self, 'stage_tokens', {str(Stage.parse(k)): int(v) for k, v in self.stage_tokens.items()}
+    )
     if self.num_responses <= 0:
       raise ValueError(f'StepStats.num_responses must be positive, got {self.num_responses}.')
     if self.free_memory_bytes is not None and self.free_memory_bytes <= 0:
@@ -227,6 +254,9 @@ class Decision:
     previous: the previous decision's layout.
     reason: a sentence for the log.
     options: every candidate with its score, need and feasibility.
+    gain_ms: what switching to the best layout would save over the expected steps in this
+      bucket (None: no switch was weighed, or its time is not measured).
+    cost_ms: what that switch would cost (reshard + compile), when weighed.
   """
 
   stage: Stage
@@ -244,6 +274,8 @@ class Decision:
   previous: ParallelConfig | None
   reason: str
   options: tuple[Option, ...]
+  gain_ms: float | None = None
+  cost_ms: float | None = None
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -324,6 +356,21 @@ class _StageState:
   bucket: int | None = None
   lower_readings: int = 0
   decisions: int = 0
+  since_switch: int | None = None  # decisions since the layout last changed (None: never)
+  bucket_steps: int = 0  # consecutive decisions at the current bucket
+  bucket_runs: list[int] = dataclasses.field(default_factory=list)  # lengths of finished runs
+
+  def as_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d['config'] = None if self.config is None else self.config.name
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> '_StageState':
+    d = dict(d)
+    d['config'] = None if d['config'] is None else ParallelConfig.parse(d['config'])
+    d['bucket_runs'] = list(d.get('bucket_runs', []))
+    return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,11 +386,19 @@ class _Reading:
   notes: tuple[str, ...]
 
 
+# (stage, from layout, to layout, run bucket, rows) -> milliseconds the switch would stall.
+SwitchCost = Callable[[Stage, ParallelConfig, ParallelConfig, int, int], float]
+# (stage, bucket) -> the profile with that bucket measured (for every profiled stage).
+Measure = Callable[[Stage, int], Profile]
+
+
 class Selector:
   """Decides each stage's layout (see the module docstring).
 
   Construction never compiles or measures anything: stages covered by `profile` are ranked by
-  its measurements, the others by the analytic model (from `model` and `spec`).
+  its measurements, the others by the analytic model (from `model` and `spec`). With `measure`,
+  a profiled stage's bucket that the profile lacks is measured the first time a decision needs
+  it (`ProfileSettings.lazy`).
   """
 
   def __init__(
@@ -356,6 +411,8 @@ class Selector:
     num_devices: int | None = None,
     profile: Profile | None = None,
     spec: builders.StageSpec | None = None,
+    measure: Measure | None = None,
+    switch_cost: SwitchCost | None = None,
   ):
     """Args:
     config: the decision rule and where rankings come from.
@@ -364,9 +421,12 @@ class Selector:
     model: the model (needed unless every stage is in `profile`).
     num_devices: devices of every stage (default: all).
     profile: a measured profile (`profiler.run(profile_config(...))`); it must cover every
-      stage of `config.profile.stages`.
+      stage of `config.profile.stages` (possibly not every bucket, with `measure`).
     spec: static stage settings of the analytic model (decode tokens, prompt chunk,
       micro-batches); default `StageSpec()`.
+    measure: measures a missing bucket of the profiled stages (see the class docstring).
+    switch_cost: what a switch would stall the step, in ms (default: nothing); weighed against
+      its measured gain.
 
     Raises:
       ValueError: the profile's buckets differ from `buckets`, or it lacks a profiled stage.
@@ -374,9 +434,14 @@ class Selector:
     self.config = config
     self.buckets = buckets
     self.rows = _load_bins(rows)
+    self.num_devices = num_devices or jax.device_count()
     self.budget_bytes = memory_lib.resolve_budget(config.budget_bytes)
     self.history: list[Decision] = []
     self._state: dict[Stage, _StageState] = {}
+    self._before: dict[Stage, tuple[_StageState, int]] = {}
+    self._refused: dict[Stage, set[tuple[str, int, int]]] = {}
+    self._measure = measure
+    self._switch_cost = switch_cost
     self._profiles: dict[Stage, Profile] = {}
     if profile is not None:
       if tuple(buckets.lengths) != profile.buckets:
@@ -393,10 +458,14 @@ class Selector:
       )
     missing = [s for s in STAGES if s not in self._profiles]
     if missing and model is not None:
-      n = num_devices or jax.device_count()
       cands = {
-        s: stage_candidates(
-          s, model, num_devices=n, rows=self.rows, with_fsdp=config.with_fsdp, only=config.layouts
+        s: candidates_for(
+          s,
+          model,
+          num_devices=self.num_devices,
+          rows=self.rows,
+          with_fsdp=config.with_fsdp,
+          only=config.layouts,
         )
         for s in missing
       }
@@ -432,43 +501,65 @@ class Selector:
     return self._profiles[stage]
 
   def state_dict(self) -> dict[str, Any]:
-    """JSON-able state (current layouts, buckets, hysteresis counters) for checkpoints."""
+    """JSON-able state (current layouts, buckets, hysteresis counters, refused programs)."""
     return {
-      str(s): {
-        'config': None if st.config is None else st.config.name,
-        'bucket': st.bucket,
-        'lower_readings': st.lower_readings,
-        'decisions': st.decisions,
-      }
-      for s, st in self._state.items()
+      'stages': {str(s): st.as_dict() for s, st in self._state.items()},
+      'refused': {str(s): sorted(list(k) for k in r) for s, r in self._refused.items()},
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    for s, d in state.items():
-      self._state[Stage.parse(s)] = _StageState(
-        config=None if d['config'] is None else ParallelConfig.parse(d['config']),
-        bucket=d['bucket'],
-        lower_readings=d['lower_readings'],
-        decisions=d['decisions'],
-      )
+    for s, d in state['stages'].items():
+      self._state[Stage.parse(s)] = _StageState.from_dict(d)
+    for s, keys in state.get('refused', {}).items():
+      self._refused[Stage.parse(s)] = {tuple(k) for k in keys}
 
   def log(self) -> list[dict[str, Any]]:
     """Every decision so far, JSON-able."""
     return [d.as_dict() for d in self.history]
+
+  # -- feasibility found at compile time ------------------------------------------------------------
+
+  def mark_infeasible(self, decision: 'Decision', reason: str) -> None:
+    """XLA refused `decision`'s program (at its run bucket and load): leave that layout out
+    there from now on, and undo the decision, so that `decide` with the same statistics takes
+    the next candidate. The refused decision stays in the log, marked."""
+    stage = decision.stage
+    self._refused.setdefault(stage, set()).add(
+      (decision.config.name, decision.run_bucket, decision.rows)
+    )
+    state, count = self._before[stage]
+    self._state[stage] = state
+    refused = dataclasses.replace(decision, reason=f'{decision.reason}; REFUSED: {reason}')
+    self.history[count] = refused
+    logging.warning('selector: %s', refused.reason)
 
   # -- the rule -------------------------------------------------------------------------------------
 
   def _fits(self, need: int, budget: int | None) -> bool:
     return budget is None or memory_lib.fits(need, budget, margin=self.config.safety_margin)
 
+  def _ensure_measured(self, stage: Stage, buckets: Sequence[int], rows: int) -> None:
+    if self._measure is None or stage not in self.config.profile.stages:
+      return
+    for b in dict.fromkeys(buckets):
+      if not self._profiles[stage].covers(stage, b, rows):
+        measured = self._measure(stage, b)
+        for s in measured.stages:
+          self._profiles[s] = measured
+
   def _options(self, stage: Stage, bucket: int, run_bucket: int, rows: int, budget: int | None):
     profile = self._profiles[stage]
+    refused = self._refused.get(stage, set())
     out = []
     for c in profile.candidates(stage):
       run_cell = profile.cell(stage, run_bucket, rows, c)
       rank_cell: Cell = profile.cell(stage, bucket, rows, c)
       score = rank_cell.throughput if rank_cell.throughput is not None else run_cell.throughput
-      feasible = self._fits(run_cell.peak_bytes, budget) and score is not None
+      feasible = (
+        self._fits(run_cell.peak_bytes, budget)
+        and score is not None
+        and (c.name, run_bucket, rows) not in refused
+      )
       opt = Option(
         config=c.name, throughput=score, need_bytes=run_cell.peak_bytes, feasible=feasible
       )
@@ -479,6 +570,12 @@ class Selector:
     c, smallest = min(options, key=lambda o: o[1].need_bytes)
     mib = memory_lib.MiB
     margin = self.config.safety_margin
+    refused = self._refused.get(stage, set())
+    if budget is None or all((o.name, run_bucket, rows) in refused for o, _ in options):
+      return memory_lib.InfeasibleError(
+        f'No {stage} layout is left at bucket {run_bucket} with {rows} responses: XLA refused '
+        f'every candidate ({", ".join(n for n, _, _ in sorted(self._refused.get(stage, ())))}).'
+      )
     return memory_lib.InfeasibleError(
       f'No {stage} layout fits the per-device budget of {budget / mib:.1f} MiB at bucket '
       f'{run_bucket} with {rows} responses: the smallest need is {c.name} with '
@@ -495,18 +592,19 @@ class Selector:
     """What `decide(stage, None)` would choose for every stage, without recording anything."""
     out = {}
     for s in self.stages:
-      saved = (self._state.get(s), len(self.history))
+      saved = (self._state.get(s), self._before.get(s), len(self.history))
       self._state[s] = _StageState()
       out[s] = self.decide(s, None)
-      del self.history[saved[1] :]
-      if saved[0] is None:
-        del self._state[s]
-      else:
-        self._state[s] = saved[0]
+      del self.history[saved[2] :]
+      for table, value in ((self._state, saved[0]), (self._before, saved[1])):
+        if value is None:
+          table.pop(s, None)
+        else:
+          table[s] = value
     return out
 
   def _read(self, stage: Stage, stats: StepStats, st: _StageState) -> _Reading:
-    """Step 1-3 of the rule: the ranking and run buckets (with hysteresis), the load, the budget."""
+    """Steps 1-3 of the rule: the ranking and run buckets (with hysteresis), the load, the budget."""
     cfg = self.config
     value = context_statistic(stats.episode_lengths, cfg.statistic) * cfg.headroom
     longest = max(stats.episode_lengths) * cfg.headroom
@@ -536,32 +634,95 @@ class Selector:
     rows = self.profile(stage).rows_bin(stats.num_responses)
     return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes))
 
-  def _choose(self, options, best, prev: ParallelConfig | None, reading: _Reading, unit: str):
-    """Step 4: the fastest feasible layout, or the current one while it is close enough."""
+  def expected_steps(self, stage: Stage) -> float:
+    """Steps a bucket is expected to last: the mean of the finished runs so far (at least
+    `patience` until one has finished)."""
+    runs = self._state.get(Stage.parse(stage), _StageState()).bucket_runs
+    return float(np.mean(runs)) if runs else float(self.config.patience)
+
+  def _gate(self, stage, stats, prev, best, r: _Reading, measured: bool):
+    """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, or None when
+    the time per step is not measured (no throughputs, or no token count for the stage)."""
+    work = stats.stage_tokens.get(str(stage))
+    (prev_c, prev_o), (best_c, best_o) = prev, best
+    if not measured or not work or not prev_o.throughput or not best_o.throughput:
+      return None
+    per_step = work / self.num_devices  # tokens per device per step
+    saved_s = per_step / prev_o.throughput - per_step / best_o.throughput
+    gain = 1e3 * saved_s * self.expected_steps(stage)
+    cost = 0.0
+    if self._switch_cost is not None:
+      cost = float(self._switch_cost(stage, prev_c, best_c, r.run_bucket, r.rows))
+    return gain, cost
+
+  def _choose(self, stage, stats, options, best, st: _StageState, r: _Reading, measured: bool):
+    """Step 4: the layout to run, why, and the switch gate's numbers when it was weighed."""
     cfg = self.config
     best_c, best_o = best
+    prev = st.config
+    unit = 'tok/s/dev' if measured else '(preference)'
     current = next(((c, o) for c, o in options if c == prev), None)
     if prev is None:
-      return best, f'first decision: fastest feasible is {best_c.name}'
-    if current is not None and current[1].feasible:
-      cur_o = current[1]
-      if cur_o.throughput >= (1.0 - cfg.switch_threshold) * best_o.throughput:
-        if prev == best_c:
-          return current, f'kept {prev.name} (fastest feasible)'
-        return current, (
+      return best, f'first decision: fastest feasible is {best_c.name}', None
+    if current is None or not current[1].feasible:
+      if current is not None and (prev.name, r.run_bucket, r.rows) in self._refused.get(stage, ()):
+        why = f'{prev.name} was refused by XLA at bucket {r.run_bucket}'
+      else:
+        need = current[1].need_bytes if current else 0
+        budget = 'unlimited' if r.budget is None else f'{r.budget / memory_lib.MiB:.1f} MiB'
+        why = (
+          f'{prev.name} no longer fits ({need / memory_lib.MiB:.1f} MiB x'
+          f'{1 + cfg.safety_margin:.2f} > {budget} at bucket {r.run_bucket})'
+        )
+      return best, f'{why}; fastest feasible is {best_c.name}', None
+    cur_o = current[1]
+    if prev == best_c:
+      return current, f'kept {prev.name} (fastest feasible)', None
+    if st.since_switch is not None and st.since_switch < cfg.patience:
+      return (
+        current,
+        (
+          f'held {prev.name} ({st.since_switch}/{cfg.patience} decisions since the last switch; '
+          f'best now {best_c.name})'
+        ),
+        None,
+      )
+    if cur_o.throughput >= (1.0 - cfg.switch_threshold) * best_o.throughput:
+      return (
+        current,
+        (
           f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best_c.name}: '
           f'{cur_o.throughput:.1f} vs {best_o.throughput:.1f} {unit})'
-        )
-      return best, (
-        f'{best_c.name} is {best_o.throughput / cur_o.throughput - 1:.0%} faster than '
-        f'{prev.name} ({best_o.throughput:.1f} vs {cur_o.throughput:.1f} {unit})'
+        ),
+        None,
       )
-    need = current[1].need_bytes if current else 0
-    return best, (
-      f'{prev.name} no longer fits ({need / memory_lib.MiB:.1f} MiB x'
-      f'{1 + cfg.safety_margin:.2f} > {reading.budget / memory_lib.MiB:.1f} MiB at bucket '
-      f'{reading.run_bucket}); fastest feasible is {best_c.name}'
+    faster = (
+      f'{best_c.name} is {best_o.throughput / cur_o.throughput - 1:.0%} faster than {prev.name} '
+      f'({best_o.throughput:.1f} vs {cur_o.throughput:.1f} {unit})'
     )
+    gate = self._gate(stage, stats, current, best, r, measured)
+    if gate is None:
+      return best, faster, None
+    gain, cost = gate
+    weighed = (
+      f'saves {gain:.0f} ms over {self.expected_steps(stage):.1f} expected steps, switch costs '
+      f'{cost:.0f} ms'
+    )
+    if gain <= cost:
+      return current, f'kept {prev.name}: {faster}, but it {weighed}', gate
+    return best, f'{faster}; it {weighed}', gate
+
+  def _advance(self, st: _StageState, config: ParallelConfig, bucket: int) -> None:
+    if st.bucket is not None and bucket != st.bucket:
+      st.bucket_runs.append(st.bucket_steps)
+      st.bucket_steps = 0
+    if st.config is not None and config != st.config:
+      st.since_switch = 0
+    elif st.since_switch is not None:
+      st.since_switch += 1
+    st.bucket_steps += 1
+    st.config, st.bucket = config, bucket
+    st.decisions += 1
 
   def decide(self, stage: Stage, stats: StepStats | None) -> Decision:
     """The layout and bucket for the coming `stage`, from the previous step's `stats`.
@@ -578,17 +739,19 @@ class Selector:
     stats = stats or self._initial_stats()
     profile = self.profile(stage)
     st = self._state.setdefault(stage, _StageState())
+    self._before[stage] = (copy.deepcopy(st), len(self.history))
     r = self._read(stage, stats, st)
+    self._ensure_measured(stage, (r.bucket, r.run_bucket), r.rows)
+    profile = self.profile(stage)
     options = self._options(stage, r.bucket, r.run_bucket, r.rows, r.budget)
     feasible = [(c, o) for c, o in options if o.feasible]
     if not feasible:
+      self._state[stage] = self._before[stage][0]
       raise self._infeasible(stage, r.run_bucket, r.rows, r.budget, options)
     best = max(feasible, key=lambda x: x[1].throughput)
     measured = profile.cell(stage, r.bucket, r.rows, best[0]).measured
     prev = st.config
-    (chosen_c, chosen), why = self._choose(
-      options, best, prev, r, 'tok/s/dev' if measured else '(preference)'
-    )
+    (chosen_c, chosen), why, gate = self._choose(stage, stats, options, best, st, r, measured)
     infeasible = [c.name for c, o in options if not o.feasible]
     reason = (
       f'{stage}: {self.config.statistic} context {r.value:.0f} -> bucket {r.bucket}, longest '
@@ -613,33 +776,43 @@ class Selector:
       previous=prev,
       reason=reason,
       options=tuple(o for _, o in options),
+      gain_ms=None if gate is None else gate[0],
+      cost_ms=None if gate is None else gate[1],
     )
-    st.config, st.bucket = chosen_c, r.bucket
-    st.decisions += 1
+    self._advance(st, chosen_c, r.bucket)
     self.history.append(decision)
     if decision.switched:
       logging.info('selector: %s', reason)
     return decision
 
   def best_for(self, stage: Stage, bucket: int, rows: int) -> ParallelConfig | None:
-    """The fastest layout that fits at (bucket, rows), without hysteresis (None: nothing fits)."""
-    options = self._options(Stage.parse(stage), bucket, bucket, rows, self.budget_bytes)
+    """The fastest layout that fits at (bucket, rows), without hysteresis (None: nothing fits,
+    or the bucket is not profiled yet)."""
+    stage = Stage.parse(stage)
+    if not self._profiles[stage].covers(stage, bucket, rows):
+      return None
+    options = self._options(stage, bucket, bucket, rows, self.budget_bytes)
     feasible = [(c, o) for c, o in options if o.feasible]
     if not feasible:
       return None
     return max(feasible, key=lambda x: x[1].throughput)[0]
 
   def lookahead(self, decision: Decision) -> list[tuple[Stage, ParallelConfig, int, int]]:
-    """Keys worth compiling in the background now: the chosen one, and the next bucket's.
+    """Keys worth compiling in the background now: the chosen one, and its neighbours'.
 
-    For the next bucket up: its fastest feasible layout, and the chosen layout too when it fits
-    there (hysteresis may keep it). Each key is (stage, config, bucket, rows), the arguments of
-    `Executables.precompile`.
+    For the next bucket up and the next one down: the fastest feasible layout there (once that
+    bucket is profiled), and the chosen layout too when it fits there (hysteresis may keep it).
+    Each key is (stage, config, bucket, rows), the arguments of `Executables.precompile`.
     """
     keys = [(decision.stage, decision.config, decision.run_bucket, decision.rows)]
-    higher = [b for b in self.buckets.lengths if b > decision.run_bucket]
-    if higher:
-      nb = higher[0]
+    lengths = self.buckets.lengths
+    i = lengths.index(decision.run_bucket)
+    neighbours = [lengths[j] for j in (i + 1, i - 1) if 0 <= j < len(lengths)]
+    profile = self._profiles[decision.stage]
+    for nb in neighbours:
+      if not profile.covers(decision.stage, nb, decision.rows):
+        keys.append((decision.stage, decision.config, nb, decision.rows))  # not profiled yet
+        continue
       options = dict(self._options(decision.stage, nb, nb, decision.rows, self.budget_bytes))
       for c in (self.best_for(decision.stage, nb, decision.rows), decision.config):
         key = (decision.stage, c, nb, decision.rows)

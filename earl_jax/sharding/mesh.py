@@ -123,3 +123,69 @@ def check_batch_fits(parallel: ParallelConfig, batch: int, *, what: str = 'batch
       f'{parallel} (dp={parallel.dp} x fsdp={parallel.fsdp}); use a multiple of '
       f'{parallel.batch_shards}.'
     )
+
+
+def local_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> np.ndarray:
+  """int64 [R]: the indices along dimension 0 held by this process's devices, sorted.
+
+  Rows replicated over some mesh axes (e.g. 'tensor') count once; a row whose replicas span
+  several processes is local to each of them.
+  """
+  rows: set[int] = set()
+  for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+    start, stop, _ = index[0].indices(shape[0])
+    rows.update(range(start, stop))
+  return np.array(sorted(rows), np.int64)
+
+
+def host_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+  """The rows of `x` this process holds, read from its addressable shards only.
+
+  Works on arrays that span other processes (where `jax.device_get` cannot). Every row is read
+  once, from the first shard that holds it; dimension 0 must be whole within each shard's
+  other dimensions (rows split, other dimensions replicated or whole).
+
+  Returns:
+    (int64 [R] the sorted row indices, [R, ...] their values).
+  """
+  pieces: dict[int, np.ndarray] = {}
+  for shard in x.addressable_shards:
+    index = shard.index
+    if any(s != slice(None) and s.indices(n) != (0, n, 1) for s, n in zip(index[1:], x.shape[1:])):
+      raise ShardingError(f'host_rows: shards of {x.shape} split a dimension other than 0.')
+    start = index[0].indices(x.shape[0])[0]
+    if start in pieces:
+      continue
+    pieces[start] = np.asarray(shard.data)
+  starts = sorted(pieces)
+  values = np.concatenate([pieces[s] for s in starts], axis=0)
+  rows = np.concatenate([np.arange(s, s + len(pieces[s])) for s in starts])
+  order = np.argsort(rows, kind='stable')
+  rows, values = rows[order], values[order]
+  keep = np.concatenate([[True], rows[1:] != rows[:-1]]) if rows.size else rows.astype(bool)
+  return rows[keep], values[keep]
+
+
+def put_rows(
+  values: np.ndarray, rows: np.ndarray, shape: Sequence[int], sharding: jax.sharding.Sharding
+) -> jax.Array:
+  """A global array of `shape` on `sharding` from this process's rows (`values[i]` is row
+  `rows[i]`); every process passes its own rows, which must cover its devices' blocks."""
+  shape = tuple(shape)
+  position = {int(r): i for i, r in enumerate(np.asarray(rows).tolist())}
+
+  def block(index):
+    start, stop, _ = index[0].indices(shape[0])
+    try:
+      picked = [position[r] for r in range(start, stop)]
+    except KeyError as e:
+      raise ShardingError(f'put_rows: row {e.args[0]} of {shape} is not held here.') from None
+    return np.ascontiguousarray(values[picked][(slice(None), *index[1:])])
+
+  return jax.make_array_from_callback(shape, sharding, block)
+
+
+def put_replicated(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A small host value (the same on every process) replicated on `sharding`."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

@@ -40,3 +40,56 @@ def smoke_experiment(**changes) -> ExperimentConfig:
     checkpoint_every=2,
   )
   return dataclasses.replace(config, **changes)
+
+
+def staged_profile(config, winners: dict[str, str], needs: dict[str, dict[str, int]] | None = None):
+  """A profile of every stage of `config` in which `winners[stage]` is the fastest layout at every
+  bucket (others rank by the fewest-splits preference), and memory is the analytic model's: a
+  reproducible way to put the stages of a test run on different layouts.
+
+  Args:
+    config: an ExperimentConfig (its model preset, buckets, rollout load and candidates).
+    winners: stage name -> layout name ('dp4.tp2', ...), among `config.selector.candidates`.
+    needs: stage name -> {layout name: per-device bytes} replacing the analytic memory there.
+  """
+  from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.programs.builders import StageSpec
+  from earl_jax.selector import profiler, selector
+  from earl_jax.stage import STAGES, Stage
+
+  model = ModelConfig.preset(config.model)
+  rows = (config.rollout.num_episodes,)
+  candidates = {
+    s: profiler.candidates_for(
+      s,
+      model,
+      num_devices=8,
+      rows=rows,
+      with_fsdp=config.selector.with_fsdp,
+      only=config.selector.layouts,
+    )
+    for s in STAGES
+  }
+  base = selector.analytic_profile(
+    model,
+    stages=STAGES,
+    buckets=config.buckets,
+    rows=rows,
+    candidates=candidates,
+    spec=StageSpec(micro_batches=config.micro_batches),
+  )
+  best = {Stage.parse(s): ParallelConfig.parse(c).name for s, c in winners.items()}
+  need = {
+    (Stage.parse(s), ParallelConfig.parse(c).name): n
+    for s, table in (needs or {}).items()
+    for c, n in table.items()
+  }
+  cells = {
+    k: dataclasses.replace(
+      c,
+      throughput=10.0 if best.get(k[0]) == c.config else c.throughput,
+      peak_bytes=need.get((k[0], c.config), c.peak_bytes),
+    )
+    for k, c in base.cells.items()
+  }
+  return profiler.Profile(key=base.key, cells=cells)

@@ -101,3 +101,67 @@ def rollout_peaks_near_a_budget(bucket: int, rows: int, small: str, big: str) ->
       del args, result
   out['budget'] = budget
   return out
+
+
+def trainer_run(workdir: str, steps: int, resume: bool, winners: dict[str, str]) -> dict:
+  """The smoke preset on this process group, with the stages on the `winners` layouts; returns
+  its metrics rows and summary (every process returns what it holds)."""
+  import dataclasses
+
+  from earl_jax import metrics, trainer
+  from earl_jax.testing import configs
+
+  config = configs.smoke_experiment(steps=steps, checkpoint_every=2, eval_every=2)
+  config = dataclasses.replace(
+    config,
+    selector=dataclasses.replace(config.selector, candidates=('dp8', 'dp4.tp2', 'dp2.tp4')),
+  )
+  t = trainer.Trainer(
+    config,
+    workdir=workdir,
+    resume=resume,
+    log_fn=lambda _: None,
+    profile=configs.staged_profile(config, winners),
+  )
+  summary = t.run(progress=False)
+  rows = metrics.read_jsonl(f'{workdir}/metrics.jsonl') if t.is_main else None
+  return {
+    'rows': rows,
+    'moves': summary['moves'],
+    'steps': summary['steps'],
+    'process': jax.process_index(),
+  }
+
+
+def agreement_and_rows() -> dict:
+  """The agreement helpers and the row helpers across processes (2 x 4 devices)."""
+  from earl_jax import distributed
+  from earl_jax.config import ParallelConfig
+  from earl_jax.sharding import mesh as mesh_lib
+
+  pid = jax.process_index()
+  out = {
+    'min': distributed.process_min(10 + pid),
+    'min_none': distributed.process_min(None if pid == 0 else 5),
+    'max': distributed.process_max([pid, 7 - pid]),
+    'json': distributed.broadcast_json({'from': pid, 'cells': list(range(pid + 3))}),
+  }
+  held = np.zeros(8, bool)
+  held[[0, 1, 2] if pid == 0 else [2, 3, 4, 5, 6, 7]] = True
+  values = np.where(held, 100 * (pid + 1) + np.arange(8), -1)
+  out['rows'] = distributed.gather_rows(values, held).tolist()
+  layouts = {}
+  for name in ('dp8', 'dp2.tp4', 'dp1.tp8'):
+    mesh = mesh_lib.make_mesh(ParallelConfig.parse(name))
+    sharding = NamedSharding(mesh, P(('data', 'fsdp'), None))
+    rows = mesh_lib.local_rows(sharding, (16, 2))
+    x = mesh_lib.put_rows(np.stack([rows, -rows], 1), rows, (16, 2), sharding)
+    total = jax.jit(lambda a: a[:, 0].sum(), out_shardings=NamedSharding(mesh, P()))(x)
+    got, back = mesh_lib.host_rows(x)
+    layouts[name] = {
+      'rows': rows.tolist(),
+      'back': bool(np.array_equal(got, rows) and np.array_equal(back[:, 1], -rows)),
+      'total': int(np.asarray(total.addressable_data(0))),
+    }
+  out['layouts'] = layouts
+  return out

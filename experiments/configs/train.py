@@ -22,6 +22,7 @@ from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.selector.profiler import MeasureConfig
 from earl_jax.selector.selector import ProfileSettings, SelectorConfig
+from earl_jax.stage import STAGES, Stage
 from earl_jax.testing import configs
 
 # Connect Four with the built-in character tokenizer: a turn is ~58 tokens, an episode up to ~1300.
@@ -45,11 +46,17 @@ def default() -> ExperimentConfig:
     loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token'),
     optim=OptimConfig(learning_rate=3e-3, grad_clip=1.0),
     buckets=GAME_BUCKETS,
+    # Every stage ranked by measurements of its own program (each bucket measured when the run
+    # first reaches it, cached), the train stage with an fsdp layout among its candidates.
     selector=SelectorConfig(
       statistic='max',
-      candidates=('dp8', 'dp4.tp2', 'dp2.tp4'),
+      candidates=('dp8', 'dp4.tp2', 'dp2.tp4', 'fsdp8'),
+      with_fsdp=(Stage.TRAIN,),
       profile=ProfileSettings(
-        cache='.earl_cache/profile_default.json', measure=MeasureConfig(repeats=2, rounds=1)
+        stages=STAGES,
+        cache='.earl_cache/profile_default.json',
+        measure=MeasureConfig(repeats=1, rounds=1),
+        lazy=True,
       ),
     ),
     steps=60,

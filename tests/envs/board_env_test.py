@@ -514,3 +514,28 @@ def test_legal_move_reward_is_paid_per_legal_move():
   np.testing.assert_allclose(r1, [0.25, config.invalid_penalty, 0.25])
   r2 = env.step(['1', '1', '2']).rewards
   np.testing.assert_allclose(r2, [0.25, 0.0, 0.25])  # the ended episode earns nothing
+
+
+@pytest.mark.parametrize('game', ['connect_four', 'tic_tac_toe'])
+def test_a_subset_of_rows_plays_the_same_games_as_the_whole_batch(game):
+  """Each process of a multi-process rollout plays only its rows: row i must play exactly the
+  game it plays in the full batch (same draws, same opponent moves), whatever else is played."""
+  config = base.EnvConfig(game=game, opponent='random', agent_first='random')
+  full, part = registry.make_env(config), registry.make_env(config)
+  rows = [1, 4, 5, 7]
+  obs_full = full.reset(8, seed=11, group_size=2)
+  obs_part = part.reset(8, seed=11, group_size=2, rows=rows)
+  assert part.num_envs == 4 and obs_part == [obs_full[i] for i in rows]
+  rng = np.random.default_rng(0)
+  for _ in range(full.max_turns):
+    replies = [str(rng.integers(1, full.num_actions + 1)) for _ in range(8)]
+    a = full.step(replies)
+    b = part.step([replies[i] for i in rows])
+    assert b.observations == [a.observations[i] for i in rows]
+    np.testing.assert_array_equal(b.rewards, a.rewards[rows])
+    np.testing.assert_array_equal(b.dones, a.dones[rows])
+    np.testing.assert_array_equal(part.boards, full.boards[rows])
+  with pytest.raises(ValueError, match=r'rows must be distinct episodes in \[0, 8\)'):
+    part.reset(8, seed=0, rows=[1, 1])
+  with pytest.raises(ValueError, match=r'rows must be distinct episodes in \[0, 8\)'):
+    part.reset(8, seed=0, rows=[8])

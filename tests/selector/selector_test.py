@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
@@ -204,17 +205,20 @@ def test_budget_too_small_names_the_smallest_need():
   assert '168.0 MiB' in msg  # with the margin
 
 
-def test_lookahead_names_the_next_buckets_best():
+def test_lookahead_names_the_neighbouring_buckets_best():
   sel = _selector(budget_mib=1000)
   d = sel.decide(Stage.ROLLOUT, _stats(1500))
-  # The next bucket's fastest (tp8), and the current layout there in case hysteresis keeps it.
+  # The next bucket's fastest (tp8), and the current layout there in case hysteresis keeps it;
+  # the bucket below, whose fastest is the current layout.
   assert sel.lookahead(d) == [
     (Stage.ROLLOUT, DP8, 2048, 16),
     (Stage.ROLLOUT, TP8, 4096, 16),
     (Stage.ROLLOUT, DP8, 4096, 16),
+    (Stage.ROLLOUT, DP8, 1024, 16),
   ]
   d = sel.decide(Stage.ROLLOUT, _stats(8000))
-  assert sel.lookahead(d) == [(Stage.ROLLOUT, TP8, 8192, 16)]  # no larger bucket
+  # No larger bucket; below, tp8 is the fastest too.
+  assert sel.lookahead(d) == [(Stage.ROLLOUT, TP8, 8192, 16), (Stage.ROLLOUT, TP8, 4096, 16)]
 
 
 def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
@@ -250,3 +254,149 @@ def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
   # Without the model, a stage the profile does not cover cannot be decided.
   with pytest.raises(ValueError, match="no ranking for 'train'"):
     _selector().decide(Stage.TRAIN, _stats(1000))
+
+
+def _flip_backs(decisions):
+  """(i, j) for every A -> B at decision i followed by B -> A at decision j."""
+  out = []
+  for i in range(1, len(decisions)):
+    if decisions[i].config == decisions[i - 1].config:
+      continue
+    for j in range(i + 1, len(decisions)):
+      if decisions[j].config != decisions[j - 1].config:
+        if decisions[j].config == decisions[i - 1].config:
+          out.append((i, j))
+        break
+  return out
+
+
+@pytest.mark.parametrize('seed', range(6))
+@pytest.mark.parametrize('patience', [1, 2, 4])
+def test_the_layout_never_flips_back_within_patience(seed, patience):
+  """Random and adversarial statistics: a layout that was left is never taken again within
+  `patience` decisions, unless the current one stopped fitting. The adversary alternates the
+  free memory at one bucket: dp8 (60 MiB at 2048) fits, then not, then again, so the fastest
+  feasible layout flips every step."""
+  rng = np.random.default_rng(seed)
+  if seed % 2:
+    lengths = rng.integers(500, 4096, 60)
+    free = [None if rng.random() < 0.5 else int(rng.integers(82, 200)) * MiB for _ in lengths]
+  else:
+    lengths = [1500] * 60
+    free = [50 * MiB if k % 2 else None for k in range(60)]
+  sel = _selector(patience=patience, budget_mib=1000, switch_threshold=0.0)
+  decisions = [sel.decide(Stage.ROLLOUT, _stats(int(n), free=f)) for n, f in zip(lengths, free)]
+  for i, j in _flip_backs(decisions):
+    forced = 'no longer fits' in decisions[j].reason
+    assert forced or j - i > patience, (i, j, decisions[j].reason)
+  if not seed % 2:  # the adversary is held off: dp8 comes back only every patience + 1 steps
+    assert sum(d.switched for d in decisions) >= 60 // (patience + 1) - 1
+    assert any('decisions since the last switch' in d.reason for d in decisions)
+    back = [k for k in range(1, 60) if decisions[k].config == DP8 and decisions[k].switched]
+    assert all(b - a >= patience + 1 for a, b in itertools.pairwise(back))
+
+
+def test_a_layout_refused_at_compile_time_is_left_out_and_the_decision_retaken():
+  sel = _selector(budget_mib=1000)
+  stats = _stats(1500)
+  d = sel.decide(Stage.ROLLOUT, stats)
+  assert d.config == DP8 and len(sel.history) == 1
+  sel.mark_infeasible(d, 'rollout/dp8.tp1/S2048 needs 99 MiB; the budget is 90 MiB')
+  assert 'REFUSED: rollout/dp8.tp1/S2048 needs 99 MiB' in sel.history[0].reason
+  again = sel.decide(Stage.ROLLOUT, stats)
+  assert again.config == DP2TP4 and again.step == 0 and 'infeasible: dp8.tp1' in again.reason
+  assert 'first decision' in again.reason  # the refused decision was undone
+  # From then on the refused layout is out at that bucket, even when it would be fastest...
+  assert sel.decide(Stage.ROLLOUT, stats).config == DP2TP4
+  # ... and not elsewhere.
+  d = sel.decide(Stage.ROLLOUT, _stats(900))
+  assert d.run_bucket == 1024 and all(o.feasible for o in d.options if o.config == 'dp8.tp1')
+  state = json.loads(json.dumps(sel.state_dict()))
+  other = _selector(budget_mib=1000)
+  other.load_state_dict(state)
+  assert other.decide(Stage.ROLLOUT, stats).config == DP2TP4
+  for s in (sel, other):
+    for d in list(s.history):
+      if d.config == DP2TP4 and d.run_bucket == 2048:
+        s.mark_infeasible(d, 'too big')
+        break
+  d = sel.decide(Stage.ROLLOUT, stats)
+  assert d.config == TP8
+  sel.mark_infeasible(d, 'too big')
+  with pytest.raises(memory.InfeasibleError, match='XLA refused every candidate'):
+    sel.decide(Stage.ROLLOUT, stats)
+
+
+def test_a_switch_must_pay_for_itself():
+  """dp8 -> tp8 at 4096 saves 20% of the stage's time; it is taken only when that saving over
+  the expected steps in the bucket exceeds the switch's cost, and both numbers are logged."""
+  costs = []
+
+  def cost(stage, src, dst, bucket, rows):
+    costs.append((stage, src, dst, bucket, rows))
+    return cost.ms
+
+  # 64000 tokens over 8 devices: 8000 / 100 tok/s = 80 s on dp8, 8000 / 120 = 66.7 s on tp8.
+  stats = StepStats(episode_lengths=(3500,), num_responses=16, stage_tokens={'rollout': 64000})
+  for ms, switched in ((1e9, False), (1e3, True)):
+    cost.ms = ms
+    sel = Selector(
+      SelectorConfig(budget_mib=1000, safety_margin=0.0, patience=2),
+      buckets=TABLE,
+      rows=(16, 64),
+      profile=_profile(),
+      switch_cost=cost,
+    )
+    sel.decide(Stage.ROLLOUT, _stats(1500))
+    d = sel.decide(Stage.ROLLOUT, stats)
+    assert d.switched is switched and d.cost_ms == ms
+    # Saved: (80 - 66.7) s per step x 2 expected steps (patience, before any bucket finished).
+    assert d.gain_ms == pytest.approx(2 * 1e3 * (80 - 8000 / 120), rel=1e-6)
+    assert f'switch costs {ms:.0f} ms' in d.reason and 'expected steps' in d.reason
+    assert costs[-1] == (Stage.ROLLOUT, DP8, TP8, 4096, 16)
+  # Without a token count the time saved is unknown: the faster layout wins as before.
+  sel = Selector(
+    SelectorConfig(budget_mib=1000, safety_margin=0.0),
+    buckets=TABLE,
+    rows=(16, 64),
+    profile=_profile(),
+    switch_cost=cost,
+  )
+  sel.decide(Stage.ROLLOUT, _stats(1500))
+  d = sel.decide(Stage.ROLLOUT, _stats(3500))
+  assert d.switched and d.gain_ms is None
+
+
+def test_expected_steps_follow_the_runs_of_buckets():
+  sel = _selector(budget_mib=1000, patience=3)
+  assert sel.expected_steps(Stage.ROLLOUT) == 3.0  # before any run ends: patience
+  for n in (900,) * 4 + (1500,) * 2 + (3500,):
+    sel.decide(Stage.ROLLOUT, _stats(n))
+  assert sel.expected_steps(Stage.ROLLOUT) == 3.0  # runs of 4 and 2 decisions
+
+
+def test_a_lazy_profile_measures_each_bucket_once_when_needed():
+  full = _profile()
+  measured = []
+
+  def measure(stage, bucket):
+    measured.append(bucket)
+    have = set(measured)
+    cells = {k: c for k, c in full.cells.items() if k[1] in have}
+    return Profile(key=full.key, cells=cells)
+
+  sel = Selector(
+    SelectorConfig(budget_mib=1000, profile=ProfileSettings(lazy=True)),
+    buckets=TABLE,
+    rows=(16, 64),
+    profile=Profile(key=full.key, cells={}),
+    measure=measure,
+  )
+  assert sel.decide(Stage.ROLLOUT, _stats(900, 1000)).config == DP8
+  assert measured == [1024]
+  sel.decide(Stage.ROLLOUT, _stats(900, 1000))
+  # The statistic reads 2048 and the longest episode 4096: both are measured, once.
+  d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(1500,) * 5 + (4000,), num_responses=16))
+  assert measured == [1024, 2048, 4096] and (d.bucket, d.run_bucket) == (2048, 4096)
+  # The lookahead does not measure: the unmeasured neighbour gets the current layout only.
+  assert (Stage.ROLLOUT, d.config, 8192, 16) in sel.lookahead(d) and 8192 not in measured

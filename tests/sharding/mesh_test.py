@@ -1,6 +1,7 @@
 """Meshes over the canonical devices, factorisations and fit checks."""
 
 import jax
+import numpy as np
 import pytest
 
 from earl_jax.config import ModelConfig, ParallelConfig
@@ -50,3 +51,30 @@ def test_batch_fit():
   ):
     mesh_lib.check_batch_fits(ParallelConfig(dp=2, fsdp=2, tp=2), 6)
   mesh_lib.check_batch_fits(ParallelConfig(dp=2, fsdp=2, tp=2), 8)
+
+
+@pytest.mark.parametrize('parallel', ['dp8', 'dp2.tp4', 'dp1.tp8', 'dp2.fsdp2.tp2'])
+def test_rows_put_and_read_back_by_this_process(parallel):
+  """put_rows builds a global array from this process's rows, host_rows reads them back from the
+  addressable shards once each, local_rows names them (all rows in one process)."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = mesh_lib.make_mesh(ParallelConfig.parse(parallel))
+  sharding = NamedSharding(mesh, P(('data', 'fsdp'), None))
+  values = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+  rows = mesh_lib.local_rows(sharding, (16, 3))
+  np.testing.assert_array_equal(rows, np.arange(16))
+  x = mesh_lib.put_rows(values[::-1], rows[::-1], (16, 3), sharding)  # any order of rows
+  assert x.sharding == sharding
+  got_rows, got = mesh_lib.host_rows(x)
+  np.testing.assert_array_equal(got_rows, np.arange(16))
+  np.testing.assert_array_equal(got, values)
+  with pytest.raises(mesh_lib.ShardingError, match='row 0 of \\(16, 3\\) is not held here'):
+    mesh_lib.put_rows(values[1:], rows[1:], (16, 3), sharding)
+  seq = NamedSharding(mesh, P(None, 'tensor'))
+  if mesh.shape['tensor'] > 1:
+    with pytest.raises(mesh_lib.ShardingError, match='split a dimension other than 0'):
+      mesh_lib.host_rows(jax.device_put(np.zeros((16, 8), np.float32), seq))
+  r = mesh_lib.put_replicated(np.arange(2, dtype=np.uint32), NamedSharding(mesh, P()))
+  assert r.sharding.is_fully_replicated and np.asarray(r).tolist() == [0, 1]
