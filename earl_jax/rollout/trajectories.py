@@ -27,6 +27,15 @@ from earl_jax.sharding import mesh as mesh_lib
 OUTCOMES = ('win', 'loss', 'draw', 'invalid', 'overflow', 'truncated')
 
 
+def win_rate(outcomes: list[str]) -> float:
+  return float(np.mean([o == 'win' for o in outcomes]))
+
+
+def outcome_rates(outcomes: list[str]) -> dict[str, float]:
+  n = len(outcomes)
+  return {o: sum(x == o for x in outcomes) / n for o in sorted(set(outcomes))}
+
+
 @dataclasses.dataclass
 class Trajectories:
   """Finished episodes on the host.
@@ -77,11 +86,10 @@ class Trajectories:
     return len(self.outcomes)
 
   def win_rate(self) -> float:
-    return float(np.mean([o == 'win' for o in self.outcomes]))
+    return win_rate(self.outcomes)
 
   def outcome_rates(self) -> dict[str, float]:
-    n = len(self.outcomes)
-    return {o: sum(x == o for x in self.outcomes) / n for o in sorted(set(self.outcomes))}
+    return outcome_rates(self.outcomes)
 
   def context_stats(self) -> dict[str, float]:
     turns = [t for row in self.turn_tokens for t in row]
@@ -203,11 +211,10 @@ class EpisodeStats:
     return int(np.sum(self.generated))
 
   def win_rate(self) -> float:
-    return float(np.mean([o == 'win' for o in self.outcomes]))
+    return win_rate(self.outcomes)
 
   def outcome_rates(self) -> dict[str, float]:
-    n = len(self.outcomes)
-    return {o: sum(x == o for x in self.outcomes) / n for o in sorted(set(self.outcomes))}
+    return outcome_rates(self.outcomes)
 
   def context_stats(self) -> dict[str, float]:
     """Episode-level lengths (mean, max, p95), the mean turn-level length, turns per episode."""
