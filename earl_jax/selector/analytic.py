@@ -17,12 +17,15 @@ from earl_jax.stage import Stage
 MiB = 1 << 20
 
 # The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS).
-# Measured on 233 programs (3 small models, 4-6 layouts each, T = 128..2048, 8..32 rows, 8 fake
-# CPU devices, XLA:CPU): the largest relative error for peaks >= 8 MiB per device is 10% for
-# rollout (68 programs), 21% for experience (109) and 12% for train (56); below 8 MiB the
-# largest absolute error is under 2 MiB. Tested on a subset in tests/selector/analytic_test.py.
-ANALYTIC_REL_ERROR = 0.25
-ANALYTIC_ABS_ERROR = 2 * MiB
+# Measured with 8 fake CPU devices (XLA:CPU) on 233 programs of 3 small models (4-6 layouts each,
+# T = 128..2048, 8..32 rows) and on the main job's own model ('tiny-game', 64 rows, every stage,
+# 4 layouts, T = 128..1536; 60 programs): for peaks >= 8 MiB per device the largest errors are
+# +20% for rollout, -28% for experience (how many attention-score tiles XLA keeps live grows
+# with the rows per device: 1.5 at 2 rows, 2.7 at 8) and 4% for train; below 8 MiB the largest
+# absolute error is 2.9 MiB. Tested on a subset in tests/selector/analytic_test.py. Where a
+# stage is compiled, XLA's own figure decides (a program it refuses is marked and left out).
+ANALYTIC_REL_ERROR = 0.30
+ANALYTIC_ABS_ERROR = 3 * MiB
 
 _BYTES = {'float32': 4, 'bfloat16': 2}
 
