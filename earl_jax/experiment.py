@@ -45,9 +45,13 @@ class ExperimentConfig:
       same old log-probs and advantages, so from the second on the ratio departs from 1 and
       `loss.clip_eps` bounds how far the policy moves; the logged loss metrics are the last
       update's.
-    balance: permute rows inside the experience -> train dispatch so that every train
-      data-parallel rank gets the same number of real (unpadded) tokens. Off by default: the
-      train program runs on padded buckets, so balanced real tokens do not change its time yet.
+    pack: sequence packing: after the batch reaches the experience layout, every rank packs its
+      episodes side by side into rows of the bucket (`rl.packing`), and the experience and
+      train programs run on those packed rows (attention stays within an episode), so that
+      they process real tokens rather than padding. Needs token aggregation of the loss.
+    balance: permute rows inside a dispatch so that every data-parallel rank gets the same
+      number of real (unpadded) tokens: the rollout -> experience move with packing (the rank
+      with the most tokens sets the packed rows), the experience -> train move without.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
     seed: seeds the environment and the sampler of every step.
@@ -77,7 +81,8 @@ class ExperimentConfig:
   steps: int = 20
   micro_batches: int = 1
   update_epochs: int = 1
-  balance: bool = False
+  pack: bool = True
+  balance: bool = True
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
@@ -97,6 +102,11 @@ class ExperimentConfig:
       raise ValueError(
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
         f'{self.rollout.num_episodes}.'
+      )
+    if self.pack and self.loss.aggregation != 'token':
+      raise ValueError(
+        f"ExperimentConfig.pack needs loss.aggregation='token' (a packed row holds several "
+        f'episodes), got {self.loss.aggregation!r}; set pack=false or aggregate by token.'
       )
     first_turn = self.rollout.prompt_buckets[0] + self.rollout.sampling.max_new_tokens
     if first_turn > self.buckets.max_length:

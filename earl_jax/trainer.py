@@ -33,6 +33,8 @@ selector on top of it, the parameters and the train state, the engines.
 """
 
 import dataclasses
+import functools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -52,7 +54,7 @@ from earl_jax.programs import Executables, StageSpec
 from earl_jax.programs import executables as executables_lib
 from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
-from earl_jax.rl import train_step
+from earl_jax.rl import packing, train_step
 from earl_jax.rl.batch import Batch
 from earl_jax.rollout import engine
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
@@ -137,6 +139,7 @@ class Trainer:
       micro_batches=config.micro_batches,
       optim=config.optim,
       loss=config.loss,
+      packed=config.pack,
     )
     # One AOT-compiled program per (stage, layout, bucket, rows), shared by everything below.
     self.executables = Executables(self.model_cfg, spec=self.spec)
@@ -326,19 +329,19 @@ class Trainer:
       self.ref_config = parallel
     return self.ref_params
 
-  def _executable(self, decision: selector_lib.Decision, bucket: int):
+  def _executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
     """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
     return self.executables.get(
       decision.stage,
       decision.config,
       bucket,
-      decision.rows,
+      rows or decision.rows,
       budget=self.selector.budget_bytes,
       margin=self.config.selector.safety_margin,
     )
 
-  def _decide(self, stage: Stage, stats: selector_lib.StepStats | None, bucket: int | None = None):
-    """The stage's decision and its program at `bucket` (default: the decision's run bucket).
+  def _decide(self, stage: Stage, stats: selector_lib.StepStats | None, rows: int | None = None):
+    """The stage's decision and its program at the run bucket (for `rows`, default the load).
 
     A program that XLA's memory analysis refuses at compile time marks its layout infeasible
     there; the decision is taken again, with the next candidate (logged with the reason).
@@ -348,7 +351,7 @@ class Trainer:
       try:
         if stage == Stage.TRAIN and decision.config != self.train_config:
           return decision, None  # the switch compiles it (and is refused the same way)
-        return decision, self._executable(decision, bucket or decision.run_bucket)
+        return decision, self._executable(decision, decision.run_bucket, rows)
       except memory_lib.InfeasibleError as e:
         self.selector.mark_infeasible(decision, str(e))
         self.log(f'refused at compile time, deciding again: {e}')
@@ -368,7 +371,7 @@ class Trainer:
       )
     return self._advantage_fns[parallel]
 
-  def _switch_train(self, decision: selector_lib.Decision, bucket: int):
+  def _switch_train(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
     """Moves the train state (params + AdamW moments) to the new layout; returns the program."""
     state, program, record = executables_lib.switch(
       Stage.TRAIN,
@@ -376,7 +379,7 @@ class Trainer:
       self.executables,
       decision.config,
       bucket,
-      decision.rows,
+      rows or decision.rows,
       source=self.train_config,
       step=self.global_step,
       budget=self.selector.budget_bytes,
@@ -440,14 +443,24 @@ class Trainer:
     }
     return out
 
-  def _experience(self, rollout: _Rollout, timer: StageTimer, moves: dict) -> _Experience:
+  def _row_multiple(self) -> int:
+    """Packed rows split over the batch shards of every experience and train candidate (so any
+    layout the selector picks, or falls back to, takes them) and over the micro-batches."""
+    shards = [
+      c.batch_shards
+      for stage in (Stage.EXPERIENCE, Stage.TRAIN)
+      for c in self.selector.profile(stage).candidates(stage)
+    ]
+    return math.lcm(self.config.micro_batches, *shards)
+
+  def _experience(self, rollout: _Rollout, timer: StageTimer, moves: dict):
     """4-5. The batch, built on the rollout layout from every process's own episodes, moves to
-    the experience layout (planned from this step's lengths); old (and reference) log-probs."""
+    the experience layout (planned from this step's lengths); with packing, the advantages are
+    computed there and every rank packs its episodes; old (and reference) log-probs."""
     cfg = self.config
-    # The run bucket holds the longest episode (times the headroom): every row fits it.
-    d_exp, logprobs = self._decide(Stage.EXPERIENCE, rollout.stats)
-    T = d_exp.run_bucket
     roll_layout = self._layout(rollout.decision.config)
+    d_exp, logprobs, perm, packed = self._experience_plan(rollout, roll_layout)
+    T = d_exp.run_bucket  # it holds the longest episode (times the headroom): every row fits
     batch = timer(
       'put',
       rollout.traj.to_device_batch,
@@ -456,51 +469,91 @@ class Trainer:
       gamma=cfg.advantages.gamma,
     )
     layout = self._layout(d_exp.config)
-    batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves)
+    batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves, perm)
+    args = (batch.tokens,)
+    if packed is not None:
+      mesh_e = self.mesh(d_exp.config)
+      with jax.set_mesh(mesh_e):
+        batch = timer('advantages', self._advantages(d_exp.config), batch)
+      batch = timer('pack', packing.pack, batch, packed, mesh_e)
+      args = (batch.tokens, batch.segment_ids, batch.positions)
     params_e = timer('reshard', self.params_on, d_exp.config)
-    old = timer('experience', logprobs, params_e, batch.tokens)
+    old = timer('experience', logprobs, params_e, *args)
     del params_e
     ref = old
     if self.ref_params is not None:
-      ref = timer('experience', logprobs, self._ref_on(d_exp.config), batch.tokens)
+      ref = timer('experience', logprobs, self._ref_on(d_exp.config), *args)
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
-    return _Experience(batch=batch, layout=layout, bucket=T)
+    return _Experience(batch=batch, layout=layout, bucket=T), packed
 
-  def _train_program(self, stats: selector_lib.StepStats, T: int, timer: StageTimer):
+  def _experience_plan(self, rollout: _Rollout, roll_layout: dispatch_lib.Layout):
+    """The experience layout, its program, and (with packing) the balancing permutation and the
+    packing of its ranks, all fixed before the batch moves. A program refused at compile time
+    marks its layout, and the stage is planned again."""
+    cfg = self.config
+    while True:
+      d_exp = self._plan(Stage.EXPERIENCE, rollout.stats)
+      perm = packed = None
+      if cfg.pack:
+        lengths = rollout.episodes.lengths
+        if cfg.balance:  # real tokens balanced over the ranks that pack them
+          like = jax.eval_shape(
+            functools.partial(Batch.zeros, len(lengths), d_exp.run_bucket, xp=jnp)
+          )
+          perm = dispatch_lib.balanced_permutation(
+            lengths, roll_layout, self._layout(d_exp.config), like=like
+          )
+          lengths = lengths[perm]
+        packed = packing.plan(
+          lengths,
+          ranks=d_exp.config.batch_shards,
+          bucket=d_exp.run_bucket,
+          row_multiple=self._row_multiple(),
+        )
+      try:
+        program = self._executable(d_exp, d_exp.run_bucket, None if packed is None else packed.rows)
+        return d_exp, program, perm, packed
+      except memory_lib.InfeasibleError as e:
+        self.selector.mark_infeasible(d_exp, str(e))
+        self.log(f'refused at compile time, deciding again: {e}')
+
+  def _train_program(self, stats: selector_lib.StepStats, T: int, rows: int | None, timer):
     """6a. The train plan; the train state switched if the layout changed; the neighbouring
     buckets' programs precompiled in the background. Returns (decision, program, switch ms)."""
     while True:
-      d_train, update = self._decide(Stage.TRAIN, stats, T)
+      d_train, update = self._decide(Stage.TRAIN, stats, rows)
       switch_ms = 0.0
       if update is not None:
         break
       try:
-        update, switch_ms = self._switch_train(d_train, T)
+        update, switch_ms = self._switch_train(d_train, T, rows)
         timer.add('reshard', switch_ms / 1e3)
         break
       except memory_lib.InfeasibleError as e:
         self.selector.mark_infeasible(d_train, str(e))
         self.log(f'refused at compile time, deciding again: {e}')
-    for key in self.selector.lookahead(d_train)[1:]:
-      self.executables.precompile(*key, tree=self.state)
+    for stage, config, bucket, _ in self.selector.lookahead(d_train)[1:]:
+      self.executables.precompile(stage, config, bucket, rows or d_train.rows, tree=self.state)
     return d_train, update, switch_ms
 
   def _to_train(self, exp: _Experience, rollout: _Rollout, d_train, timer, moves) -> Batch:
-    """6b. The batch from the experience layout to the train layout (optionally balancing real
-    tokens across the train ranks inside the same move)."""
+    """6b. The batch from the experience layout to the train layout (unpacked: optionally
+    balancing real tokens across the train ranks inside the same move)."""
     train_layout = self._layout(d_train.config)
     perm = None
-    if self.config.balance:
+    if self.config.balance and not self.config.pack:
       perm = dispatch_lib.balanced_permutation(
         rollout.episodes.lengths, exp.layout, train_layout, like=mesh_lib.abstract_arrays(exp.batch)
       )
     return self._move('experience_train', exp.batch, exp.layout, train_layout, timer, moves, perm)
 
   def _update(self, batch: Batch, d_train: selector_lib.Decision, update, timer: StageTimer):
-    """7-8. Advantages with collectives, then the update(s), on the train mesh."""
-    mesh_t = self.mesh(d_train.config)
-    with jax.set_mesh(mesh_t):
-      batch = timer('advantages', self._advantages(d_train.config), batch)
+    """7-8. Advantages with collectives (unless computed before packing), then the update(s),
+    on the train mesh."""
+    if not self.config.pack:
+      mesh_t = self.mesh(d_train.config)
+      with jax.set_mesh(mesh_t):
+        batch = timer('advantages', self._advantages(d_train.config), batch)
     for _ in range(self.config.update_epochs):
       self.state, m = timer('train', update, self.state, batch)
     return jax.device_get((m, self.state.skipped))  # replicated scalars: every process has them
@@ -512,15 +565,19 @@ class Trainer:
     moves: dict[str, dict] = {}
     profile_s = self.profile_s
     rollout = self._roll_out(timer)
-    exp = self._experience(rollout, timer, moves)
-    d_train, update, switch_ms = self._train_program(rollout.stats, exp.bucket, timer)
+    exp, packed = self._experience(rollout, timer, moves)
+    rows = None if packed is None else packed.rows
+    d_train, update, switch_ms = self._train_program(rollout.stats, exp.bucket, rows, timer)
     batch = self._to_train(exp, rollout, d_train, timer, moves)
     m, skipped = self._update(batch, d_train, update, timer)
     self.global_step += 1
     self.prev_stats = rollout.stats
     if self.profile_s > profile_s:
       timer.add('profile', self.profile_s - profile_s)
-    return self._record(rollout, exp.bucket, m, skipped, moves, switch_ms, timer, t_step)
+    record = self._record(rollout, exp.bucket, m, skipped, moves, switch_ms, timer, t_step)
+    if packed is not None:
+      record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
+    return record
 
   def _record(self, rollout, T, m, skipped, moves, switch_ms, timer, t_step) -> dict:
     elapsed = time.perf_counter() - t_step

@@ -160,10 +160,12 @@ def _write_rows(
 
 
 def _attend(q, k, v, mask):
-  """Exact softmax attention in f32: q [B, Tq, K, Q, Dh], k/v [B, Tk, K, Dh], mask [Tq, Tk]."""
+  """Exact softmax attention in f32: q [B, Tq, K, Q, Dh], k/v [B, Tk, K, Dh], mask [Tq, Tk]
+  (every row alike) or [B, Tq, Tk] (per row: packed sequences)."""
   Dh = q.shape[-1]
   scores = jnp.einsum('BTKQd,BSKd->BKQTS', q.astype(jnp.float32), k.astype(jnp.float32))
-  scores = jnp.where(mask[None, None, None], scores / jnp.sqrt(Dh), jnp.finfo(jnp.float32).min)
+  mask = mask[None, None, None] if mask.ndim == 2 else mask[:, None, None]
+  scores = jnp.where(mask, scores / jnp.sqrt(Dh), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
   return jnp.einsum('BKQTS,BSKd->BTKQd', probs, v.astype(jnp.float32))
 
@@ -175,6 +177,7 @@ def causal_attention(
   *,
   block: int,
   impl: str = 'blockwise',
+  segment_ids: Int[Array, 'B T'] | None = None,
 ) -> Float[Array, 'B T H Dh']:
   """Causal self-attention of a chunk (query t sees keys 0..t), grouped-query.
 
@@ -182,21 +185,31 @@ def causal_attention(
   [0, (i + 1) * block), under `jax.checkpoint`, so the upper triangle is never computed and the
   backward pass recomputes one [B, H, block, (i + 1) * block] score tile at a time instead of
   storing [B, H, T, T]. The softmax is exact (f32), not an online approximation.
-  'dot_product' calls `jax.nn.dot_product_attention`, which picks cuDNN flash attention on GPUs.
+  'dot_product' calls `jax.nn.dot_product_attention` (XLA's attention).
+  With `segment_ids` (packed rows: several sequences side by side), a query also sees only the
+  keys of its own segment.
   """
   B, T, H, Dh = q.shape
   K = k.shape[2]
+
+  def mask(lo: int, hi: int):  # [hi - lo, hi], or [B, hi - lo, hi] with segments
+    causal = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+    if segment_ids is None:
+      return causal
+    return causal[None] & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
+
   if impl == 'dot_product':
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if segment_ids is None:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask(0, T)[:, None])
   qg = q.reshape(B, T, K, H // K, Dh)
   if block <= 0 or block >= T or T % block:
-    out = _attend(qg, k, v, jnp.tril(jnp.ones((T, T), bool)))
+    out = _attend(qg, k, v, mask(0, T))
     return out.reshape(B, T, H, Dh).astype(q.dtype)
   outs = []
   for i in range(T // block):
     lo, hi = i * block, (i + 1) * block
-    mask = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [block, hi]
-    outs.append(jax.checkpoint(_attend)(qg[:, lo:hi], k[:, :hi], v[:, :hi], mask))
+    outs.append(jax.checkpoint(_attend)(qg[:, lo:hi], k[:, :hi], v[:, :hi], mask(lo, hi)))
   return jnp.concatenate(outs, axis=1).reshape(B, T, H, Dh).astype(q.dtype)
 
 
@@ -226,6 +239,7 @@ class Attention(nnx.Module):
     x: Float[Array, 'B T D'],
     positions: Int[Array, 'B T'],
     kv: tuple[Float[Array, 'B S K Dh'], Float[Array, 'B S K Dh']] | None,
+    segment_ids: Int[Array, 'B T'] | None = None,
   ) -> tuple[Float[Array, 'B T D'], tuple | None]:
     cfg = self.cfg
     B, T, _ = x.shape
@@ -245,7 +259,9 @@ class Attention(nnx.Module):
 
     if kv is None:
       # Training / experience: the chunk attends to itself, causally (positions are 0..T-1).
-      out = causal_attention(q, k, v, block=cfg.attention_block, impl=cfg.attention_impl)
+      out = causal_attention(
+        q, k, v, block=cfg.attention_block, impl=cfg.attention_impl, segment_ids=segment_ids
+      )
       new_kv = None
     else:
       k_cache, v_cache = kv
@@ -297,8 +313,8 @@ class DecoderLayer(nnx.Module):
     )
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, kv):
-    h, kv = self.self_attn(self.input_layernorm(x), positions, kv)
+  def __call__(self, x, positions, kv, segment_ids=None):
+    h, kv = self.self_attn(self.input_layernorm(x), positions, kv, segment_ids)
     x = x + h
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, kv
@@ -325,11 +341,13 @@ class Qwen2(nnx.Module):
     tokens: Int[Array, 'B T'],
     positions: Int[Array, 'B T'],
     cache: KVCache | None = None,
+    segment_ids: Int[Array, 'B T'] | None = None,
   ) -> tuple[Float[Array, 'B T D'], KVCache | None]:
     """Final hidden states of `tokens` at `positions`; with a cache, also the updated cache.
 
     With a cache the new K/V are written at `positions` and `cache.lengths` is left unchanged
-    (the caller knows how many of the T tokens are real).
+    (the caller knows how many of the T tokens are real). Without one, `segment_ids` marks the
+    sequences packed side by side in a row (attention stays within a segment).
     """
     dtype = dtype_of(self.cfg.dtype)
     # Gather the table over FSDP first (as for every weight), so the lookup is a local gather on
@@ -340,7 +358,7 @@ class Qwen2(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, kv = layer(x, positions, kv)
+      x, kv = layer(x, positions, kv, segment_ids)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
@@ -362,6 +380,7 @@ def token_logprobs(
   tokens: Int[Array, 'B T'],
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
+  segments: tuple[Int[Array, 'B T'], Int[Array, 'B T']] | None = None,
 ) -> Float[Array, 'B T']:
   """log p(tokens[b, t] | tokens[b, :t]) for t >= 1 under softmax(logits / temperature); col 0 is 0.
 
@@ -373,8 +392,12 @@ def token_logprobs(
   real tokens (attention is causal). The LM head and the log-softmax run on chunks of
   `cfg.logprob_chunk` positions under `jax.checkpoint`, so the forward holds one [B, C, V] chunk
   at a time and the backward recomputes it.
+
+  `segments` = (segment_ids, positions) of packed rows: several sequences side by side, each
+  with its own positions from 0; attention stays within a segment, and the first token of a
+  segment (which has no prefix in its row) gets log-prob 0, as column 0 does.
   """
-  return _next_token_stats(model, tokens, temperature, token_ids, entropy=False)[0]
+  return _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=False)[0]
 
 
 def token_logprobs_and_entropy(
@@ -382,6 +405,7 @@ def token_logprobs_and_entropy(
   tokens: Int[Array, 'B T'],
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
+  segments: tuple[Int[Array, 'B T'], Int[Array, 'B T']] | None = None,
 ) -> tuple[Float[Array, 'B T'], Float[Array, 'B T']]:
   """`token_logprobs`, and the entropy (nats) of the tempered distribution each token came from.
 
@@ -389,7 +413,7 @@ def token_logprobs_and_entropy(
   alone when given); col 0 is 0. It is computed in the same [B, C, V] chunks as the log-probs
   (one extra reduction per chunk).
   """
-  logp, ent = _next_token_stats(model, tokens, temperature, token_ids, entropy=True)
+  logp, ent = _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=True)
   assert ent is not None
   return logp, ent
 
@@ -413,12 +437,17 @@ def _next_token_stats(
   tokens: Int[Array, 'B T'],
   temperature: float,
   token_ids: tuple[int, ...] | None,
+  segments: tuple[Int[Array, 'B T'], Int[Array, 'B T']] | None,
   *,
   entropy: bool,
 ) -> tuple[Float[Array, 'B T'], Float[Array, 'B T'] | None]:
   B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  h, _ = model(tokens, positions)
+  if segments is None:
+    segment_ids = None
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  else:
+    segment_ids, positions = segments
+  h, _ = model(tokens, positions, segment_ids=segment_ids)
   # Hidden state at t predicts token t + 1.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
   C = min(model.cfg.logprob_chunk, T)
@@ -452,7 +481,13 @@ def _next_token_stats(
 
   def shift(x):  # [n, B, C] -> [B, T], moved one position right (the value for token t + 1)
     x = x.swapaxes(0, 1).reshape(B, T)
-    return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), x[:, :-1]], axis=1)
+    x = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), x[:, :-1]], axis=1)
+    if segment_ids is None:
+      return x
+    first = jnp.concatenate(  # a segment's first token: its prefix is another sequence
+      [jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return jnp.where(first, 0.0, x)
 
   return shift(lp), None if ent is None else shift(ent)
 

@@ -61,6 +61,8 @@ class StageSpec:
     micro_batches: gradient-accumulation slices of the train step.
     optim: optimizer of the train step (its state is part of the train program's memory).
     loss: loss settings of the train step.
+    packed: the experience and train programs take packed rows (several episodes per row,
+      `rl.packing`); their batch carries segment ids and positions.
   """
 
   sampling: sampler.SamplingConfig = dataclasses.field(default_factory=sampler.SamplingConfig)
@@ -69,6 +71,7 @@ class StageSpec:
   micro_batches: int = 1
   optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+  packed: bool = False
 
   def __post_init__(self):
     if self.token_ids is not None and (
@@ -269,17 +272,21 @@ def rollout_program(
 def experience_program(
   key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
 ) -> Program:
-  """Per-token log-probs of [B, T] tokens: (params, tokens) -> log-probs [B, T] f32."""
+  """Per-token log-probs of [B, T] tokens: (params, tokens) -> log-probs [B, T] f32; packed:
+  (params, tokens, segment_ids, positions)."""
   graphdef, abstract_params = _setup(key, model, mesh)
   bt = rules.sharding(('batch', 'seq'), mesh)
   tokens = _sds((key.rows, key.bucket), jnp.int32, bt)
 
-  def step(params, tokens):
+  def step(params, tokens, *segments):
     model = nnx.merge(graphdef, params)
-    return qwen2.token_logprobs(model, tokens, spec.temperature, spec.token_ids)
+    return qwen2.token_logprobs(
+      model, tokens, spec.temperature, spec.token_ids, segments if segments else None
+    )
 
-  abstract_args = (abstract_params, tokens)
-  fn = jax.jit(step, in_shardings=(qwen2.state_shardings(abstract_params), bt), out_shardings=bt)
+  abstract_args = (abstract_params, tokens, *((tokens, tokens) if spec.packed else ()))
+  param_sh = qwen2.state_shardings(abstract_params)
+  fn = jax.jit(step, in_shardings=(param_sh, *[bt] * (len(abstract_args) - 1)), out_shardings=bt)
   return Program(
     key=key,
     model=model,
@@ -327,6 +334,7 @@ def train_program(
     micro_batches=spec.micro_batches,
     temperature=spec.temperature,
     token_ids=spec.token_ids,
+    packed=spec.packed,
     state_shardings=jax.tree.map(lambda a: a.sharding, state),
     batch_shardings=batch_sh,
     metrics_sharding=_replicated(mesh),
@@ -397,7 +405,10 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
       lambda: jax.random.randint(rng, (B, S), 0, model.vocab_size, jnp.int32),
       out_shardings=shardings[1],
     )()
-    return (params, tokens)
+    if not program.spec.packed:
+      return (params, tokens)
+    segments = jax.jit(lambda: _packed_segments(B, S), out_shardings=(shardings[2], shardings[3]))()
+    return (params, tokens, *segments)
   state = train_lib.init_train_state(
     jax.tree.map(jnp.copy, params), train_lib.make_optimizer(program.spec.optim)
   )
@@ -405,13 +416,25 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
   def make_batch():
     k1, k2 = jax.random.split(rng)
     mask = jnp.broadcast_to(jnp.arange(S) > 0, (B, S))
-    return Batch.zeros(B, S, xp=jnp).replace(
+    segment_ids, positions = _packed_segments(B, S) if program.spec.packed else (mask + 0, None)
+    batch = Batch.zeros(B, S, xp=jnp).replace(
       tokens=jax.random.randint(k1, (B, S), 0, model.vocab_size, jnp.int32),
       loss_mask=mask,
       advantages=jnp.where(mask, jax.random.normal(k2, (B, S)), 0.0),
+      segment_ids=segment_ids,
       lengths=jnp.full((B,), S, jnp.int32),
       valid=jnp.ones((B,), jnp.bool_),
     )
+    return batch if positions is None else batch.replace(positions=positions)
 
   with jax.set_mesh(program.mesh):
     return state, jax.jit(make_batch, out_shardings=shardings[1])()
+
+
+def _packed_segments(B: int, S: int):
+  """Segment ids and positions of rows packed with four sequences of S / 4 tokens (measuring)."""
+  n = max(1, S // 4)
+  t = jnp.arange(S, dtype=jnp.int32)
+  segment_ids = jnp.broadcast_to(jnp.minimum(t // n, 3) + 1, (B, S))
+  positions = jnp.broadcast_to(t - jnp.minimum(t // n, 3) * n, (B, S))
+  return segment_ids, positions

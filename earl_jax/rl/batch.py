@@ -9,6 +9,10 @@ token sequence; `loss_mask` marks the positions the policy generated. Every stag
   experience  old_logprobs (current params), ref_logprobs (frozen reference)
   advantages  advantages (per token)
 
+`segment_ids` and `positions` say which sequence every token belongs to and where in it: one
+episode per row (segment 1 on its tokens, 0 on padding; positions 0..T-1), or several episodes
+packed side by side into a row (`rl.packing`), which the packed programs attend within.
+
 Padding rows (added so the batch divides the mesh) have valid == False and an all-False mask, so
 they contribute nothing to any loss or statistic. Log-prob columns are aligned with tokens:
 column t holds log p(tokens[t] | tokens[:t]); column 0 is 0.
@@ -42,6 +46,8 @@ class Batch:
   ref_logprobs: Float[Arr, 'B T']
   advantages: Float[Arr, 'B T']
   returns: Float[Arr, 'B T']
+  segment_ids: Int[Arr, 'B T']
+  positions: Int[Arr, 'B T']
   rewards: Float[Arr, ' B']
   lengths: Int[Arr, ' B']
   group_ids: Int[Arr, ' B']
@@ -66,6 +72,8 @@ class Batch:
       ref_logprobs=ROW_TOKEN,
       advantages=ROW_TOKEN,
       returns=ROW_TOKEN,
+      segment_ids=ROW_TOKEN,
+      positions=ROW_TOKEN,
       rewards=ROW,
       lengths=ROW,
       group_ids=ROW,
@@ -80,7 +88,7 @@ class Batch:
 
   @classmethod
   def zeros(cls, rows: int, bucket: int, *, xp=np) -> 'Batch':
-    """An all-padding batch (host numpy by default)."""
+    """An all-padding batch (host numpy by default); positions 0..T-1 in every row."""
     f = lambda shape, dtype: xp.zeros(shape, dtype)  # noqa: E731
     return cls(
       tokens=f((rows, bucket), xp.int32),
@@ -90,6 +98,8 @@ class Batch:
       ref_logprobs=f((rows, bucket), xp.float32),
       advantages=f((rows, bucket), xp.float32),
       returns=f((rows, bucket), xp.float32),
+      segment_ids=f((rows, bucket), xp.int32),
+      positions=xp.broadcast_to(xp.arange(bucket, dtype=xp.int32), (rows, bucket)) + 0,
       rewards=f((rows,), xp.float32),
       lengths=f((rows,), xp.int32),
       group_ids=f((rows,), xp.int32),

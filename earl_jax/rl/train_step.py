@@ -177,13 +177,17 @@ def loss_fn(
   temperature: float = 1.0,
   entropy_coef: Float[Array, ''] | None = None,
   token_ids: tuple[int, ...] | None = None,
+  packed: bool = False,
 ) -> tuple[Float[Array, ''], dict]:
   model = nnx.merge(graphdef, params)
   entropy = None
+  segments = (batch.segment_ids, batch.positions) if packed else None
   if config.uses_entropy:
-    logp, entropy = qwen2.token_logprobs_and_entropy(model, batch.tokens, temperature, token_ids)
+    logp, entropy = qwen2.token_logprobs_and_entropy(
+      model, batch.tokens, temperature, token_ids, segments
+    )
   else:
-    logp = qwen2.token_logprobs(model, batch.tokens, temperature, token_ids)
+    logp = qwen2.token_logprobs(model, batch.tokens, temperature, token_ids, segments)
   loss, metrics = losses.ppo_loss(
     logp,
     batch.old_logprobs,
@@ -220,16 +224,20 @@ def train_step(
   micro_batches: int = 1,
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
+  packed: bool = False,
 ) -> tuple[TrainState, dict[str, Float[Array, '']]]:
   """One optimizer update on `batch`, averaging gradients over `micro_batches` slices.
 
   The policy is softmax(logits / temperature) (over `token_ids` alone when given: constrained
-  decoding), the distribution the rollout sampled from.
+  decoding), the distribution the rollout sampled from. `packed`: the rows hold several
+  episodes each (`rl.packing`), attended within their segments.
   """
 
   def grad_fn(mb):
     fn = jax.value_and_grad(loss_fn, has_aux=True)
-    return fn(state.params, graphdef, mb, loss_config, temperature, state.entropy_coef, token_ids)
+    return fn(
+      state.params, graphdef, mb, loss_config, temperature, state.entropy_coef, token_ids, packed
+    )
 
   if micro_batches == 1:
     (loss, aux), grads = grad_fn(batch)
@@ -282,6 +290,7 @@ def make_train_step(
   micro_batches: int = 1,
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
+  packed: bool = False,
   state_shardings: TrainState | None = None,
   batch_shardings: Batch | None = None,
   metrics_sharding: jax.sharding.Sharding | None = None,
@@ -299,6 +308,7 @@ def make_train_step(
     micro_batches=micro_batches,
     temperature=temperature,
     token_ids=token_ids,
+    packed=packed,
   )
   kwargs = {}
   if state_shardings is not None:

@@ -136,6 +136,9 @@ class Trajectories:
       loss_mask=pad(self.loss_mask, False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
       returns=pad(self.token_returns(gamma)),
+      segment_ids=(
+        np.arange(bucket)[None, :] < np.pad(self.lengths, (0, rows - B))[:, None]
+      ).astype(np.int32),
       rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
       lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
       group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),

@@ -182,10 +182,20 @@ def put_rows(
       raise ShardingError(f'put_rows: row {e.args[0]} of {shape} is not held here.') from None
     return np.ascontiguousarray(values[picked][(slice(None), *index[1:])])
 
-  return jax.make_array_from_callback(shape, sharding, block)
+  return _explicit(shape, sharding, block)
+
+
+def _explicit(shape, sharding: jax.sharding.Sharding, block) -> jax.Array:
+  """A global array from host blocks, one explicit transfer per addressable device (allowed
+  under `jax.transfer_guard('disallow')`, which refuses implicit ones)."""
+  arrays = [
+    jax.device_put(block(index), device)
+    for device, index in sharding.addressable_devices_indices_map(shape).items()
+  ]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def put_replicated(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   """A small host value (the same on every process) replicated on `sharding`."""
   value = np.asarray(value)
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+  return _explicit(value.shape, sharding, lambda index: value[index])

@@ -289,3 +289,48 @@ def test_blockwise_causal_attention_matches_dense_values_and_grads(block):
   k2 = k.at[:, 40:].set(0.0)
   c = qwen2.causal_attention(q, k2, v, block=block)
   np.testing.assert_allclose(np.asarray(c)[:, :40], np.asarray(a)[:, :40], atol=1e-6)
+
+
+@pytest.mark.parametrize('impl,block', [('blockwise', 8), ('blockwise', 0), ('dot_product', 0)])
+def test_packed_rows_equal_unpacked_sequences_in_values_and_gradients(impl, block):
+  """Three sequences packed side by side into one row (segment ids, positions from 0 in each)
+  give every token the log-prob it has alone in its own row, and the same parameter gradients."""
+  cfg = ModelConfig.preset('tiny').replace(attention_impl=impl, attention_block=block)
+  mesh = small_mesh()
+  graphdef, params = qwen2.init_model(cfg, mesh, seed=5)
+  rng = np.random.default_rng(0)
+  T, lengths = 32, (5, 9, 14)
+  seqs = [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in lengths]
+  weights = [rng.standard_normal(n).astype(np.float32) for n in lengths]
+  alone = np.zeros((3, T), np.int32)
+  w_alone = np.zeros((3, T), np.float32)
+  packed = np.zeros((1, T), np.int32)
+  w_packed = np.zeros((1, T), np.float32)
+  segment_ids = np.zeros((1, T), np.int32)
+  positions = np.zeros((1, T), np.int32)
+  start = 0
+  for i, (x, w) in enumerate(zip(seqs, weights)):
+    n = len(x)
+    alone[i, :n], w_alone[i, :n] = x, w
+    packed[0, start : start + n], w_packed[0, start : start + n] = x, w
+    segment_ids[0, start : start + n] = i + 1
+    positions[0, start : start + n] = np.arange(n)
+    start += n
+
+  def loss(params, tokens, w, segments):
+    lp = qwen2.token_logprobs(nnx.merge(graphdef, params), tokens, 0.8, None, segments)
+    return jnp.sum(lp * w), lp
+
+  with jax.set_mesh(mesh):
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=())
+    (v1, lp1), g1 = fn(params, alone, w_alone, None)
+    (v2, lp2), g2 = fn(params, packed, w_packed, (segment_ids, positions))
+  lp1, lp2 = np.asarray(lp1), np.asarray(lp2)
+  start = 0
+  for i, n in enumerate(lengths):
+    np.testing.assert_allclose(lp2[0, start : start + n], lp1[i, :n], atol=2e-5)
+    assert lp2[0, start] == 0.0  # a segment's first token has no prefix
+    start += n
+  np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)

@@ -19,6 +19,8 @@ TOKEN_FIELDS = (
   'ref_logprobs',
   'advantages',
   'returns',
+  'segment_ids',
+  'positions',
 )
 ROW_FIELDS = ('rewards', 'lengths', 'group_ids', 'valid')
 
@@ -36,12 +38,16 @@ def test_zeros_is_an_all_padding_batch(xp):
   b = Batch.zeros(6, 32, xp=xp)
   assert b.num_rows == 6 and b.bucket == 32
   ints = {'tokens': np.int32, 'lengths': np.int32, 'group_ids': np.int32}
+  ints.update(segment_ids=np.int32, positions=np.int32)
   want = {**ints, 'loss_mask': np.bool_, 'valid': np.bool_}
   for name in TOKEN_FIELDS + ROW_FIELDS:
     x = getattr(b, name)
     assert x.shape == ((6, 32) if name in TOKEN_FIELDS else (6,))
     assert np.dtype(x.dtype) == np.dtype(want.get(name, np.float32)), name
-    assert not np.asarray(x).any()
+    if name == 'positions':
+      np.testing.assert_array_equal(np.asarray(x), np.tile(np.arange(32), (6, 1)))
+    else:
+      assert not np.asarray(x).any()
 
 
 @pytest.mark.parametrize('parallel', ['dp8', 'dp2.tp4', 'dp2.fsdp2.tp2'])
