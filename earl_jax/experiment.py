@@ -76,7 +76,9 @@ class ExperimentConfig:
     default_factory=selector_lib.SelectorConfig
   )
   dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
-    default_factory=lambda: dispatch_lib.DispatchConfig(strategy='layout_aware')
+    default_factory=lambda: dispatch_lib.DispatchConfig(
+      strategy='layout_aware', stable_kernels=True
+    )
   )
   steps: int = 20
   micro_batches: int = 1

@@ -47,10 +47,17 @@ def main(argv):
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       json.dump(summary, f, indent=2, default=str)
     first, last = summary['eval_win_rate_first'], summary['eval_win_rate_last']
+    evals = (
+      f'eval win rate vs {config.eval_env.opponent}: {first:.3f} -> {last:.3f}'
+      if first is not None
+      else 'no evaluation'
+    )
+    moved = summary['moves']['experience_train']
     print(
-      f'done: {summary["steps"]} steps in {summary["wall_s"]:.0f} s; eval win rate vs '
-      f'{config.eval_env.opponent}: {first:.3f} -> {last:.3f}; skipped steps: '
-      f'{summary["skipped_steps"]}; plots: {", ".join(paths)}',
+      f'done: {summary["steps"]} steps in {summary["wall_s"]:.0f} s; {evals}; skipped steps: '
+      f'{summary["skipped_steps"]}; stage layouts differed in {moved["layouts_differ"]} '
+      f'of {moved["steps"]} experience -> train moves, bytes moved in '
+      f'{moved["bytes_moved_steps"]}; plots: {", ".join(paths)}',
       flush=True,
     )
 

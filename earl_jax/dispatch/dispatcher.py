@@ -7,7 +7,9 @@ Strategies (`Strategy`, or per call with `strategy=`):
   layout_aware    the plan's shard_map kernels (earl_jax.dispatch.collectives): local slices
                   where a block is already on its device, ppermute rounds (or one all_to_all)
                   where it is not, the row permutation applied inside the same collectives, then
-                  a zero-copy re-wrap onto the target sharding. Device to device; no host.
+                  a zero-copy re-wrap onto the target sharding (only the re-wrap, no kernel,
+                  when every target block already is a source block on its device). Device to
+                  device; no host.
   xla             `jax.jit` with `out_shardings`: device-side, XLA's own choice of collectives.
                   A permutation is applied in the same program: a rotation of the rows as
                   `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as
@@ -86,6 +88,9 @@ class DispatchConfig:
     gather_chunk_bytes: the largest global chunk the gather_scatter baseline gathers at once.
     donate: donate the source batch to the layout_aware / xla programs.
     timed: block until the result is ready and report the wall time.
+    stable_kernels: layout_aware with a permutation that changes every call (token balancing
+      in a training loop): one kernel per (layouts, shapes) and power-of-two capacity, reused
+      by every permutation (`make_plan(stable=True)`); more padding on the wire, no compile.
   """
 
   strategy: Strategy | str = Strategy.AUTO
@@ -95,6 +100,7 @@ class DispatchConfig:
   gather_chunk_bytes: int = 64 << 20
   donate: bool = False
   timed: bool = False
+  stable_kernels: bool = False
 
   def __post_init__(self):
     try:
@@ -196,6 +202,7 @@ class Dispatcher:
       collective=self.config.collective,
       buckets_per_octave=self.config.buckets_per_octave,
       pack_max_bytes=self.config.pack_max_bytes,
+      stable=self.config.stable_kernels,
     )
     tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
     plan_s = time.perf_counter() - t0
@@ -283,6 +290,10 @@ class Dispatcher:
     if run == 'rewrap':
       outs = [collectives.rewrap(x, shapes[i], dst.sharding(i)) for i, x in enumerate(leaves)]
       name = 'rewrap'
+    elif run == Strategy.LAYOUT_AWARE and plan is not None and plan.is_zero_copy:
+      # Every target block already is a source block on its device: the local slice is free.
+      outs = [collectives.rewrap(x, shapes[i], dst.sharding(i)) for i, x in enumerate(leaves)]
+      name = Strategy.LAYOUT_AWARE.value
     elif run == Strategy.LAYOUT_AWARE:
       assert plan is not None and tables is not None
       kernel, compiled = self._kernel(plan, src)

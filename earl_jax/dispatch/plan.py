@@ -571,6 +571,22 @@ def _bucketed_rounds(
   return rounds
 
 
+def _uniform_rounds(counts: Sequence[np.ndarray], limits: Sequence[int]) -> list[Round]:
+  """Every ring shift k = 1..n-1, with one cap per group for all of them (a power of two): the
+  structure of a kernel then depends on the permutation through that cap alone."""
+  n = len(counts[0])
+  caps = []
+  for c, limit in zip(counts, limits):
+    off = c.copy()
+    np.fill_diagonal(off, 0)
+    caps.append(capacity_bucket(int(off.max()) if n > 1 else 0, limit, 1))
+  if not any(caps):
+    return []
+  return [
+    Round(pairs=tuple((s, (s + k) % n) for s in range(n)), caps=tuple(caps)) for k in range(1, n)
+  ]
+
+
 def _all_to_all_rounds(
   counts: Sequence[np.ndarray], limits: Sequence[int], per_octave: int, static: bool
 ) -> list[Round]:
@@ -618,8 +634,10 @@ def _build_tables(
   rounds: Sequence[Round],
   collective: Collective,
   n_su: int,
+  stable: bool = False,
 ) -> tuple[tuple[SendOp, ...], tuple[np.ndarray | None, ...], OutOp, np.ndarray | None]:
-  """Send ops and tables of group g for every round, and its output op and table."""
+  """Send ops and tables of group g for every round, and its output op and table (`stable`:
+  row gathers throughout, so that the ops never depend on the permutation)."""
   n, n_du = src_dev.shape
   caps = [r.caps[g] for r in rounds]
   sizes = [n_su, *((n * c) if collective == 'all_to_all' else c for c in caps)]
@@ -658,7 +676,17 @@ def _build_tables(
       region_of[d, pos] = k + 1
       lists[s] = units
     senders = [u for u in lists.values() if len(u)]
-    if cap == n_su and all(len(u) == n_su and np.array_equal(u, np.arange(n_su)) for u in senders):
+    if stable:
+      senders = None  # a row gather, whatever the rows
+    if senders is None:
+      table = np.zeros((n, cap), np.int64)
+      for s, units in lists.items():
+        table[s, : len(units)] = units
+      send_ops.append(SendOp('gather'))
+      send_tables.append(table.astype(np.int32))
+    elif cap == n_su and all(
+      len(u) == n_su and np.array_equal(u, np.arange(n_su)) for u in senders
+    ):
       send_ops.append(SendOp('full'))
       send_tables.append(None)
     elif all(_contiguous(u) for u in senders) and all(
@@ -680,7 +708,7 @@ def _build_tables(
   # The output: one region read whole or as one run, else a gather over the pool.
   regions = np.unique(region_of)
   out_op, out_table = OutOp('gather'), pool_idx.astype(np.int32)
-  if len(regions) == 1:
+  if len(regions) == 1 and not stable:
     region = int(regions[0])
     local = pool_idx - offsets[region]
     if (region == 0 or collective != 'all_to_all') and all(_contiguous(local[d]) for d in range(n)):
@@ -778,12 +806,14 @@ def _route_group(src: Layout, key: tuple, group: list, structs, rows, perm, n) -
   return _Routed(fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts)
 
 
-def _schedule(routed, n, *, collective, static, buckets_per_octave, pack_max_bytes):
+def _schedule(routed, n, *, collective, static, stable, buckets_per_octave, pack_max_bytes):
   """The collective rounds that carry every group's units (then packed into shared buffers)."""
   counts = [r.counts for r in routed]
   unit_bytes = [r.unit_bytes for r in routed]
   limits = [min(r.src_units, r.dst_units) for r in routed]
-  if collective == 'all_to_all':
+  if stable and collective == 'ppermute':
+    rounds = _uniform_rounds(counts, limits)
+  elif collective == 'all_to_all':
     rounds = _all_to_all_rounds(counts, limits, buckets_per_octave, static)
   elif static:
     rounds = _block_permutation_round([r.src_dev for r in routed], [r.dst_units for r in routed])
@@ -805,6 +835,7 @@ def make_plan(
   collective: Collective = 'ppermute',
   buckets_per_octave: int = 4,
   pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
+  stable: bool = False,
 ) -> Plan:
   """Computes the routing plan of moving a batch from `src` to `dst`.
 
@@ -821,6 +852,9 @@ def make_plan(
     pack_max_bytes: a round whose buffer (per device) is at most this many bytes carries all
       its fields in one collective (one uint8 buffer); larger rounds send one collective per
       field and avoid the packing copies (they are bandwidth-bound, not latency-bound).
+    stable: for a permutation: every ring shift with one power-of-two cap per group and row
+      gathers throughout, so that a kernel compiled for one permutation serves every other with
+      the same cap (more padding on the wire; the tables carry the permutation).
 
   Returns:
     The Plan.
@@ -839,18 +873,20 @@ def make_plan(
     _route_group(src, key, group, structs, rows, p, n)
     for key, group in _group_fields(src, dst, structs).items()
   ]
+  stable = stable and p is not None and not static
   rounds = _schedule(
     routed,
     n,
     collective=collective,
     static=static,
+    stable=stable,
     buckets_per_octave=buckets_per_octave,
     pack_max_bytes=pack_max_bytes,
   )
   groups = []
   for g, r in enumerate(routed):
     send_ops, send_tables, out_op, out_table = _build_tables(
-      g, r.src_dev, r.src_unit, rounds, collective, r.src_units
+      g, r.src_dev, r.src_unit, rounds, collective, r.src_units, stable
     )
     groups.append(
       GroupPlan(
