@@ -627,6 +627,42 @@ def _contiguous(rows: np.ndarray) -> bool:
   return len(rows) <= 1 or bool(np.all(np.diff(rows) == 1))
 
 
+def _send_op(lists: dict[int, np.ndarray], cap: int, n: int, n_su: int, stable: bool):
+  """The cheapest op that sends every sender's units in one ppermute round, and its table:
+  the whole block, one contiguous run per sender, or (always, when `stable`) a row gather."""
+  senders = [u for u in lists.values() if len(u)]
+  if not stable:
+    if cap == n_su and all(len(u) == n_su and np.array_equal(u, np.arange(n_su)) for u in senders):
+      return SendOp('full'), None
+    if all(_contiguous(u) for u in senders) and all(
+      (u[0] if len(u) else 0) + cap <= n_su for u in lists.values()
+    ):
+      table = np.zeros((n,), np.int64)
+      for s, units in lists.items():
+        table[s] = units[0] if len(units) else 0
+      return SendOp('slice'), table.astype(np.int32)
+  table = np.zeros((n, cap), np.int64)
+  for s, units in lists.items():
+    table[s, : len(units)] = units
+  return SendOp('gather'), table.astype(np.int32)
+
+
+def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
+  """The output op: one region read whole or as one run, else (always, when `stable`) a gather
+  over the pool."""
+  n, n_du = pool_idx.shape
+  regions = np.unique(region_of)
+  if len(regions) == 1 and not stable:
+    region = int(regions[0])
+    local = pool_idx - offsets[region]
+    if (region == 0 or collective != 'all_to_all') and all(_contiguous(local[d]) for d in range(n)):
+      starts = local[:, 0]
+      if np.all(starts == 0) and n_du == sizes[region]:
+        return OutOp('full', region), None
+      return OutOp('slice', region), starts.astype(np.int32)
+  return OutOp('gather'), pool_idx.astype(np.int32)
+
+
 def _build_tables(
   g: int,
   src_dev: np.ndarray,
@@ -642,8 +678,8 @@ def _build_tables(
   caps = [r.caps[g] for r in rounds]
   sizes = [n_su, *((n * c) if collective == 'all_to_all' else c for c in caps)]
   offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-  pool_idx = np.full((n, n_du), -1, np.int64)
-  region_of = np.full((n, n_du), -1, np.int64)
+  pool_idx = np.full((n, n_du), -1, np.int64)  # where each target unit lands in the pool
+  region_of = np.full((n, n_du), -1, np.int64)  # 0: local; k + 1: received in round k
   for d in range(n):
     mine = src_dev[d] == d
     pool_idx[d, mine] = src_unit[d, mine]
@@ -670,53 +706,16 @@ def _build_tables(
     lists = {}
     for s, d in rnd.pairs:
       pos = np.nonzero(src_dev[d] == s)[0]
-      units = src_unit[d, pos]
-      assert len(units) <= cap, (len(units), cap)
+      assert len(pos) <= cap, (len(pos), cap)
       pool_idx[d, pos] = offsets[k + 1] + np.arange(len(pos))
       region_of[d, pos] = k + 1
-      lists[s] = units
-    senders = [u for u in lists.values() if len(u)]
-    if stable:
-      senders = None  # a row gather, whatever the rows
-    if senders is None:
-      table = np.zeros((n, cap), np.int64)
-      for s, units in lists.items():
-        table[s, : len(units)] = units
-      send_ops.append(SendOp('gather'))
-      send_tables.append(table.astype(np.int32))
-    elif cap == n_su and all(
-      len(u) == n_su and np.array_equal(u, np.arange(n_su)) for u in senders
-    ):
-      send_ops.append(SendOp('full'))
-      send_tables.append(None)
-    elif all(_contiguous(u) for u in senders) and all(
-      (u[0] if len(u) else 0) + cap <= n_su for u in lists.values()
-    ):
-      table = np.zeros((n,), np.int64)
-      for s, units in lists.items():
-        table[s] = units[0] if len(units) else 0
-      send_ops.append(SendOp('slice'))
-      send_tables.append(table.astype(np.int32))
-    else:
-      table = np.zeros((n, cap), np.int64)
-      for s, units in lists.items():
-        table[s, : len(units)] = units
-      send_ops.append(SendOp('gather'))
-      send_tables.append(table.astype(np.int32))
+      lists[s] = src_unit[d, pos]
+    op, table = _send_op(lists, cap, n, n_su, stable)
+    send_ops.append(op)
+    send_tables.append(table)
   if (pool_idx < 0).any():
     raise AssertionError('dispatch plan left target units unrouted')
-  # The output: one region read whole or as one run, else a gather over the pool.
-  regions = np.unique(region_of)
-  out_op, out_table = OutOp('gather'), pool_idx.astype(np.int32)
-  if len(regions) == 1 and not stable:
-    region = int(regions[0])
-    local = pool_idx - offsets[region]
-    if (region == 0 or collective != 'all_to_all') and all(_contiguous(local[d]) for d in range(n)):
-      starts = local[:, 0]
-      if np.all(starts == 0) and n_du == sizes[region]:
-        out_op, out_table = OutOp('full', region), None
-      else:
-        out_op, out_table = OutOp('slice', region), starts.astype(np.int32)
+  out_op, out_table = _out_op(pool_idx, region_of, offsets, sizes, collective, stable)
   return tuple(send_ops), tuple(send_tables), out_op, out_table
 
 

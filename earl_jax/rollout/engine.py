@@ -240,6 +240,21 @@ class _Turn:
   chunk: np.ndarray  # int32 [B, P]
 
 
+@dataclasses.dataclass
+class _Run:
+  """One rollout's device side: its layout, this process's rows, the key, the growing cache."""
+
+  parallel: ParallelConfig
+  mesh: jax.sharding.Mesh
+  rows: np.ndarray  # int64 [R]: the rows this process plays
+  greedy: bool
+  key: jax.Array
+  eot: jax.Array
+  cache: qwen2.KVCache
+  cache_buckets: list[int]
+  timings: dict[str, float]
+
+
 class RolloutEngine:
   """Runs batched multi-turn episodes of `env_config` with the rollout programs of `programs`."""
 
@@ -397,9 +412,30 @@ class RolloutEngine:
     """
     cfg = self.config
     B = cfg.num_episodes
+    run = self._start(mesh, capacity, greedy or cfg.sampling.greedy, seed)
+    env = registry.make_env(self.env_config)
+    t0 = time.perf_counter()
+    obs = env.reset(B, seed, group_size=cfg.group_size, rows=run.rows.tolist())
+    run.timings['env_s'] += time.perf_counter() - t0
+    ep = _Episodes.empty(len(run.rows))
+    for turn in range(cfg.max_turns or env.max_turns):
+      if not distributed.process_max([int(ep.active.any())])[0]:
+        break
+      obs = self._play_turn(run, turn, obs, ep, env, params)
+    return ep.trajectories(
+      pad_id=self.tokenizer.pad_id,
+      group_size=cfg.group_size,
+      cache_buckets=run.cache_buckets,
+      timings=run.timings,
+      row_ids=run.rows,
+      batch_rows=B,
+    )
+
+  def _start(self, mesh, capacity: int | None, greedy: bool, seed: int) -> '_Run':
+    """Checks the mesh, finds this process's rows, makes the first cache."""
+    B = self.config.num_episodes
     parallel = mesh_lib.parallel_config_of(mesh)
     mesh_lib.check_batch_fits(parallel, B, what='num_episodes')
-    greedy = greedy or cfg.sampling.greedy
     S = capacity or self.buckets.lengths[0]
     first = self.programs.generate(
       parallel, S, B, chunk=self.prompt_buckets.lengths[0], greedy=greedy
@@ -409,52 +445,47 @@ class RolloutEngine:
         f'The rollout mesh {dict(mesh.shape)} is not over the devices of the rollout programs; '
         'build the programs with the devices of the mesh.'
       )
-    # This process plays the episodes whose rows its devices hold.
-    rows = mesh_lib.local_rows(first.in_shardings[2], (B, 1))
-    env = registry.make_env(self.env_config)
-    max_turns = cfg.max_turns or env.max_turns
-    timings = {'generate_s': 0.0, 'env_s': 0.0, 'host_s': 0.0}
-    t0 = time.perf_counter()
-    obs = env.reset(B, seed, group_size=cfg.group_size, rows=rows.tolist())
-    timings['env_s'] += time.perf_counter() - t0
-
-    ep = _Episodes.empty(len(rows))
-    key = jax.random.fold_in(jax.random.key(seed), 0x5EED)
-    eot = mesh_lib.put_replicated(np.int32(self.tokenizer.eot_id), first.in_shardings[5])
-    cache = self._empty_cache(first.mesh, S)
-    cache_buckets = [S]
-    for turn in range(max_turns):
-      if not distributed.process_max([int(ep.active.any())])[0]:
-        break
-      t0 = time.perf_counter()
-      step, reach = self._prepare_turn(turn, obs, ep)
-      if reach > S:
-        S = self.buckets.bucket_for(reach)
-        cache = self._grow(cache, first.mesh, S)
-        cache_buckets.append(S)
-      timings['host_s'] += time.perf_counter() - t0
-
-      t0 = time.perf_counter()
-      program = self.programs.generate(parallel, S, B, chunk=step.chunk.shape[1], greedy=greedy)
-      key_data = np.asarray(jax.random.key_data(jax.random.fold_in(key, turn)))
-      host, cache = self._generate(program, params, cache, step, rows, key_data, eot)
-      timings['generate_s'] += time.perf_counter() - t0
-
-      t0 = time.perf_counter()
-      replies = self._record_replies(ep, step, host)
-      timings['host_s'] += time.perf_counter() - t0
-
-      t0 = time.perf_counter()
-      result = env.step(replies)
-      timings['env_s'] += time.perf_counter() - t0
-      ep.score(result, step.played, step.overflow)
-      obs = result.observations
-
-    return ep.trajectories(
-      pad_id=self.tokenizer.pad_id,
-      group_size=cfg.group_size,
-      cache_buckets=cache_buckets,
-      timings=timings,
-      row_ids=rows,
-      batch_rows=B,
+    return _Run(
+      parallel=parallel,
+      mesh=first.mesh,
+      rows=mesh_lib.local_rows(first.in_shardings[2], (B, 1)),  # the rows this process plays
+      greedy=greedy,
+      key=jax.random.fold_in(jax.random.key(seed), 0x5EED),
+      eot=mesh_lib.put_replicated(np.int32(self.tokenizer.eot_id), first.in_shardings[5]),
+      cache=self._empty_cache(first.mesh, S),
+      cache_buckets=[S],
+      timings={'generate_s': 0.0, 'env_s': 0.0, 'host_s': 0.0},
     )
+
+  def _play_turn(self, run: '_Run', turn: int, obs, ep: _Episodes, env, params) -> list[str]:
+    """One turn of every running episode: prompts, the compiled turn program, the replies to
+    the environment. Returns the next observations."""
+    t0 = time.perf_counter()
+    step, reach = self._prepare_turn(turn, obs, ep)
+    if reach > run.cache.capacity:
+      S = self.buckets.bucket_for(reach)
+      run.cache = self._grow(run.cache, run.mesh, S)
+      run.cache_buckets.append(S)
+    run.timings['host_s'] += time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    program = self.programs.generate(
+      run.parallel,
+      run.cache.capacity,
+      self.config.num_episodes,
+      chunk=step.chunk.shape[1],
+      greedy=run.greedy,
+    )
+    key_data = np.asarray(jax.random.key_data(jax.random.fold_in(run.key, turn)))
+    host, run.cache = self._generate(program, params, run.cache, step, run.rows, key_data, run.eot)
+    run.timings['generate_s'] += time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    replies = self._record_replies(ep, step, host)
+    run.timings['host_s'] += time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    result = env.step(replies)
+    run.timings['env_s'] += time.perf_counter() - t0
+    ep.score(result, step.played, step.overflow)
+    return result.observations
