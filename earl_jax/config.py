@@ -27,6 +27,8 @@ import dataclasses
 import math
 from typing import Any, Literal
 
+from earl_jax.errors import ConfigError
+
 DType = Literal['float32', 'bfloat16']
 _DTYPES = ('float32', 'bfloat16')
 
@@ -36,7 +38,7 @@ def check_positive(obj: Any, *names: str) -> None:
   for name in names:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      raise ValueError(f'{type(obj).__name__}.{name} must be a positive int, got {value!r}.')
+      raise ConfigError(f'{type(obj).__name__}.{name} must be a positive int, got {value!r}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,26 +102,26 @@ class ModelConfig:
       'logprob_chunk',
     )
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
+      raise ConfigError(
         f'ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of '
         f'num_kv_heads={self.num_kv_heads} (grouped-query attention).'
       )
     if self.head_dim % 2:
-      raise ValueError(f'ModelConfig {self.name!r}: head_dim={self.head_dim} must be even (RoPE).')
+      raise ConfigError(f'ModelConfig {self.name!r}: head_dim={self.head_dim} must be even (RoPE).')
     for field in ('param_dtype', 'dtype'):
       if getattr(self, field) not in _DTYPES:
-        raise ValueError(
+        raise ConfigError(
           f'ModelConfig.{field} must be one of {_DTYPES}, got {getattr(self, field)!r}.'
         )
     if self.attention_impl not in ('blockwise', 'dot_product'):
-      raise ValueError(
+      raise ConfigError(
         "ModelConfig.attention_impl must be 'blockwise' or 'dot_product', got "
         f'{self.attention_impl!r}.'
       )
     if self.attention_block < 0:
-      raise ValueError(f'ModelConfig.attention_block must be >= 0, got {self.attention_block}.')
+      raise ConfigError(f'ModelConfig.attention_block must be >= 0, got {self.attention_block}.')
     if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-      raise ValueError('ModelConfig: rope_theta and rms_norm_eps must be positive.')
+      raise ConfigError('ModelConfig: rope_theta and rms_norm_eps must be positive.')
 
   @property
   def num_params(self) -> int:
@@ -142,7 +144,7 @@ class ModelConfig:
     try:
       return _MODEL_PRESETS[name]
     except KeyError:
-      raise ValueError(
+      raise ConfigError(
         f'Unknown model preset {name!r}; known presets: {sorted(_MODEL_PRESETS)}.'
       ) from None
 
@@ -283,12 +285,12 @@ class ParallelConfig:
               kw[key] = int(part[len(key) :])
               break
           else:
-            raise ValueError(part)
+            raise ConfigError(part)
         if kw:
           return cls(**kw)
     except ValueError:
       pass
-    raise ValueError(
+    raise ConfigError(
       f"Cannot parse parallel config {text!r}; expected e.g. 'dp2.tp4', 'dp2.fsdp2.tp2', "
       "'2x4' or '2x2x2'."
     )
@@ -307,11 +309,11 @@ class BucketConfig:
   def __post_init__(self):
     lengths = tuple(self.lengths)
     if not lengths:
-      raise ValueError('BucketConfig.lengths is empty; give at least one context length.')
+      raise ConfigError('BucketConfig.lengths is empty; give at least one context length.')
     if any(not isinstance(n, int) or n <= 0 for n in lengths):
-      raise ValueError(f'BucketConfig.lengths must be positive ints, got {lengths}.')
+      raise ConfigError(f'BucketConfig.lengths must be positive ints, got {lengths}.')
     if list(lengths) != sorted(set(lengths)):
-      raise ValueError(
+      raise ConfigError(
         f'BucketConfig.lengths must be strictly increasing, got {lengths}; '
         f'did you mean {tuple(sorted(set(lengths)))}?'
       )
@@ -336,7 +338,7 @@ class BucketConfig:
   @classmethod
   def powers_of_two(cls, lo: int, hi: int) -> 'BucketConfig':
     if lo <= 0 or hi < lo:
-      raise ValueError(f'powers_of_two needs 0 < lo <= hi, got lo={lo}, hi={hi}.')
+      raise ConfigError(f'powers_of_two needs 0 < lo <= hi, got lo={lo}, hi={hi}.')
     n = 1 << max(0, math.ceil(math.log2(lo)))
     out = []
     while n < hi:

@@ -23,9 +23,11 @@ from typing import Any
 
 from absl import flags
 
+from earl_jax.errors import UserError
 
-class ConfigOverrideError(ValueError):
-  pass
+
+class ConfigOverrideError(UserError):
+  """A `--config...` argument that names no field or does not parse as the field's type."""
 
 
 def _parse_value(text: str, annotation: Any, where: str) -> Any:

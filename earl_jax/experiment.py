@@ -15,6 +15,7 @@ import json
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive
 from earl_jax.envs import base as envs
+from earl_jax.errors import ConfigError
 from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import losses, train_step
 from earl_jax.rollout import engine
@@ -54,6 +55,8 @@ class ExperimentConfig:
       with the most tokens sets the packed rows), the experience -> train move without.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
+    max_skipped_in_a_row: the run stops with an error after this many consecutive steps were
+      skipped as not finite (the parameters are those of the last kept step); 0 never stops.
     seed: seeds the environment and the sampler of every step.
     init_seed: seeds the random initialisation (ignored with model_dir).
   """
@@ -90,29 +93,37 @@ class ExperimentConfig:
   eval_seed: int = 1_000_000
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
+  max_skipped_in_a_row: int = 10
   seed: int = 0
   init_seed: int = 0
 
   def __post_init__(self):
     check_positive(self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes')
-    for field in ('eval_every', 'checkpoint_every', 'seed', 'init_seed', 'eval_seed'):
+    for field in (
+      'eval_every',
+      'checkpoint_every',
+      'max_skipped_in_a_row',
+      'seed',
+      'init_seed',
+      'eval_seed',
+    ):
       if getattr(self, field) < 0:
-        raise ValueError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
+        raise ConfigError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
     if self.model_dir is None:
       ModelConfig.preset(self.model)  # raises for an unknown preset
     if self.rollout.num_episodes % self.micro_batches:
-      raise ValueError(
+      raise ConfigError(
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
         f'{self.rollout.num_episodes}.'
       )
     if self.pack and self.loss.aggregation != 'token':
-      raise ValueError(
+      raise ConfigError(
         f"ExperimentConfig.pack needs loss.aggregation='token' (a packed row holds several "
         f'episodes), got {self.loss.aggregation!r}; set pack=false or aggregate by token.'
       )
     first_turn = self.rollout.prompt_buckets[0] + self.rollout.sampling.max_new_tokens
     if first_turn > self.buckets.max_length:
-      raise ValueError(
+      raise ConfigError(
         f'The per-turn token limit rollout.sampling.max_new_tokens='
         f'{self.rollout.sampling.max_new_tokens} plus the smallest prompt bucket '
         f'{self.rollout.prompt_buckets[0]} does not fit the largest context bucket '
@@ -123,8 +134,10 @@ class ExperimentConfig:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
   def fingerprint(self) -> str:
-    """Identifies the run for --resume: everything but the step count and evaluation cadence."""
+    """Identifies the run for --resume: everything but the step count, the evaluation and
+    checkpoint cadence and the stopping rule."""
     d = self.to_json()
-    for key in ('steps', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'name'):
+    cadence = ('steps', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'name')
+    for key in (*cadence, 'max_skipped_in_a_row'):
       d.pop(key, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -8,6 +8,7 @@ writer.close()
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +31,16 @@ def _scalar(value: Any) -> float | int | str | None:
 class MetricsWriter:
   """Appends records to `metrics.jsonl` and scalars to TensorBoard (process 0 only)."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    tensorboard: bool = True,
+    enabled: bool = True,
+    purge_step: int | None = None,
+  ):
+    """`purge_step`: TensorBoard hides the events of earlier files from this step on (a resumed
+    run passes its first new step, so that what the run that died logged later shows once)."""
     self.enabled = enabled
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self._tb = None
@@ -40,7 +50,11 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # a heavy import, made only when used
 
-      self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+      # A unique suffix: two writers in the same second would otherwise share one file name.
+      suffix = f'.{os.getpid()}.{time.time_ns()}'
+      self._tb = SummaryWriter(
+        os.path.join(workdir, 'tb'), purge_step=purge_step, filename_suffix=suffix
+      )
 
   def write(self, step: int, record: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -58,9 +72,11 @@ class MetricsWriter:
     """Replaces metrics.jsonl with `records` (each has its 'step'), e.g. after a resume."""
     if not self.enabled:
       return
-    with open(self.path, 'w') as f:
+    tmp = f'{self.path}.tmp'
+    with open(tmp, 'w') as f:
       for record in records:
         f.write(json.dumps({k: _scalar(v) for k, v in record.items()}) + '\n')
+    os.replace(tmp, self.path)  # a run killed here keeps the old file whole
 
   def close(self) -> None:
     if self._tb is not None:
@@ -68,5 +84,14 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
+  """The records of `path`; a last line cut short (a run killed while writing it) is left out."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  out = []
+  for i, line in enumerate(lines):
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i < len(lines) - 1:
+        raise
+  return out

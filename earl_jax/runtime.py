@@ -1,12 +1,21 @@
-"""Process-wide JAX settings, applied by entry points (experiments, notebooks), never on import.
+"""Process-wide settings, applied by entry points (experiments, notebooks), never on import.
 
 def main(argv):
   runtime.setup(cpu_devices=8)     # before any other JAX call
+  ...
+
+if __name__ == '__main__':
+  runtime.run(main)                # app.run, with user errors as one line and exit code 2
 """
 
 import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from absl import logging
+
+from earl_jax import errors
 
 DEFAULT_CACHE_DIR = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '.jax_cache'
@@ -45,3 +54,52 @@ def _has_accelerator() -> bool:
     importlib.util.find_spec(name) is not None
     for name in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'libtpu', 'jax_rocm60_plugin')
   )
+
+
+def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = None) -> None:
+  """`absl.app.run(main)`, with every user error ending the program in one line.
+
+  A bad flag, an `app.UsageError`, or a `earl_jax.errors.UserError` raised while parsing or
+  inside `main` (bad
+  config values, presets, checkpoints, model directories, meshes), prints
+  `error: <message>` to stderr and exits with code 2, absl's `UsageError` convention, instead of
+  a traceback. `--debug` (or `--verbosity=1` and up) shows the traceback. Other exceptions are
+  internal errors and keep theirs.
+  """
+  from absl import app, flags
+
+  if 'debug' not in flags.FLAGS:
+    flags.DEFINE_bool('debug', False, 'Show the traceback of user errors too.')
+  parse = flags_parser or flags.FLAGS
+
+  def debugging(argv: Sequence[str] | None = None) -> bool:
+    if argv is not None:  # the flags are not parsed yet
+      return any(a in ('--debug', '--debug=true', '--debug=1') for a in argv) or any(
+        a.startswith(('--verbosity=', '-v=')) and a.split('=', 1)[1] not in ('0', '-1')
+        for a in argv
+      )
+    return bool(flags.FLAGS.debug) or flags.FLAGS.verbosity >= 1
+
+  def parse_or_exit(argv: Sequence[str]) -> Any:
+    try:
+      return parse(argv)
+    except (flags.Error, errors.UserError) as e:
+      if debugging(argv):
+        raise
+      _exit_with(e)
+
+  def main_or_exit(argv: list[str]) -> Any:
+    try:
+      return main(argv)
+    except (errors.UserError, app.UsageError) as e:
+      if debugging():
+        raise
+      _exit_with(e)
+
+  app.run(main_or_exit, flags_parser=parse_or_exit)
+
+
+def _exit_with(error: Exception) -> NoReturn:
+  message = ' '.join(str(error).split())  # one line
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(2)

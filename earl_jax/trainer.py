@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ from absl import logging
 from earl_jax import checkpointing, metrics
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.models import hf_import, qwen2, tokenizer
 from earl_jax.programs import Executables, StageSpec
@@ -64,8 +66,16 @@ from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import STAGES, Stage
 
 
-class ResumeError(ValueError):
-  pass
+class ResumeError(UserError):
+  """`--resume` without a checkpoint, or with another config's."""
+
+
+class WorkdirError(UserError):
+  """A workdir that cannot be written, or that holds another run."""
+
+
+class NonFiniteError(UserError):
+  """`max_skipped_in_a_row` steps in a row had a loss, gradient or update that was not finite."""
 
 
 @dataclasses.dataclass
@@ -124,6 +134,9 @@ class Trainer:
     self.config = config
     self.workdir = workdir
     self.log = log_fn or (lambda line: logging.info('%s', line))
+    # The workdir and the checkpoint to resume are checked before anything compiles.
+    self._resume_steps: list[int] = []
+    self.ckpt = self._open_workdir(resume)
     self.devices = mesh_lib.canonical_devices()
     self.is_main = jax.process_index() == 0
     self._advantage_fns: dict[ParallelConfig, Any] = {}
@@ -163,14 +176,15 @@ class Trainer:
     self.global_step = 0
     self.prev_stats: selector_lib.StepStats | None = None
     self.history: list[dict] = []
-    self.writer = metrics.MetricsWriter(workdir, enabled=self.is_main)
-    self.ckpt = None
-    if config.checkpoint_every or resume:
-      self.ckpt = checkpointing.Checkpointer(
-        os.path.join(workdir, 'checkpoints'), max_to_keep=config.keep_checkpoints
-      )
     if resume:
       self._resume()
+    # After a resume, TensorBoard hides what a run that died logged after the checkpoint.
+    self.writer = metrics.MetricsWriter(
+      workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
+    )
+    if resume:
+      self.writer.rewrite(self._resumed_rows)
+      del self._resumed_rows
 
   # ----------------------------------------------------------------------------------------------
   # Construction.
@@ -629,7 +643,6 @@ class Trainer:
       'selector': self.selector.state_dict(),
       'train_config': self.train_config.name,
       'prev_stats': None if self.prev_stats is None else dataclasses.asdict(self.prev_stats),
-      'history': self.history,
     }
 
   def save(self) -> None:
@@ -637,36 +650,86 @@ class Trainer:
       return
     self.ckpt.save(self.global_step, self.state, self._meta())
 
+  def _open_workdir(self, resume: bool) -> checkpointing.Checkpointer | None:
+    """Checks that the workdir can be written and holds no other run (or, with `resume`, a
+    checkpoint of this config); returns the checkpointer (None when nothing is saved)."""
+    check_writable(self.workdir)
+    ckpt_dir = os.path.join(self.workdir, 'checkpoints')
+    if not resume:
+      used = [n for n in ('metrics.jsonl', 'checkpoints') if _nonempty(self.workdir, n)]
+      if used:
+        raise WorkdirError(
+          f'--workdir {self.workdir} holds a run ({" and ".join(used)}): expected an unused '
+          'folder; pass --resume to continue it, --move_aside to keep it aside and start '
+          'afresh, or another --workdir.'
+        )
+    if not (self.config.checkpoint_every or resume):
+      return None
+    ckpt = checkpointing.Checkpointer(ckpt_dir, max_to_keep=self.config.keep_checkpoints)
+    if resume:
+      if ckpt.latest_step() is None:
+        raise ResumeError(
+          f'--resume: no checkpoint in {ckpt_dir}: expected a run to continue; start without '
+          '--resume (or point --workdir at the run to continue).'
+        )
+      meta, steps = None, sorted(ckpt.all_steps(), reverse=True)
+      for i, step in enumerate(steps):
+        try:
+          meta = ckpt.read_meta(step)
+        except Exception as e:  # an unreadable checkpoint is skipped, and said so
+          self._skip_checkpoint(step, checkpointing.reason(e))
+          continue
+        self._resume_steps = steps[i:]
+        break
+      if meta is None:
+        raise ResumeError(
+          f'--resume: no readable checkpoint in {ckpt_dir} (steps {steps}): expected one that '
+          'restores; start without --resume in a new --workdir.'
+        )
+      if meta.get('fingerprint') != self.config.fingerprint():
+        raise ResumeError(
+          f'--resume: the checkpoint in {self.workdir} (step {meta.get("step")}) was made by '
+          f'another config (fingerprint {meta.get("fingerprint")} != '
+          f'{self.config.fingerprint()}): expected the same preset and overrides, or a new '
+          '--workdir.'
+        )
+    return ckpt
+
+  def _skip_checkpoint(self, step: int, reason: str) -> None:
+    line = f'checkpoint step {step} in {self.workdir} is unreadable ({reason}): skipped'
+    logging.warning('%s', line)
+    self.log(line)
+
   def _resume(self) -> None:
-    if self.ckpt is None or self.ckpt.latest_step() is None:
-      raise ResumeError(
-        f'--resume: no checkpoint in {os.path.join(self.workdir, "checkpoints")}; start without '
-        '--resume (or point --workdir at the run to continue).'
-      )
-    meta = self.ckpt.read_meta()
-    if meta.get('fingerprint') != self.config.fingerprint():
-      raise ResumeError(
-        f'--resume: the checkpoint in {self.workdir} (step {meta.get("step")}) was made by another '
-        f'config (fingerprint {meta.get("fingerprint")} != {self.config.fingerprint()}); use the '
-        'same preset and overrides, or a new --workdir.'
-      )
-    parallel = ParallelConfig.parse(meta['train_config'])
-    abstract = self.executables.abstract_train_state(parallel)
+    """Restores the newest checkpoint that reads and verifies (older ones if it does not)."""
+    assert self.ckpt is not None  # checked by _open_workdir
     del self.state  # the fresh state is replaced, not moved
-    self.state, meta = self.ckpt.restore(abstract)
-    self.train_config = parallel
+    abstract = lambda meta: self.executables.abstract_train_state(  # noqa: E731
+      ParallelConfig.parse(meta['train_config'])
+    )
+    step, self.state, meta = self.ckpt.restore_newest_readable(
+      abstract, on_skip=self._skip_checkpoint, steps=self._resume_steps
+    )
+    newer = [s for s in self.ckpt.all_steps() if s > step]
+    if newer:  # kept aside, so that this run can save those steps again
+      self.ckpt.set_aside(newer, suffix='unreadable')
+      logging.warning('resuming from step %d, the newest readable checkpoint', step)
+    self.train_config = ParallelConfig.parse(meta['train_config'])
     self.global_step = int(meta['step'])
     self.selector.load_state_dict(meta['selector'])
     self.prev_stats = (
       None if meta['prev_stats'] is None else selector_lib.StepStats(**meta['prev_stats'])
     )
-    self.history = list(meta['history'])
-    # Rows logged after this checkpoint (by a run that then died) are dropped, not repeated.
-    self.writer.rewrite(self.history)
+    # The metrics history stays on disk: the rows up to the checkpoint are kept, and what a run
+    # that died logged after it is dropped (the file is rewritten once the writer is open).
+    path = os.path.join(self.workdir, 'metrics.jsonl')
+    rows = metrics.read_jsonl(path) if os.path.exists(path) else []
+    self._resumed_rows = [r for r in rows if r.get('step', 0) <= self.global_step]
+    self.history = [_summary_fields(r) for r in self._resumed_rows]
     self.log(f'resumed from step {self.global_step} ({self.ckpt.directory})')
 
   def _log_step(self, record: dict, bar: Any, progress: bool) -> None:
-    self.history.append(record)
+    self.history.append(_summary_fields(record))
     self.writer.write(self.global_step, record)
     line = format_line(record)
     if progress and self.is_main:
@@ -682,7 +745,7 @@ class Trainer:
     t0 = time.perf_counter()
     if self.global_step == 0 and cfg.eval_every:
       record = {'step': 0, **self.evaluate()}
-      self.history.append(record)
+      self.history.append(_summary_fields(record))
       self.writer.write(0, record)
       self.log(f'step    0 | eval win {record["eval/win_rate"]:.3f}')
     bar = tqdm(
@@ -691,8 +754,11 @@ class Trainer:
       disable=not (progress and self.is_main),
       leave=False,
     )
+    skipped, in_a_row = int(self.state.skipped), 0
     while self.global_step < cfg.steps:
       record = self.step()
+      in_a_row = in_a_row + 1 if record['skipped_steps'] > skipped else 0
+      skipped = record['skipped_steps']
       last = self.global_step == cfg.steps
       if cfg.eval_every and (self.global_step % cfg.eval_every == 0 or last):
         record.update(self.evaluate())
@@ -701,11 +767,17 @@ class Trainer:
       self._log_step(record, bar, progress)
       if cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last):
         self.save()
+      if cfg.max_skipped_in_a_row and in_a_row >= cfg.max_skipped_in_a_row:
+        bar.close()
+        self._finish()
+        raise NonFiniteError(
+          f'steps {self.global_step - in_a_row + 1}-{self.global_step}: {in_a_row} steps in a '
+          'row were skipped because the loss, the gradients or the update were not finite '
+          f'(max_skipped_in_a_row={cfg.max_skipped_in_a_row}); the parameters are those of the '
+          'last kept step; expected finite updates: lower optim.learning_rate or check the data.'
+        )
     bar.close()
-    if self.ckpt is not None:
-      self.ckpt.wait()
-    self.writer.close()
-    self.executables.wait()
+    self._finish()
     evals = [r['eval/win_rate'] for r in self.history if 'eval/win_rate' in r]
     return {
       'steps': self.global_step,
@@ -718,6 +790,47 @@ class Trainer:
       'switches': self.switches,
       'decisions': self.selector.log(),
     }
+
+  def _finish(self) -> None:
+    """Waits for the checkpoint being written and the background compiles; closes the logs."""
+    if self.ckpt is not None:
+      self.ckpt.wait()
+    self.writer.close()
+    self.executables.wait()
+
+
+def check_writable(workdir: str) -> None:
+  """Raises WorkdirError unless this process can create files in `workdir` (made if missing)."""
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise WorkdirError(f'--workdir {workdir}: {existing} is a file: expected a folder.')
+  try:
+    fd, probe = tempfile.mkstemp(dir=existing, prefix='.earl_write_check_')
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise WorkdirError(
+      f'--workdir {workdir} is not writable ({e.strerror} in {existing}): expected a folder '
+      'this process can write.'
+    ) from None
+
+
+def _nonempty(workdir: str, name: str) -> bool:
+  path = os.path.join(workdir, name)
+  if os.path.isdir(path):
+    return bool(os.listdir(path))
+  return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _summary_fields(record: dict) -> dict:
+  """What the run's summary reads from a step's record (the full record is on disk)."""
+  return {
+    k: v
+    for k, v in record.items()
+    if k in ('step', 'eval/win_rate') or k.startswith(('plan/', 'dispatch/'))
+  }
 
 
 def move_summary(history: list[dict]) -> dict[str, Any]:

@@ -31,27 +31,31 @@ import statistics
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from earl_jax import runtime
 
 _PRESET = flags.DEFINE_string(
   'preset', 'cpu', "Preset of experiments/configs/selector.py: 'cpu' or 'smoke'."
 )
-_BUDGET = flags.DEFINE_float('budget_mib', None, 'Per-device budget in MiB (default: the preset).')
+_BUDGET = flags.DEFINE_float(
+  'budget_mib', None, 'Per-device budget in MiB (default: the preset).', lower_bound=1e-6
+)
 _PROFILE = flags.DEFINE_string(
   'profile_cache',
   None,
   'Profile JSON (default: <out dir>/selector_profile_<preset>.json, shared with the heatmap).',
 )
 _STATISTIC = flags.DEFINE_enum('statistic', 'mean', ['mean', 'max', 'p95'], 'Selector statistic.')
-_MARGIN = flags.DEFINE_float('safety_margin', 0.0, 'Selector memory safety margin.')
+_MARGIN = flags.DEFINE_float(
+  'safety_margin', 0.0, 'Selector memory safety margin.', lower_bound=0.0, upper_bound=0.99
+)
 _PASSES = flags.DEFINE_integer(
   'passes', None, 'Repeat every run; per-step medians are reported (default: the preset).'
 )
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the per-row contexts.')
 _CPU_DEVICES = flags.DEFINE_integer(
-  'cpu_devices', 8, 'Fake CPU devices when there is no accelerator.'
+  'cpu_devices', 8, 'Fake CPU devices when there is no accelerator.', lower_bound=1
 )
 _OUT = flags.DEFINE_string('out', 'runs/context_growth.json', 'Results JSON.')
 
@@ -345,4 +349,4 @@ def _print(r):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

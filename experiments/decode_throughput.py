@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from earl_jax import runtime
@@ -155,4 +155,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

@@ -38,14 +38,18 @@ import time
 
 from absl import app, flags
 
-from earl_jax import distributed
+from earl_jax import distributed, runtime
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer('num_workers', 8, 'Worker processes (the paper counts workers).')
-flags.DEFINE_integer('devices_per_worker', 1, 'Fake CPU devices per worker process.')
+flags.DEFINE_integer(
+  'num_workers', 8, 'Worker processes (the paper counts workers).', lower_bound=1
+)
+flags.DEFINE_integer('devices_per_worker', 1, 'Fake CPU devices per worker process.', lower_bound=1)
 flags.DEFINE_list('lengths', ['8192', '16384', '32768'], 'Context lengths T.')
 flags.DEFINE_list('payload_mib', ['46', '93', '187'], 'Payload per worker (MiB) per length.')
-flags.DEFINE_float('scale', 1.0, 'Multiplies every payload (e.g. 0.05 for a quick run).')
+flags.DEFINE_float(
+  'scale', 1.0, 'Multiplies every payload (e.g. 0.05 for a quick run).', lower_bound=1e-9
+)
 flags.DEFINE_enum('fields', 'logprobs', ['logprobs', 'rl'], 'What the batch holds.')
 flags.DEFINE_string('src', 'dp8', "Source layout, '<parallel>[:rep|rows|seq|perm]'.")
 flags.DEFINE_string('dst', 'dp8', 'Target layout, same syntax.')
@@ -57,16 +61,20 @@ flags.DEFINE_enum(
   'random lengths (KK).',
 )
 flags.DEFINE_list('strategies', ['gather_scatter', 'xla', 'layout_aware'], 'Strategies to time.')
-flags.DEFINE_integer('reps', 5, 'Timed repetitions per strategy (median reported).')
-flags.DEFINE_integer('warmup', 1, 'Untimed calls per strategy before timing (>= 1).')
+flags.DEFINE_integer('reps', 5, 'Timed repetitions per strategy (median reported).', lower_bound=1)
+flags.DEFINE_integer('warmup', 1, 'Untimed calls per strategy before timing.', lower_bound=1)
 flags.DEFINE_enum('collective', 'ppermute', ['ppermute', 'all_to_all'], 'layout_aware rounds.')
-flags.DEFINE_integer('gather_chunk_mib', 64, 'gather_scatter: largest global chunk gathered.')
+flags.DEFINE_integer(
+  'gather_chunk_mib', 64, 'gather_scatter: largest global chunk gathered.', lower_bound=1
+)
 flags.DEFINE_float(
   'pack_max_mib', 4.0, 'layout_aware: rounds up to this size travel as one packed collective.'
 )
 flags.DEFINE_integer('seed', 0, 'Seed of random permutations and lengths.')
 flags.DEFINE_string('out', None, 'Write the results JSON here.')
-flags.DEFINE_float('timeout', 3600.0, 'Seconds before the launched workers are killed.')
+flags.DEFINE_float(
+  'timeout', 3600.0, 'Seconds before the launched workers are killed.', lower_bound=1.0
+)
 
 MiB = 1 << 20
 
@@ -362,4 +370,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

@@ -26,7 +26,7 @@ import time
 
 from absl import app, flags
 
-from earl_jax import distributed
+from earl_jax import distributed, runtime
 
 _GROUPS = flags.DEFINE_list('groups', ['1x8', '2x4', '4x2', '8x1'], 'N x D process groups.')
 _STRATEGIES = flags.DEFINE_list(
@@ -166,4 +166,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

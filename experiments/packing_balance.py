@@ -95,4 +95,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=_CONFIG.flags_parser)
+  runtime.run(main, flags_parser=_CONFIG.flags_parser)

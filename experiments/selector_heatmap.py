@@ -25,14 +25,16 @@ import os
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
 from earl_jax import runtime
 
 _PRESET = flags.DEFINE_string(
   'preset', 'cpu', "Preset of experiments/configs/selector.py: 'cpu' or 'smoke'."
 )
-_BUDGET = flags.DEFINE_float('budget_mib', None, 'Per-device budget in MiB (default: the preset).')
+_BUDGET = flags.DEFINE_float(
+  'budget_mib', None, 'Per-device budget in MiB (default: the preset).', lower_bound=1e-6
+)
 _CANDIDATES = flags.DEFINE_list(
   'candidates', None, "Layouts, e.g. 'dp8,dp2.tp4,tp8' (default: all)."
 )
@@ -43,12 +45,14 @@ _PROFILE = flags.DEFINE_string(
   'Profile JSON to reuse or write (default: <out dir>/selector_profile_<preset>.json).',
 )
 _STATISTIC = flags.DEFINE_enum('statistic', 'mean', ['mean', 'max', 'p95'], 'Selector statistic.')
-_MARGIN = flags.DEFINE_float('safety_margin', 0.0, 'Selector memory safety margin.')
+_MARGIN = flags.DEFINE_float(
+  'safety_margin', 0.0, 'Selector memory safety margin.', lower_bound=0.0, upper_bound=0.99
+)
 _GOAL = flags.DEFINE_float(
   'goal', 0.03, "The choice must be within this fraction of the cell's best."
 )
 _CPU_DEVICES = flags.DEFINE_integer(
-  'cpu_devices', 8, 'Fake CPU devices when there is no accelerator.'
+  'cpu_devices', 8, 'Fake CPU devices when there is no accelerator.', lower_bound=1
 )
 _OUT = flags.DEFINE_string('out', 'runs/selector_heatmap.json', 'Results JSON.')
 
@@ -310,4 +314,4 @@ def _print(r):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

@@ -14,15 +14,21 @@ and finishes with PNG plots of the learning curve and the context lengths.
 
 import json
 import os
+import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from earl_jax import config_cli, distributed, runtime
 from experiments.configs import train as presets
 
-_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Fake CPU devices when there is no GPU.')
+_CPU_DEVICES = flags.DEFINE_integer(
+  'cpu_devices', 8, 'Fake CPU devices when there is no GPU.', lower_bound=1
+)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<preset>).')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
+_MOVE_ASIDE = flags.DEFINE_bool(
+  'move_aside', False, 'Rename a --workdir that holds a run to <workdir>.<time>, then start afresh.'
+)
 _CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='default')
 
 
@@ -36,11 +42,14 @@ def main(argv):
 
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join('runs', config.name)
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    json.dump(config.to_json(), f, indent=2)
+  if _MOVE_ASIDE.value and not _RESUME.value:
+    _move_aside(workdir)
   print(f'earl_jax: {config.name} -> {workdir}', flush=True)
+  # Checks the workdir (and the checkpoint to resume) before anything compiles.
   t = trainer.Trainer(config, workdir=workdir, resume=_RESUME.value, log_fn=logging.info)
+  if t.is_main:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      json.dump(config.to_json(), f, indent=2)
   summary = t.run()
   if t.is_main:
     paths = plotting.plot_training(os.path.join(workdir, 'metrics.jsonl'), workdir)
@@ -62,5 +71,18 @@ def main(argv):
     )
 
 
+def _move_aside(workdir: str) -> None:
+  """Renames a used `workdir` to `<workdir>.<UTC time>` (process 0; the others wait)."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  if jax.process_index() == 0 and os.path.isdir(workdir) and os.listdir(workdir):
+    aside = f'{workdir.rstrip(os.sep)}.{time.strftime("%Y%m%d-%H%M%S", time.gmtime())}'
+    os.rename(workdir, aside)
+    print(f'earl_jax: moved the run in {workdir} to {aside}', flush=True)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('move_aside')
+
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_CONFIG.flags_parser)
+  runtime.run(main, flags_parser=_CONFIG.flags_parser)

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from earl_jax import runtime
 
@@ -47,4 +47,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  runtime.run(main)

@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import shutil
+import struct
 
 import jax
 import numpy as np
@@ -83,9 +85,11 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
   full.run(progress=False)
 
   part = trainer.Trainer(
-    dataclasses.replace(config, steps=2), workdir=str(tmp_path / 'part'), log_fn=lambda _: None
+    dataclasses.replace(config, steps=3), workdir=str(tmp_path / 'part'), log_fn=lambda _: None
   )
   part.run(progress=False)
+  # As if killed after logging step 3 but before its checkpoint was written.
+  shutil.rmtree(tmp_path / 'part' / 'checkpoints' / '3')
   resumed = trainer.Trainer(
     config, workdir=str(tmp_path / 'part'), resume=True, log_fn=lambda _: None
   )
@@ -100,6 +104,28 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
   assert [{k: r.get(k) for k in keep} for r in rows_full] == [
     {k: r.get(k) for k in keep} for r in rows_part
   ]
+  # TensorBoard shows every step once: the resumed run's events purge what came after step 2.
+  assert _tensorboard_steps(tmp_path / 'part' / 'tb', 'win_rate') == [1, 2, 3, 4]
+  assert _tensorboard_steps(tmp_path / 'full' / 'tb', 'win_rate') == [1, 2, 3, 4]
+
+
+def _tensorboard_steps(tb_dir, tag: str) -> list[int]:
+  """The steps TensorBoard shows for `tag`: event files in name order, and a session START at
+  step s hiding the earlier files' events from step s on (TensorBoard's purge rule)."""
+  from tensorboardX.proto import event_pb2
+
+  steps: list[int] = []
+  for name in sorted(os.listdir(tb_dir)):
+    data = (tb_dir / name).read_bytes()
+    i = 0
+    while i < len(data):  # TFRecords: length (8), its crc (4), the event, its crc (4)
+      (n,) = struct.unpack('<Q', data[i : i + 8])
+      event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+      i += 12 + n + 4
+      if event.HasField('session_log') and event.session_log.status == 1:  # START
+        steps = [s for s in steps if s < event.step]
+      steps += [event.step for v in event.summary.value if v.tag == tag]
+  return steps
 
 
 def test_resume_errors(tmp_path):
@@ -111,6 +137,36 @@ def test_resume_errors(tmp_path):
   with pytest.raises(trainer.ResumeError, match='was made by another config'):
     trainer.Trainer(other, workdir=str(tmp_path), resume=True)
   assert trainer.Trainer(config, workdir=str(tmp_path), resume=True).global_step == 2
+
+
+def test_a_run_stops_after_too_many_skipped_steps(tmp_path):
+  """A rate that blows the parameters up to 1e37 (finite, so kept) makes every later loss
+  non-finite: those steps are skipped and counted, and the run stops after two in a row."""
+  base = smoke_experiment()
+  config = smoke_experiment(
+    steps=8,
+    eval_every=0,
+    checkpoint_every=0,
+    max_skipped_in_a_row=2,
+    optim=dataclasses.replace(base.optim, learning_rate=1e37),
+  )
+  t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
+  with pytest.raises(trainer.NonFiniteError, match=r'steps 2-3: 2 steps in a row were skipped'):
+    t.run(progress=False)
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))
+  assert [r['skipped_steps'] for r in rows] == [0, 1, 2]
+  assert all(np.all(np.isfinite(x)) for x in _params(t))
+
+
+def test_a_used_workdir_is_refused_before_compiling(tmp_path):
+  config = smoke_experiment(steps=1, eval_every=0)
+  (tmp_path / 'metrics.jsonl').write_text('{"step": 1}\n')
+  with pytest.raises(trainer.WorkdirError, match='holds a run'):
+    trainer.Trainer(config, workdir=str(tmp_path))
+  assert os.listdir(tmp_path) == ['metrics.jsonl']
+  (tmp_path / 'a_file').write_text('x')
+  with pytest.raises(trainer.WorkdirError, match='is a file: expected a folder'):
+    trainer.Trainer(config, workdir=str(tmp_path / 'a_file' / 'run'))
 
 
 def test_bad_input_is_refused_before_compiling(tmp_path):
@@ -239,7 +295,7 @@ def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_pat
     selector=dataclasses.replace(base.selector, budget_mib=budget_mib, safety_margin=0.0),
   )
   # The profile puts train on dp8 and claims it needs nothing (as a wrong estimate would).
-  profile = staged_profile(config, {'train': 'dp8'}, needs={'train': {'dp8': 1}})
+  profile = staged_profile(config, {'train': 'dp8'}, needs={'train': {'dp8': 1, 'dp4.tp2': 1}})
   lines = []
   t = trainer.Trainer(config, workdir=str(tmp_path / 'run'), log_fn=lines.append, profile=profile)
   summary = t.run(progress=False)

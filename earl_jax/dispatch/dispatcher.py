@@ -56,6 +56,7 @@ from earl_jax.dispatch import collectives
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
 from earl_jax.dispatch.layout import Layout, check_compatible
 from earl_jax.dispatch.plan import DEFAULT_PACK_MAX_BYTES, Plan, check_permutation, make_plan
+from earl_jax.errors import ConfigError
 
 # Permuted plans are cached by the permutation's digest (a step that re-dispatches with the same
 # permutation, e.g. several fields or a retry, reuses it); only a few are kept.
@@ -106,24 +107,24 @@ class DispatchConfig:
     try:
       object.__setattr__(self, 'strategy', Strategy(self.strategy))
     except ValueError:
-      raise ValueError(
+      raise ConfigError(
         f'DispatchConfig.strategy must be one of {[s.value for s in Strategy]}, got '
         f'{self.strategy!r}.'
       ) from None
     if self.collective not in ('ppermute', 'all_to_all'):
-      raise ValueError(
+      raise ConfigError(
         f"DispatchConfig.collective must be 'ppermute' or 'all_to_all', got {self.collective!r}."
       )
     if not isinstance(self.buckets_per_octave, int) or self.buckets_per_octave < 1:
-      raise ValueError(
+      raise ConfigError(
         f'DispatchConfig.buckets_per_octave must be a positive int, got {self.buckets_per_octave}.'
       )
     if not isinstance(self.pack_max_bytes, int) or self.pack_max_bytes < 0:
-      raise ValueError(
+      raise ConfigError(
         f'DispatchConfig.pack_max_bytes must be a non-negative int, got {self.pack_max_bytes}.'
       )
     if not isinstance(self.gather_chunk_bytes, int) or self.gather_chunk_bytes < 1:
-      raise ValueError(
+      raise ConfigError(
         f'DispatchConfig.gather_chunk_bytes must be a positive int, got {self.gather_chunk_bytes}.'
       )
 

@@ -35,6 +35,8 @@ from typing import Any, Literal, TypedDict, get_args
 import numpy as np
 from jaxtyping import Bool, Float, Int, Int8, Int64
 
+from earl_jax.errors import ConfigError
+
 # Every character an observation may contain (the built-in tokenizer is character level).
 ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyzXO .\n|:-'
 
@@ -127,10 +129,10 @@ class EnvConfig:
     _check_choice('parse', self.parse, PARSE_MODES)
     for field in ('show_legal', 'show_illegal'):
       if not isinstance(getattr(self, field), bool):
-        raise ValueError(f'EnvConfig.{field} must be a bool, got {getattr(self, field)!r}.')
+        raise ConfigError(f'EnvConfig.{field} must be a bool, got {getattr(self, field)!r}.')
     depth = self.minimax_depth
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_MINIMAX_DEPTH:
-      raise ValueError(
+      raise ConfigError(
         f'EnvConfig.minimax_depth must be an int in [1, {MAX_MINIMAX_DEPTH}], got {depth!r}.'
       )
     for field in (
@@ -142,7 +144,7 @@ class EnvConfig:
     ):
       value = getattr(self, field)
       if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f'EnvConfig.{field} must be a finite number, got {value!r}.')
+        raise ConfigError(f'EnvConfig.{field} must be a finite number, got {value!r}.')
 
   def replace(self, **changes: Any) -> 'EnvConfig':
     return dataclasses.replace(self, **changes)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from earl_jax.config import ModelConfig
+from earl_jax.errors import UserError
 from earl_jax.models import qwen2
 from earl_jax.sharding import mesh as mesh_lib
 
@@ -40,7 +41,7 @@ _ST_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A checkpoint that is missing, incomplete or does not match its config or the mesh."""
 
 

@@ -21,12 +21,13 @@ from typing import Any
 import jax
 
 from earl_jax import distributed
+from earl_jax.errors import UserError
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(UserError):
   """No candidate layout fits the per-device memory budget."""
 
 

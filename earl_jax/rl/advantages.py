@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from earl_jax.dispatch.group_stats import group_stats
+from earl_jax.errors import ConfigError
 from earl_jax.rl.batch import Batch
 from earl_jax.sharding import rules
 
@@ -52,17 +53,17 @@ class AdvantageConfig:
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
-      raise ValueError(
+      raise ConfigError(
         f'AdvantageConfig.estimator={self.estimator!r} is unknown; known: {list(ESTIMATORS)}.'
       )
     if self.credit not in CREDITS:
-      raise ValueError(
+      raise ConfigError(
         f'AdvantageConfig.credit={self.credit!r} is unknown; known: {list(CREDITS)}.'
       )
     if not 0 < self.gamma <= 1:
-      raise ValueError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
+      raise ConfigError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
     if not self.eps > 0:
-      raise ValueError(f'AdvantageConfig.eps must be > 0, got {self.eps}.')
+      raise ConfigError(f'AdvantageConfig.eps must be > 0, got {self.eps}.')
 
 
 def _normalise(

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from earl_jax.errors import ConfigError
+
 Aggregation = Literal['token', 'sequence']
 AGGREGATIONS = ('token', 'sequence')
 
@@ -54,29 +56,29 @@ class LossConfig:
 
   def __post_init__(self):
     if not 0 < self.clip_eps < 1:
-      raise ValueError(f'LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}.')
+      raise ConfigError(f'LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}.')
     if self.clip_eps_high is not None and not self.clip_eps_high > 0:
-      raise ValueError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
+      raise ConfigError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
     if self.kl_coef < 0:
-      raise ValueError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
+      raise ConfigError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
     if not self.entropy_coef >= 0:
-      raise ValueError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
+      raise ConfigError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
     if self.entropy_target is not None:
       if not self.entropy_target > 0:
-        raise ValueError(f'LossConfig.entropy_target must be > 0, got {self.entropy_target}.')
+        raise ConfigError(f'LossConfig.entropy_target must be > 0, got {self.entropy_target}.')
       lo, hi = self.entropy_coef_min, self.entropy_coef_max
       if not 0 < lo <= self.entropy_coef <= hi:
-        raise ValueError(
+        raise ConfigError(
           'LossConfig.entropy_target adapts entropy_coef multiplicatively within '
           f'[entropy_coef_min, entropy_coef_max] = [{lo}, {hi}], which must hold entropy_coef '
           f'and be positive; got entropy_coef={self.entropy_coef}.'
         )
       if not self.entropy_adapt_rate > 0:
-        raise ValueError(
+        raise ConfigError(
           f'LossConfig.entropy_adapt_rate must be > 0, got {self.entropy_adapt_rate}.'
         )
     if self.aggregation not in AGGREGATIONS:
-      raise ValueError(
+      raise ConfigError(
         f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
       )
 

@@ -6,26 +6,32 @@
   with jax.set_mesh(mesh):
     state, metrics = step(state, batch)                               # donates `state`
 
-A step whose loss or gradients are not finite is skipped: parameters and optimizer state are kept
-exactly as they were, and `state.skipped` counts it.
+A step whose loss, gradients, or updated parameters and moments are not all finite is skipped:
+parameters and optimizer state are kept exactly as they were, and `state.skipped` counts it.
 """
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.rl import losses
 from earl_jax.rl.batch import Batch
 from earl_jax.sharding import mesh as mesh_lib
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,21 +64,35 @@ class OptimConfig:
   grad_clip: float = 1.0
 
   def __post_init__(self):
+    for name in (
+      'learning_rate',
+      'end_lr_fraction',
+      'weight_decay',
+      'b1',
+      'b2',
+      'eps',
+      'grad_clip',
+    ):
+      value = getattr(self, name)
+      if not math.isfinite(value) or abs(value) > _F32_MAX:
+        raise ConfigError(
+          f'OptimConfig.{name}={value}: expected a finite number (float32 holds up to 3.4e38).'
+        )
     if not self.learning_rate > 0:
-      raise ValueError(f'OptimConfig.learning_rate must be > 0, got {self.learning_rate}.')
+      raise ConfigError(f'OptimConfig.learning_rate must be > 0, got {self.learning_rate}.')
     if self.warmup_steps < 0 or self.weight_decay < 0 or not self.grad_clip > 0:
-      raise ValueError(
+      raise ConfigError(
         'OptimConfig: warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got '
         f'{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}.'
       )
     if not isinstance(self.decay_steps, int) or self.decay_steps < 0:
-      raise ValueError(f'OptimConfig.decay_steps must be an int >= 0, got {self.decay_steps!r}.')
+      raise ConfigError(f'OptimConfig.decay_steps must be an int >= 0, got {self.decay_steps!r}.')
     if self.schedule not in ('cosine', 'linear'):
-      raise ValueError(
+      raise ConfigError(
         f"OptimConfig.schedule={self.schedule!r} is unknown; known values: ['cosine', 'linear']."
       )
     if not 0 <= self.end_lr_fraction <= 1:
-      raise ValueError(
+      raise ConfigError(
         f'OptimConfig.end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}.'
       )
 
@@ -262,9 +282,11 @@ def train_step(
     (loss, aux, grads), _ = jax.lax.scan(body, acc0, (micro, weights))
 
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
+  # Kept only if the loss, the gradients and what the update made are all finite: a finite
+  # gradient times an overflowing rate would otherwise turn the parameters into inf / NaN.
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt))
   keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
   coef = state.entropy_coef
   if loss_config.uses_entropy:
@@ -280,6 +302,12 @@ def train_step(
   if loss_config.uses_entropy:
     metrics['entropy_coef'] = state.entropy_coef
   return new_state, metrics
+
+
+def _all_finite(tree: Any) -> Bool[Array, '']:
+  """Whether every floating-point element of `tree` is finite."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def make_train_step(

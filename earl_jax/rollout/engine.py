@@ -34,6 +34,7 @@ from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.envs import base as envs
 from earl_jax.envs import registry
+from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.models.tokenizer import Tokenizer
 from earl_jax.rollout import sampler
@@ -71,20 +72,20 @@ class RolloutConfig:
 
   def __post_init__(self):
     if self.num_episodes <= 0 or self.group_size <= 0 or self.num_episodes % self.group_size:
-      raise ValueError(
+      raise ConfigError(
         f'RolloutConfig: group_size={self.group_size} must be a positive divisor of '
         f'num_episodes={self.num_episodes}.'
       )
     if self.max_turns is not None and self.max_turns <= 0:
-      raise ValueError(f'RolloutConfig.max_turns must be positive, got {self.max_turns}.')
+      raise ConfigError(f'RolloutConfig.max_turns must be positive, got {self.max_turns}.')
     BucketConfig(lengths=tuple(self.prompt_buckets))  # validates the table
     tokens = self.reply_tokens
     if not isinstance(tokens, tuple) or not all(isinstance(t, str) and t for t in tokens):
-      raise ValueError(
+      raise ConfigError(
         f'RolloutConfig.reply_tokens must be a tuple of non-empty strings, got {tokens!r}.'
       )
     if len(set(tokens)) != len(tokens):
-      raise ValueError(f'RolloutConfig.reply_tokens has duplicates: {tokens!r}.')
+      raise ConfigError(f'RolloutConfig.reply_tokens has duplicates: {tokens!r}.')
 
 
 def reply_token_ids(

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from earl_jax.errors import ConfigError
 from earl_jax.models.qwen2 import KVCache, Qwen2, restrict_logits
 
 
@@ -44,11 +45,11 @@ class SamplingConfig:
 
   def __post_init__(self):
     if not self.temperature > 0:
-      raise ValueError(f'SamplingConfig.temperature must be > 0, got {self.temperature}.')
+      raise ConfigError(f'SamplingConfig.temperature must be > 0, got {self.temperature}.')
     if not 0 < self.top_p <= 1:
-      raise ValueError(f'SamplingConfig.top_p must be in (0, 1], got {self.top_p}.')
+      raise ConfigError(f'SamplingConfig.top_p must be in (0, 1], got {self.top_p}.')
     if self.max_new_tokens < 1:
-      raise ValueError(f'SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}.')
+      raise ConfigError(f'SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}.')
 
 
 def prefill(

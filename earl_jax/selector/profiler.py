@@ -36,6 +36,7 @@ from flax import nnx
 
 from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
@@ -67,14 +68,14 @@ class MeasureConfig:
 
   def __post_init__(self):
     if self.warmup < 1:
-      raise ValueError(
+      raise ConfigError(
         f'MeasureConfig.warmup must be >= 1 (compile and first-call costs), got {self.warmup}.'
       )
     for name in ('repeats', 'rounds'):
       if getattr(self, name) < 1:
-        raise ValueError(f'MeasureConfig.{name} must be >= 1, got {getattr(self, name)}.')
+        raise ConfigError(f'MeasureConfig.{name} must be >= 1, got {getattr(self, name)}.')
     if self.min_seconds < 0:
-      raise ValueError(f'MeasureConfig.min_seconds must be >= 0, got {self.min_seconds}.')
+      raise ConfigError(f'MeasureConfig.min_seconds must be >= 0, got {self.min_seconds}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,19 +105,19 @@ class ProfileConfig:
 
   def __post_init__(self):
     if not self.stages:
-      raise ValueError('ProfileConfig.stages is empty.')
+      raise ConfigError('ProfileConfig.stages is empty.')
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
-      raise ValueError(f'ProfileConfig.rows must be positive ints, got {rows}.')
+      raise ConfigError(f'ProfileConfig.rows must be positive ints, got {rows}.')
     if list(rows) != sorted(set(rows)):
-      raise ValueError(f'ProfileConfig.rows must be strictly increasing, got {rows}.')
+      raise ConfigError(f'ProfileConfig.rows must be strictly increasing, got {rows}.')
     object.__setattr__(self, 'rows', rows)
     if self.budget_bytes is not None and (
       not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
     ):
-      raise ValueError(
+      raise ConfigError(
         f'ProfileConfig.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
       )
 
@@ -290,8 +291,13 @@ def profile_key(
       'chunk': spec.chunk,
       'token_ids': None if spec.token_ids is None else list(spec.token_ids),
       'micro_batches': spec.micro_batches,
-      'optim': dataclasses.asdict(spec.optim),
-      'loss': dataclasses.asdict(spec.loss),
+      # What shapes the train program; the rates, clip ranges and coefficients' values do not.
+      'loss': {
+        'kl': spec.loss.kl_coef > 0,
+        'entropy': spec.loss.uses_entropy,
+        'aggregation': spec.loss.aggregation,
+      },
+      'optim_schedule': spec.optim.decay_steps > 0 or spec.optim.warmup_steps > 0,
     },
     'measure': dataclasses.asdict(config.measure),
   }

@@ -49,6 +49,7 @@ import numpy as np
 from absl import logging
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.selector import analytic
@@ -122,28 +123,30 @@ class SelectorConfig:
 
   def __post_init__(self):
     if self.statistic not in STATISTICS:
-      raise ValueError(
+      raise ConfigError(
         f'SelectorConfig.statistic must be one of {STATISTICS}, got {self.statistic!r}.'
       )
     if not self.headroom >= 1.0:
-      raise ValueError(f'SelectorConfig.headroom must be >= 1, got {self.headroom}.')
+      raise ConfigError(f'SelectorConfig.headroom must be >= 1, got {self.headroom}.')
     if not 0.0 <= self.safety_margin < 1.0:
-      raise ValueError(f'SelectorConfig.safety_margin must be in [0, 1), got {self.safety_margin}.')
+      raise ConfigError(
+        f'SelectorConfig.safety_margin must be in [0, 1), got {self.safety_margin}.'
+      )
     if not 0.0 <= self.switch_threshold < 1.0:
-      raise ValueError(
+      raise ConfigError(
         f'SelectorConfig.switch_threshold must be in [0, 1), got {self.switch_threshold}.'
       )
     if not isinstance(self.patience, int) or self.patience < 1:
-      raise ValueError(f'SelectorConfig.patience must be an int >= 1, got {self.patience!r}.')
+      raise ConfigError(f'SelectorConfig.patience must be an int >= 1, got {self.patience!r}.')
     if self.budget_mib is not None and not self.budget_mib > 0:
-      raise ValueError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
+      raise ConfigError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
       for c in self.candidates:
         ParallelConfig.parse(c)  # raises naming the bad layout
     if self.initial_context is not None and self.initial_context <= 0:
-      raise ValueError(
+      raise ConfigError(
         f'SelectorConfig.initial_context must be positive, got {self.initial_context}.'
       )
 

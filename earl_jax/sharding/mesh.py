@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.errors import UserError
 
 DATA = 'data'
 FSDP = 'fsdp'
@@ -23,7 +24,7 @@ MESH_AXES: tuple[str, str, str] = (DATA, FSDP, TENSOR)
 BATCH_AXES: tuple[str, str] = (DATA, FSDP)
 
 
-class ShardingError(ValueError):
+class ShardingError(UserError):
   """A layout that does not fit the model, the batch or the devices."""
 
 

@@ -88,6 +88,10 @@ def long() -> ExperimentConfig:
     # constant rate a late Adam step tipped a run that had held 0.86 for 450 steps into a
     # deterministic stacking policy (entropy and gradient ~0).
     optim=dataclasses.replace(c.optim, learning_rate=1e-3, decay_steps=600),
+    selector=dataclasses.replace(
+      c.selector,
+      profile=dataclasses.replace(c.selector.profile, cache='.earl_cache/profile_long.json'),
+    ),
     steps=600,
     eval_every=50,
     eval_episodes=512,  # +-1.6 points of standard error (128 games: +-3.5)

@@ -150,6 +150,30 @@ def test_non_finite_step_is_skipped_and_params_untouched():
   assert float(m['finite']) == 1.0 and int(state.step) == 1 and int(state.skipped) == 1
 
 
+def test_an_update_that_overflows_the_params_is_skipped():
+  """Finite loss and gradients, but an update that makes the parameters inf: the step is skipped
+  and the parameters and moments stay as they were."""
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, params = qwen2.init_model(CFG, mesh, seed=3)
+  batch = _with_old_logprobs(graphdef, params, _batch(mesh=mesh), mesh)
+  overflowing = optax.chain(optax.adam(1e-3), optax.scale(3e38), optax.scale(3e38))
+  state = train_step.init_train_state(params, overflowing)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  step = train_step.make_train_step(graphdef, overflowing, losses.LossConfig())
+  with jax.set_mesh(mesh):
+    state, m = step(state, batch)
+  assert np.isfinite(float(m['loss'])) and np.isfinite(float(m['grad_norm']))
+  assert float(m['finite']) == 0.0 and int(state.skipped) == 1 and int(state.step) == 0
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+    np.testing.assert_array_equal(x, np.asarray(y))
+
+
+@pytest.mark.parametrize('rate', [float('inf'), float('nan'), 1e39, -float('inf')])
+def test_a_non_finite_learning_rate_is_refused(rate):
+  with pytest.raises(ValueError, match=r'learning_rate=.*expected a finite number'):
+    train_step.OptimConfig(learning_rate=rate)
+
+
 @pytest.mark.parametrize(
   ('kwargs', 'expected'),
   [
