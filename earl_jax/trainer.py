@@ -588,6 +588,7 @@ class Trainer:
     self.prev_stats = rollout.stats
     if self.profile_s > profile_s:
       timer.add('profile', self.profile_s - profile_s)
+    memory_lib.release_host_memory()  # the step's freed buffers and programs go back to the OS
     record = self._record(rollout, exp.bucket, m, skipped, moves, switch_ms, timer, t_step)
     if packed is not None:
       record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
@@ -614,6 +615,8 @@ class Trainer:
       **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
       **{f'time/{k}_s': v for k, v in timer.times.items()},
       'time/step_s': elapsed,
+      'host/rss_mib': (memory_lib.host_rss_bytes() or 0) / (1 << 20),
+      'host/programs': len(self.executables),
     }
 
   # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ speed-up that changed the learning would show.
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import time
 
@@ -45,7 +46,7 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   runtime.setup(cpu_devices=8)
-  from earl_jax import trainer
+  from earl_jax import metrics, trainer
 
   if _STEPS.value <= _WARMUP.value:
     raise app.UsageError(f'--steps={_STEPS.value} must exceed --warmup={_WARMUP.value}.')
@@ -54,10 +55,12 @@ def main(argv):
   for name, changes in VARIANTS.items():
     config = dataclasses.replace(base, **changes)
     workdir = os.path.join(_WORKDIR.value, name)
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run each time
     t0 = time.perf_counter()
     t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
     t.run(progress=False)
-    rows = [r for r in t.history if 'plan/train' in r][_WARMUP.value :]
+    records = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    rows = [r for r in records if 'plan/train' in r][_WARMUP.value :]
     results[name] = {
       'wall_s': time.perf_counter() - t0,
       'steps_measured': len(rows),

@@ -7,6 +7,7 @@ import pytest
 
 from earl_jax import config_cli
 from earl_jax.config import BucketConfig
+from experiments.configs import train as train_presets
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,3 +70,41 @@ def test_split_overrides_from_argv():
   assert found['cfgtest'] == [('steps', '4'), ('inner.lr', '2')]
   with pytest.raises(config_cli.ConfigOverrideError, match='overrides need a value'):
     config_cli.split_overrides(['prog', '--cfgtest.steps'], ['cfgtest'])
+
+
+def _leaves(config, prefix=''):
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if dataclasses.is_dataclass(value):
+      yield from _leaves(value, f'{prefix}{f.name}.')
+    else:
+      yield f'{prefix}{f.name}', value
+
+
+def _as_text(value) -> str:
+  if value is None:
+    return 'none'
+  if isinstance(value, tuple):
+    return ','.join(_as_text(v) for v in value)
+  return str(value.value if hasattr(value, 'value') else value)
+
+
+@pytest.mark.parametrize('preset', sorted(train_presets.PRESETS))
+def test_every_leaf_field_of_every_preset_can_be_set_from_the_command_line(preset):
+  """Each leaf field, tuples and sequences of strings included, set to its own value from text,
+  gives the same config back: nothing is out of reach of --config.a.b=value."""
+  config = train_presets.PRESETS[preset]()
+  leaves = list(_leaves(config))
+  assert len(leaves) > 90
+  for path, value in leaves:
+    assert config_cli.apply_override(config, path, _as_text(value)) == config, path
+
+
+def test_sequences_of_strings_and_layouts_are_overridden():
+  config = train_presets.PRESETS['default']()
+  got = config_cli.apply_override(config, 'selector.candidates', 'dp8,dp2.tp4')
+  assert got.selector.candidates == ('dp8', 'dp2.tp4')
+  got = config_cli.apply_override(config, 'selector.profile.stages', 'rollout,train')
+  assert [str(s) for s in got.selector.profile.stages] == ['rollout', 'train']
+  got = config_cli.apply_override(config, 'rollout.reply_tokens', '(1, 2, 3)')
+  assert got.rollout.reply_tokens == ('1', '2', '3')

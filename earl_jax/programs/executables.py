@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from earl_jax.caching import LRUCache
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
@@ -111,6 +112,7 @@ class Executables:
     devices: Sequence[jax.Device] | None = None,
     background_workers: int = 1,
     max_moves: int = 64,
+    max_programs: int = 32,
   ):
     """Args:
     model: the model config.
@@ -118,6 +120,9 @@ class Executables:
     devices: the devices every stage runs on (default: all), in canonical order.
     background_workers: threads for `precompile`.
     max_moves: compiled layout-to-layout moves kept by the resharder.
+    max_programs: compiled programs kept (least recently used go first; one asked for again is
+      compiled again, from the persistent compilation cache). On CPU each holds its machine
+      code, so an unbounded table grows with every (stage, layout, bucket, rows) a run visits.
     """
     self.model = model
     self.spec = spec or builders.StageSpec()
@@ -125,7 +130,7 @@ class Executables:
     self._meshes: dict[ParallelConfig, jax.sharding.Mesh] = {}
     self.resharder = reshard_lib.Resharder(max_entries=max_moves)
     self._lock = threading.Lock()
-    self._entries: dict[builders.ProgramKey, Executable] = {}
+    self._entries: LRUCache[builders.ProgramKey, Executable] = LRUCache(max_programs)
     self._pending: dict[builders.ProgramKey, futures.Future] = {}
     self._param_shardings: dict[ParallelConfig, Any] = {}
     self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
@@ -199,6 +204,8 @@ class Executables:
     lowered = program.lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
+    del lowered
+    memory_lib.release_host_memory()  # what the compile freed goes back to the OS
     t2 = time.perf_counter()
     entry = Executable(
       program=program,
@@ -217,7 +224,7 @@ class Executables:
       'thread': threading.current_thread().name,
     }
     with self._lock:
-      self._entries[key] = entry
+      self._entries.put(key, entry)
       self._pending.pop(key, None)
       self.compiles += 1
       self.log.append(record)

@@ -15,7 +15,9 @@ The analytic model for shapes too large to compile here is `earl_jax.selector.an
 """
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -146,6 +148,32 @@ def _proc_status_bytes(field: str) -> int:
       if line.startswith(field + ':'):
         return int(line.split()[1]) * 1024
   raise RuntimeError(f'/proc/self/status has no {field}.')
+
+
+def host_rss_bytes() -> int | None:
+  """This process's resident memory (Linux /proc), None elsewhere."""
+  try:
+    return _proc_status_bytes('VmRSS')
+  except (OSError, RuntimeError):
+    return None
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+  try:
+    return ctypes.CDLL('libc.so.6').malloc_trim
+  except (OSError, AttributeError):
+    return None
+
+
+def release_host_memory() -> None:
+  """Hands the heap that freed programs and buffers left behind back to the OS (glibc's
+  `malloc_trim`; a no-op elsewhere). XLA's CPU compiles free most of what they allocate, but
+  glibc keeps it in its arenas: without this, resident memory grows with every compile even
+  when the executable cache is bounded (measured: 1.12 GB vs 0.49 GB after 8 train compiles)."""
+  trim = _malloc_trim()
+  if trim is not None:
+    trim(0)
 
 
 def measure_run_peak(fn: Any, args: tuple[Any, ...]) -> tuple[int, Any]:

@@ -36,8 +36,9 @@ from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding import rules
 
 # Packed rows per rank are rounded up to one of these fractions of the rows per rank, so that
-# the programs that run packed batches are compiled for at most eight shapes per bucket.
-ROW_FRACTIONS = tuple(i / 8 for i in range(1, 9))
+# the programs that run packed batches are compiled for at most four shapes per bucket (each
+# compiled shape costs a compile and, while it is cached, its host memory).
+ROW_FRACTIONS = tuple(i / 4 for i in range(1, 5))
 
 
 @dataclasses.dataclass(frozen=True)

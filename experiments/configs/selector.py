@@ -16,6 +16,7 @@ budget: there the low-tp layouts are the fastest at short context and stop fitti
 import dataclasses
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.programs.builders import StageSpec
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.selector.profiler import MeasureConfig
@@ -130,4 +131,4 @@ def get_config(name: str = 'cpu') -> SelectorBench:
       growth_rows=16,
       calls_per_step=2,
     )
-  raise ValueError(f"Unknown selector preset {name!r}; known presets: ['cpu', 'smoke'].")
+  raise ConfigError(f"--preset={name!r} is unknown: expected one of ['cpu', 'smoke'].")

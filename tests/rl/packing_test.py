@@ -52,8 +52,9 @@ def test_plan_errors_and_row_multiples():
     packing.plan([9, 1], ranks=1, bucket=8)
   p = packing.plan([1] * 16, ranks=2, bucket=64, row_multiple=8)
   assert p.rows % 8 == 0  # one row per rank would do; the batch must divide 8 shards
-  assert packing.packed_rows_per_rank(3, 8, 2, 1) == 3  # eighths of 8 rows: any count
-  assert packing.packed_rows_per_rank(3, 16, 2, 1) == 4  # eighths of 16: even counts
+  assert packing.packed_rows_per_rank(3, 8, 2, 1) == 4  # quarters of 8 rows: even counts
+  assert packing.packed_rows_per_rank(3, 16, 2, 1) == 4  # quarters of 16: multiples of 4
+  assert packing.packed_rows_per_rank(5, 16, 2, 1) == 8
   assert packing.packed_rows_per_rank(3, 8, 2, 4) == 4  # 2 x 3 rows do not divide 4 shards
 
 

@@ -172,3 +172,22 @@ def test_profile_config_validation():
     profiler.default_candidates(
       CFG, dataclasses.replace(_config(MiB), candidates=(ParallelConfig(tp=8),))
     )
+
+
+def test_the_cache_key_holds_only_what_shapes_the_programs():
+  """A rate or a coefficient's value leaves the measured programs as they are, so it keeps the
+  cached profile; turning a KL term on adds the reference log-probs, so it does not."""
+  from earl_jax.rl import losses
+  from earl_jax.rl import train_step as train_lib
+
+  cands = {Stage.ROLLOUT: stage_candidates(Stage.ROLLOUT, CFG, num_devices=8, only=(DP8, DP2TP4))}
+
+  def key(**spec):
+    config = dataclasses.replace(_config(1 << 30), spec=dataclasses.replace(SPEC, **spec))
+    return profiler.profile_key(CFG, config, cands)
+
+  base = key()
+  assert key(optim=train_lib.OptimConfig(learning_rate=0.123, weight_decay=0.1)) == base
+  assert key(loss=losses.LossConfig(kl_coef=0.01)) == key(loss=losses.LossConfig(kl_coef=0.5))
+  assert key(loss=losses.LossConfig(kl_coef=0.01)) != base
+  assert key(micro_batches=2) != base
