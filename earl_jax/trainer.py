@@ -136,6 +136,7 @@ class Trainer:
     self.log = log_fn or (lambda line: logging.info('%s', line))
     # The workdir and the checkpoint to resume are checked before anything compiles.
     self._resume_steps: list[int] = []
+    self._checkpoint_profile: profiler.Profile | None = None  # the profile a resume restores
     self.ckpt = self._open_workdir(resume)
     self.devices = mesh_lib.canonical_devices()
     self.is_main = jax.process_index() == 0
@@ -227,6 +228,7 @@ class Trainer:
       executables=self.executables,
       cache_path=sel.profile.cache,
       measure=not sel.profile.lazy,
+      base=self._checkpoint_profile,
     )
 
   def _measure_bucket(self, stage: Stage, bucket: int) -> profiler.Profile:
@@ -239,6 +241,7 @@ class Trainer:
       executables=self.executables,
       cache_path=self.config.selector.profile.cache,
       buckets=(bucket,),
+      base=self._checkpoint_profile,
     )
     self.profile_s += time.perf_counter() - t0
     return out
@@ -646,7 +649,14 @@ class Trainer:
       'selector': self.selector.state_dict(),
       'train_config': self.train_config.name,
       'prev_stats': None if self.prev_stats is None else dataclasses.asdict(self.prev_stats),
+      'profile': self._measured_profile(),
     }
+
+  def _measured_profile(self) -> dict | None:
+    """The profile the selector decides on (JSON), kept in every checkpoint: a resume decides
+    on the same measurements, whatever the cache file holds."""
+    stages = self.config.selector.profile.stages
+    return self.selector.profile(stages[0]).to_json() if stages else None
 
   def save(self) -> None:
     if self.ckpt is None:
@@ -696,6 +706,8 @@ class Trainer:
           f'{self.config.fingerprint()}): expected the same preset and overrides, or a new '
           '--workdir.'
         )
+      if meta.get('profile'):
+        self._checkpoint_profile = profiler.Profile.from_json(meta['profile'])
     return ckpt
 
   def _skip_checkpoint(self, step: int, reason: str) -> None:

@@ -13,7 +13,7 @@ from earl_jax import metrics, trainer
 from earl_jax.config import BucketConfig, ParallelConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.sharding.mesh import ShardingError
-from earl_jax.stage import STAGES
+from earl_jax.stage import STAGES, Stage
 from earl_jax.testing import fixture_path, mp_bodies, multiprocess
 from earl_jax.testing.configs import smoke_experiment, staged_profile
 from earl_jax.testing.typecheck import unchecked
@@ -137,6 +137,34 @@ def test_resume_errors(tmp_path):
   with pytest.raises(trainer.ResumeError, match='was made by another config'):
     trainer.Trainer(other, workdir=str(tmp_path), resume=True)
   assert trainer.Trainer(config, workdir=str(tmp_path), resume=True).global_step == 2
+
+
+def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
+  """The measured profile travels in the checkpoint: a resume whose cache file is gone (another
+  working directory) decides on the same measurements instead of measuring again."""
+  from earl_jax.selector.profiler import MeasureConfig
+  from earl_jax.selector.selector import ProfileSettings
+
+  cache = tmp_path / 'profile.json'
+  base = smoke_experiment()
+  profile = ProfileSettings(
+    stages=('rollout',), cache=str(cache), lazy=True, measure=MeasureConfig(repeats=1, rounds=1)
+  )
+  config = smoke_experiment(
+    steps=2,
+    eval_every=0,
+    checkpoint_every=1,
+    selector=dataclasses.replace(base.selector, profile=profile),
+  )
+  run = str(tmp_path / 'run')
+  first = trainer.Trainer(config, workdir=run, log_fn=lambda _: None)
+  first.run(progress=False)
+  saved = first.selector.profile(Stage.ROLLOUT).to_json()['cells']
+  assert saved and first.profile_s > 0
+  cache.unlink()
+  resumed = trainer.Trainer(config, workdir=run, resume=True, log_fn=lambda _: None)
+  assert resumed.selector.profile(Stage.ROLLOUT).to_json()['cells'] == saved
+  assert resumed.profile_s == 0
 
 
 def test_a_run_stops_after_too_many_skipped_steps(tmp_path):

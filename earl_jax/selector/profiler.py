@@ -418,6 +418,7 @@ def run(
   progress: Callable[[Cell], None] | None = None,
   buckets: Sequence[int] | None = None,
   measure: bool = True,
+  base: Profile | None = None,
 ) -> Profile:
   """Profiles every (stage, bucket, rows, candidate), or loads a matching cached profile.
 
@@ -436,6 +437,8 @@ def run(
     progress: called with every finished cell.
     buckets: measure only these buckets of `config.buckets` (default: all of them).
     measure: False: return what the cache holds (possibly no cell), measuring nothing.
+    base: cells measured before, e.g. kept in a checkpoint; used when made for this setup, and
+      preferred to the cache's.
 
   Returns:
     The profile. Every cell over budget is OOM; every other cell has a median throughput.
@@ -448,6 +451,8 @@ def run(
     data = distributed.broadcast_json(None if found is None else found.to_json())
     cached = None if data is None else Profile.from_json(data)
   have = cached or Profile(key=key, cells={})
+  if base is not None and base.key == key:
+    have = have.merged(base)
   wanted = tuple(config.buckets.lengths if buckets is None else buckets)
   missing = [
     b for b in wanted if not all(have.covers(s, b, r) for s in config.stages for r in config.rows)
