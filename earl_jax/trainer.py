@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from earl_jax import checkpointing, metrics
+from earl_jax import checkpointing, distributed, metrics
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.errors import UserError
@@ -333,7 +333,9 @@ class Trainer:
 
   def _note_reshard(self, tree: Any, seconds: float) -> None:
     """Keeps the device-to-device move rate (ms per byte) the switch-cost gate estimates from."""
-    rate = 1e3 * seconds / max(_tree_bytes(tree), 1)
+    # Process 0's timing, on every process: the switch gate reads it, and every process must
+    # take the same decision (local timings differ).
+    rate = distributed.broadcast_json(1e3 * seconds / max(_tree_bytes(tree), 1))
     old = self._reshard_ms_per_byte
     self._reshard_ms_per_byte = rate if old is None else 0.5 * (old + rate)
 

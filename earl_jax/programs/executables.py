@@ -132,6 +132,10 @@ class Executables:
     self._lock = threading.Lock()
     self._entries: LRUCache[builders.ProgramKey, Executable] = LRUCache(max_programs)
     self._pending: dict[builders.ProgramKey, futures.Future] = {}
+    # Every key ever asked for. Decisions read this, not what the LRU still holds: eviction
+    # order depends on when background compiles finish, which differs between processes, and
+    # every process must take the same decisions.
+    self._requested: set[builders.ProgramKey] = set()
     self._param_shardings: dict[ParallelConfig, Any] = {}
     self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
     self._pool = futures.ThreadPoolExecutor(
@@ -263,6 +267,7 @@ class Executables:
     """
     key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     with self._lock:
+      self._requested.add(key)
       entry = self._entries.get(key)
       pending = self._pending.get(key)
       if entry is not None:
@@ -309,6 +314,7 @@ class Executables:
     key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     layout = None if tree is None else mesh_lib.abstract_arrays(tree)
     with self._lock:
+      self._requested.add(key)
       entry = self._entries.get(key)
       if entry is None and key not in self._pending:
         self._pending[key] = self._pool.submit(self._build, key, True)
@@ -332,9 +338,11 @@ class Executables:
     return self.key(stage, config, bucket, rows) in self
 
   def requested(self, key: builders.ProgramKey) -> bool:
-    """Compiled, or being compiled in the background."""
+    """Asked for before (by `get` or `precompile`), whether or not the LRU still holds it: the
+    same answer on every process of a run (a program asked for again after its eviction loads
+    from the persistent compilation cache)."""
     with self._lock:
-      return key in self._entries or key in self._pending
+      return key in self._requested
 
   def wait(self) -> None:
     """Waits for every background compile (re-raising the first error)."""
