@@ -15,7 +15,7 @@ restored arrays against their checksums: a corrupted checkpoint is an error, nev
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ class CheckpointError(UserError):
 CHECKSUMS = 'array_checksums'
 
 
-def reason(error: Exception) -> str:
+def _reason(error: Exception) -> str:
   """An exception as one short line."""
   text = ' '.join(str(error).split())
   return f'{type(error).__name__}: {text[:200]}' if text else type(error).__name__
@@ -114,6 +114,19 @@ class Checkpointer:
         )
     return out['state'], meta
 
+  def readable_metas(
+    self, steps: list[int] | None = None, *, on_skip: Callable[[int, str], None]
+  ) -> Iterator[tuple[int, dict]]:
+    """(step, meta) of `steps` (default: all, newest first) whose meta reads; a step whose meta
+    does not is reported to `on_skip(step, reason)` and passed over."""
+    for step in sorted(self.all_steps(), reverse=True) if steps is None else steps:
+      try:
+        meta = self.read_meta(step)
+      except Exception as e:  # any unreadable checkpoint is skipped, and said so
+        on_skip(step, _reason(e))
+        continue
+      yield step, meta
+
   def restore_newest_readable(
     self,
     abstract_state: Callable[[dict], Any],
@@ -127,18 +140,17 @@ class Checkpointer:
     be read (truncated, corrupted, an item missing, checksums that do not match) is reported to
     `on_skip(step, reason)` and the next older one is tried; CheckpointError when none is left.
     """
-    steps = sorted(self.all_steps(), reverse=True) if steps is None else steps
-    for step in steps:
+    for step, meta in self.readable_metas(steps, on_skip=on_skip):
       try:
-        meta = self.read_meta(step)
         state, meta = self.restore(abstract_state(meta), step)
       except Exception as e:  # any unreadable checkpoint is skipped, and said so
-        on_skip(step, reason(e))
+        on_skip(step, _reason(e))
         continue
       return step, state, meta
     raise CheckpointError(
-      f'no readable checkpoint in {self.directory} (tried steps {steps}): expected at least one '
-      'that restores.'
+      f'no readable checkpoint in {self.directory} (tried steps '
+      f'{sorted(self.all_steps(), reverse=True) if steps is None else steps}): expected at '
+      'least one that restores.'
     )
 
   def _step(self, step: int | None) -> int:

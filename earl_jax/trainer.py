@@ -687,15 +687,8 @@ class Trainer:
           f'--resume: no checkpoint in {ckpt_dir}: expected a run to continue; start without '
           '--resume (or point --workdir at the run to continue).'
         )
-      meta, steps = None, sorted(ckpt.all_steps(), reverse=True)
-      for i, step in enumerate(steps):
-        try:
-          meta = ckpt.read_meta(step)
-        except Exception as e:  # an unreadable checkpoint is skipped, and said so
-          self._skip_checkpoint(step, checkpointing.reason(e))
-          continue
-        self._resume_steps = steps[i:]
-        break
+      steps = sorted(ckpt.all_steps(), reverse=True)
+      step, meta = next(ckpt.readable_metas(steps, on_skip=self._skip_checkpoint), (None, None))
       if meta is None:
         raise ResumeError(
           f'--resume: no readable checkpoint in {ckpt_dir} (steps {steps}): expected one that '
@@ -710,6 +703,7 @@ class Trainer:
         )
       if meta.get('profile'):
         self._checkpoint_profile = profiler.Profile.from_json(meta['profile'])
+      self._resume_steps = [s for s in steps if s <= step]
     return ckpt
 
   def _skip_checkpoint(self, step: int, reason: str) -> None:
