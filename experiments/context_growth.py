@@ -13,16 +13,20 @@ the bucket that holds its longest row. Runs:
   JSON, like the heatmap's); it switches layout with a device-to-device reshard, and the
   executable and the weight move are precompiled in the background during the previous step
   (`Selector.lookahead`);
-* static-<layout>: one layout for the whole run; a step whose program does not fit the budget
-  (XLA memory analysis) is refused before it runs and counted. It precompiles its next bucket in
-  the background too, so both sides get the same compile help.
+* static-<layout>: one layout for the whole run. A step whose program does not fit the budget
+  (XLA memory analysis) is refused before it runs, and the run has FAILED there, as a training
+  job that runs out of memory stops: it runs no later step and has no throughput over the
+  schedule (the steps it completed are reported, never a throughput over them alone, which
+  would leave out the hardest steps). It precompiles its next bucket in the background too, so
+  both sides get the same compile help.
 
 All runs advance in lockstep (step t of every run, in a rotating order, before step t + 1), so
 that background load on a shared machine falls on all of them alike. Every run starts with an
 empty executable cache (the persistent compilation cache on disk still applies). Time counts the
 decode calls plus every stall (waiting for an executable, resharding), except the first step's
-executable, a start-up cost every run pays alike. Reported per run: steps refused, total time,
-throughput (tokens per device per second) and each switch's reshard, compile and stall ms.
+executable, a start-up cost every run pays alike. Reported per run: the step it failed at (if
+any), steps completed, total time and throughput (tokens per device per second) of a run that
+completed the schedule, and each switch's reshard, compile and stall ms.
 """
 
 import json
@@ -105,6 +109,7 @@ class _Run:
     )
     self.current = None
     self.bucket = None
+    self.failed_at = None  # the step that did not fit: the run stops there
     self.steps, self.switches = [], []
 
   def step(self, t, lengths):
@@ -112,6 +117,8 @@ class _Run:
     from earl_jax.selector.selector import StepStats
     from earl_jax.stage import Stage
 
+    if self.failed_at is not None:
+      return
     bench, exe = self.bench, self.exe
     R, calls = bench.growth_rows, bench.calls_per_step
     bucket = bench.buckets.bucket_for(max(lengths))
@@ -126,6 +133,7 @@ class _Run:
       if not memory.fits(entry.memory.peak, self.budget, margin=self.margin):
         rec.update(config=target.name, refused=True, need_mib=entry.memory.peak / memory.MiB)
         self.steps.append(rec)
+        self.failed_at = t
         return
     self.params, entry, sw = switch(
       Stage.ROLLOUT,
@@ -168,20 +176,31 @@ class _Run:
 
   def result(self, n_dev):
     self.exe.close()
-    done = [s for s in self.steps if not s['refused']]
-    total_ms = sum(s['step_ms'] + s['stall_ms'] for s in done)
-    tokens = sum(s['tokens'] for s in done)
-    return {
-      'run': self.name,
-      'steps': self.steps,
-      'switches': self.switches,
-      'refused': sum(s['refused'] for s in self.steps),
-      'completed': len(done),
-      'tokens': tokens,
-      'total_s': total_ms / 1e3,
-      'throughput': tokens / (total_ms / 1e3) / n_dev if total_ms else 0.0,
-      'n_dev': n_dev,
-    }
+    return _totals(
+      {
+        'run': self.name,
+        'steps': self.steps,
+        'switches': self.switches,
+        'failed_at': self.failed_at,
+        'n_dev': n_dev,
+      }
+    )
+
+
+def _totals(run):
+  """Adds completed steps, tokens, time and throughput (None for a run that failed)."""
+  done = [s for s in run['steps'] if not s['refused']]
+  total_ms = sum(s['step_ms'] + s['stall_ms'] for s in done)
+  tokens = sum(s['tokens'] for s in done)
+  ok = run['failed_at'] is None and total_ms > 0
+  return {
+    **run,
+    'refused': sum(s['refused'] for s in run['steps']),
+    'completed': len(done),
+    'tokens': tokens,
+    'total_s': total_ms / 1e3,
+    'throughput': tokens / (total_ms / 1e3) / run['n_dev'] if ok else None,
+  }
 
 
 def _median_runs(runs):
@@ -197,12 +216,8 @@ def _median_runs(runs):
         s[k] = statistics.median(r['steps'][i][k] for r in runs)
     steps.append(s)
   base['steps'] = steps
-  done = [s for s in steps if not s['refused']]
-  total_ms = sum(s['step_ms'] + s['stall_ms'] for s in done)
-  base['total_s'] = total_ms / 1e3
-  base['throughput'] = base['tokens'] / (total_ms / 1e3) / runs[0]['n_dev']
   base['switches'] = [{**sw, 'pass': i} for i, r in enumerate(runs) for sw in r['switches']]
-  return base
+  return _totals(base)
 
 
 def main(argv):
@@ -274,13 +289,14 @@ def main(argv):
 
   dyn = runs[0]
   statics = runs[1:]
-  survivors = [r for r in statics if r['refused'] == 0]
+  survivors = [r for r in statics if r['failed_at'] is None]
   best_static = max(survivors, key=lambda r: r['throughput']) if survivors else None
   pre = [sw for sw in dyn['switches'] if sw['precompiled'] and sw['kind'] == 'layout']
   goals = {
-    'dynamic_completes_every_step': dyn['refused'] == 0,
-    'a_static_is_refused': any(r['refused'] > 0 for r in statics),
+    'dynamic_completes_every_step': dyn['failed_at'] is None,
+    'a_static_fails': any(r['failed_at'] is not None for r in statics),
     'dynamic_beats_best_surviving_static': bool(best_static)
+    and dyn['failed_at'] is None
     and dyn['throughput'] > best_static['throughput'],
     'precompiled_switch_stall_below_5pct': bool(pre)
     and max(sw['stall_fraction'] for sw in pre) < 0.05,
@@ -311,7 +327,8 @@ def main(argv):
 def _print(r):
   runs = r['runs']
   print(
-    f'\nPer step: layout (step ms); "-" = refused (does not fit {r["budget_mib"]:.0f} MiB/device).'
+    f'\nPer step: layout (step ms); "refused" = does not fit {r["budget_mib"]:.0f} MiB/device '
+    '(the run fails there and runs no later step).'
   )
   head = f'{"step":>4} {"ctx":>6} {"bucket":>6} | ' + ' | '.join(f'{x["run"]:>22}' for x in runs)
   print(head)
@@ -319,13 +336,28 @@ def _print(r):
   for i, s0 in enumerate(runs[0]['steps']):
     cols = []
     for x in runs:
-      s = x['steps'][i]
-      cols.append(f'{"-":>22}' if s['refused'] else f'{s["config"]:>10} {s["step_ms"]:9.0f}ms')
+      s = x['steps'][i] if i < len(x['steps']) else None
+      if s is None:
+        cols.append(f'{"(failed)":>22}')
+      elif s['refused']:
+        cols.append(f'{"refused":>22}')
+      else:
+        cols.append(f'{s["config"]:>10} {s["step_ms"]:9.0f}ms')
     print(f'{i:>4} {s0["mean_context"]:6.0f} {s0["bucket"]:>6} | ' + ' | '.join(cols))
-  print(f'\n{"run":>22} {"refused":>7} {"total s":>8} {"tok/dev/s":>10} {"layout switches":>15}')
+  n = len(runs[0]['steps'])
+  print(
+    f'\n{"run":>22} {"outcome":>16} {"completed":>9} {"total s":>8} {"tok/dev/s":>10} '
+    f'{"layout switches":>15}'
+  )
   for x in runs:
+    failed = x['failed_at'] is not None
+    outcome = f'failed at step {x["failed_at"]}' if failed else 'all steps'
+    total = '-' if failed else f'{x["total_s"]:.2f}'
+    tput = '-' if x['throughput'] is None else f'{x["throughput"]:.1f}'
+    switches = sum(s['kind'] == 'layout' for s in x['switches'])
     print(
-      f'{x["run"]:>22} {x["refused"]:>7} {x["total_s"]:8.2f} {x["throughput"]:10.1f} {sum(s["kind"] == "layout" for s in x["switches"]):>15}'
+      f'{x["run"]:>22} {outcome:>16} {x["completed"]:>4} / {n:<2} {total:>8} {tput:>10} '
+      f'{switches:>15}'
     )
   sw = runs[0]['switches']
   if sw:

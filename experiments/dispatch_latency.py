@@ -1,4 +1,4 @@
-"""Dispatch latency, the analogue of the paper's Fig. 4: gather_scatter vs xla vs layout_aware.
+"""Dispatch latency, the analogue of the paper's Fig. 4: gather_scatter, allgather, xla, layout_aware.
 
 Moves an RL batch between two layouts in N local worker processes (jax.distributed over
 loopback, gloo collectives) and times each strategy side by side in the same run.
@@ -17,6 +17,12 @@ moved reference log-probs: f32 [B, T]); --fields=rl moves the whole RL batch ins
 loss mask, sampling / reference log-probs, advantages, rewards, lengths, group ids) at the same
 bytes per worker. --scale multiplies the payload. Rows are rounded down to what the layouts
 split evenly.
+
+Strategies (`earl_jax.dispatch.dispatcher`): gather_scatter is the paper's single-controller
+baseline (every worker's rows to process 0, which scatters each worker's target rows back: N-1
+transfers in and N-1 out through its links, staged in its host memory); allgather is a host
+all-gather in which every process receives the whole batch; xla is jit with out_shardings;
+layout_aware is ours. The bytes that cross the controller's links are reported beside them.
 
 Default movement: every row goes to another process (both layouts dp8 with rows on every device,
 and the rows rotated by one process's share). 'xla' applies a rotation as `jnp.roll` (XLA lowers
@@ -60,17 +66,24 @@ flags.DEFINE_enum(
   'Row permutation: rotate = every row to the next process; balanced = token balancing of '
   'random lengths (KK).',
 )
-flags.DEFINE_list('strategies', ['gather_scatter', 'xla', 'layout_aware'], 'Strategies to time.')
+flags.DEFINE_list(
+  'strategies', ['gather_scatter', 'allgather', 'xla', 'layout_aware'], 'Strategies to time.'
+)
 flags.DEFINE_integer('reps', 5, 'Timed repetitions per strategy (median reported).', lower_bound=1)
 flags.DEFINE_integer('warmup', 1, 'Untimed calls per strategy before timing.', lower_bound=1)
 flags.DEFINE_enum('collective', 'ppermute', ['ppermute', 'all_to_all'], 'layout_aware rounds.')
 flags.DEFINE_integer(
-  'gather_chunk_mib', 64, 'gather_scatter: largest global chunk gathered.', lower_bound=1
+  'gather_chunk_mib', 64, 'allgather: largest global chunk gathered.', lower_bound=1
 )
 flags.DEFINE_float(
   'pack_max_mib', 4.0, 'layout_aware: rounds up to this size travel as one packed collective.'
 )
 flags.DEFINE_integer('seed', 0, 'Seed of random permutations and lengths.')
+flags.DEFINE_bool(
+  'socket_floor',
+  True,
+  'Also time a raw TCP ring exchange of the same bytes per process (the transport floor).',
+)
 flags.DEFINE_string('out', None, 'Write the results JSON here.')
 flags.DEFINE_float(
   'timeout', 3600.0, 'Seconds before the launched workers are killed.', lower_bound=1.0
@@ -179,6 +192,7 @@ def _run_worker() -> None:
     hlo_received_bytes,
     row_multiple,
   )
+  from earl_jax.dispatch.controller import link_bytes
 
   n_dev = jax.device_count()
   n_proc = jax.process_count()
@@ -194,6 +208,17 @@ def _run_worker() -> None:
     )
   )
   lead = jax.process_index() == 0
+  t0 = time.perf_counter()
+
+  def progress(text: str) -> None:  # the workers run for minutes: say where they are
+    if lead:
+      print(f'[{time.perf_counter() - t0:6.1f} s] {text}', flush=True)
+
+  ring = None
+  if FLAGS.socket_floor and n_proc > 1:
+    from earl_jax.dispatch.sockets import SocketRing
+
+    ring = SocketRing('dispatch_latency')
   results = []
   for length, payload in zip(lengths, payloads):
     probe = _fields(FLAGS.fields, n_dev, length)
@@ -223,6 +248,11 @@ def _run_worker() -> None:
     }
     jax.block_until_ready(batch)
     plan = dispatcher.plan(batch, src, dst, perm=perm)
+    links = [link_bytes(st.shape, st.dtype, src_sh[k], dst_sh[k]) for k, st in structs.items()]
+    # The floor: every process sends (and receives) as many bytes as its devices send in the
+    # plan, over a plain TCP connection to the next process.
+    owner = np.array([d.process_index for d in src.mesh.devices.flat])
+    floor_bytes = int(max(plan.bytes_sent[owner == q].sum() for q in range(n_proc)))
     entry = {
       'context': length,
       'rows': rows,
@@ -233,7 +263,9 @@ def _run_worker() -> None:
     }
     strategies = list(FLAGS.strategies)
     verified = {}
+    t_length = time.perf_counter()
     for name in strategies:
+      progress(f'{length // 1024}K: warm-up {name}')
       ok = True
       for w in range(max(1, FLAGS.warmup)):
         out, _ = dispatcher.dispatch(batch, dst, perm=perm, strategy=name, account=False)
@@ -245,7 +277,11 @@ def _run_worker() -> None:
     # Repetitions interleave the strategies (in a rotating order), so that background load on
     # the shared machine hits them alike.
     times = {name: [] for name in strategies}
+    if ring is not None:
+      times['socket_floor'] = []
+      ring.exchange(floor_bytes)  # warm-up
     for rep in range(FLAGS.reps):
+      progress(f'{length // 1024}K: repetition {rep + 1}/{FLAGS.reps}')
       for j in range(len(strategies)):
         name = strategies[(rep + j) % len(strategies)]
         multihost_utils.sync_global_devices('dispatch_latency')
@@ -254,17 +290,22 @@ def _run_worker() -> None:
         jax.block_until_ready(out)
         times[name].append(time.perf_counter() - t0)
         del out
-    for name in strategies:
+      if ring is not None:
+        multihost_utils.sync_global_devices('dispatch_latency')
+        times['socket_floor'].append(ring.exchange(floor_bytes))
+    for name in times:
       all_times = multihost_utils.process_allgather(np.array(times[name]))
       all_times = np.asarray(all_times).reshape(n_proc, -1)
-      all_ok = np.asarray(multihost_utils.process_allgather(np.array([verified[name]]))).all()
       per_rep = all_times.max(axis=0) * 1e3
       entry['reps_ms'][name] = per_rep.round(3).tolist()
       entry['median_ms'][name] = float(np.median(per_rep))
+    for name in strategies:
+      all_ok = np.asarray(multihost_utils.process_allgather(np.array([verified[name]]))).all()
       entry['verified'][name] = bool(all_ok)
+    entry['socket_floor_bytes_per_process'] = floor_bytes
     med = entry['median_ms']
     if 'layout_aware' in med:
-      for other in ('gather_scatter', 'xla'):
+      for other in ('gather_scatter', 'allgather', 'xla', 'socket_floor'):
         if other in med:
           entry[f'ratio_{other}_over_layout_aware'] = med[other] / med['layout_aware']
     entry['bytes'] = {
@@ -272,15 +313,17 @@ def _run_worker() -> None:
       'min_received_per_device': plan.bytes_received.tolist(),
       'layout_aware_sent_per_device': plan.scheduled_sent.tolist(),
       'layout_aware_received_per_device': plan.scheduled_received.tolist(),
-      # The baseline's allgather brings every other device's unique rows to each process.
-      'gather_scatter_received_per_process': int(
-        rows * _row_bytes(structs) * (n_proc - 1) // n_proc
-      ),
+      # The allgather brings every other process's rows to each process.
+      'allgather_received_per_process': int(rows * _row_bytes(structs) * (n_proc - 1) // n_proc),
+      # The controller baseline: what crosses process 0's links, in and out.
+      'controller_in': sum(x['in'] for x in links),
+      'controller_out': sum(x['out'] for x in links),
     }
     if 'xla' in FLAGS.strategies:
       text = dispatcher.compiled_text(batch, dst, perm=perm, strategy='xla')
       entry['bytes']['xla_received_per_device'] = hlo_received_bytes(text, n_dev).tolist()
     entry['plan'] = plan.summary()
+    progress(f'{length // 1024}K: done in {time.perf_counter() - t_length:.0f} s')
     entry['verified_all'] = all(entry['verified'].values())
     results.append(entry)
     del batch
@@ -308,6 +351,7 @@ def _run_worker() -> None:
           'gather_chunk_mib',
           'pack_max_mib',
           'seed',
+          'socket_floor',
         )
       },
       'results': results,
@@ -324,19 +368,27 @@ def _run_worker() -> None:
 def format_table(report: dict) -> str:
   """The results as a fixed-width table."""
   strategies = report['flags']['strategies']
+  floor = any('socket_floor' in r['median_ms'] for r in report['results'])
   head = ['context', 'MiB/worker'] + [f'{s} ms' for s in strategies]
+  head += ['socket floor ms'] if floor else []
   if 'layout_aware' in strategies:
     head += [f'{s}/la' for s in strategies if s != 'layout_aware']
-  head += ['moved MiB/dev', 'verified']
+    head += ['la/floor'] if floor else []
+  head += ['moved MiB/dev', 'controller links MiB', 'verified']
   rows = []
   for r in report['results']:
     row = [f'{r["context"] // 1024}K', f'{r["payload_mib_per_worker"]:.1f}']
     row += [f'{r["median_ms"][s]:.1f}' for s in strategies]
+    row += [f'{r["median_ms"]["socket_floor"]:.1f}'] if floor else []
     if 'layout_aware' in strategies:
       row += [
         f'{r[f"ratio_{s}_over_layout_aware"]:.1f}x' for s in strategies if s != 'layout_aware'
       ]
+      if floor:
+        row.append(f'{1 / r["ratio_socket_floor_over_layout_aware"]:.2f}x')
     row.append(f'{max(r["bytes"]["min_received_per_device"]) / MiB:.1f}')
+    b = r['bytes']
+    row.append(f'{(b["controller_in"] + b["controller_out"]) / MiB:.0f}')
     row.append(str(r['verified_all']).lower())
     rows.append(row)
   widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]

@@ -2,8 +2,9 @@
 
   python scripts/plot_dispatch.py --json=runs/dispatch.json --out=runs/dispatch.png
 
-One group of bars per context length (gather_scatter, xla, layout_aware, whichever were run),
-with the gather_scatter / layout_aware ratio written above each group, as in the paper.
+One group of bars per context length (gather_scatter, allgather, xla, layout_aware and the raw
+socket floor, whichever were run), with the gather_scatter / layout_aware ratio written above
+each group, as in the paper.
 """
 
 import argparse
@@ -15,9 +16,17 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
-_COLORS = {'gather_scatter': '#9e9e9e', 'xla': '#6baed6', 'layout_aware': '#d94801'}
+_COLORS = {
+  'gather_scatter': '#9e9e9e',
+  'allgather': '#cccccc',
+  'xla': '#6baed6',
+  'layout_aware': '#d94801',
+  'socket_floor': '#31a354',
+}
 _LABELS = {
-  'gather_scatter': 'All-Gather + Scatter (baseline)',
+  'gather_scatter': 'Gather to controller + scatter (baseline)',
+  'allgather': 'All-gather to every process',
+  'socket_floor': 'Raw TCP ring, same bytes (floor)',
   'xla': 'XLA reshard (jit out_shardings)',
   'layout_aware': 'Layout-aware (EARL)',
 }
@@ -25,9 +34,8 @@ _LABELS = {
 
 def plot(report: dict, out: str, *, log: bool = False) -> None:
   results = report['results']
-  strategies = [
-    s for s in report['flags']['strategies'] if all(s in r['median_ms'] for r in results)
-  ]
+  names = [*report['flags']['strategies'], 'socket_floor']
+  strategies = [s for s in names if all(s in r['median_ms'] for r in results)]
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
   width = 0.8 / max(1, len(strategies))
   for i, s in enumerate(strategies):

@@ -98,12 +98,11 @@ def plot_growth(r: dict, out: str) -> None:
         xs.append(s['step'])
         ys.append(tokens / ((s['step_ms'] + s['stall_ms']) / 1e3) / int(r['devices'].split()[0]))
     style = '-o' if run['run'] == 'earl-dynamic' else '--.'
-    ax.plot(
-      xs, ys, style, label=f'{run["run"]} ({run["refused"]} refused)', lw=2 if style == '-o' else 1
-    )
-    refused = [s['step'] for s in run['steps'] if s['refused']]
-    if refused:
-      ax.plot(refused, [0] * len(refused), 'x', color=ax.lines[-1].get_color())
+    failed = run.get('failed_at')
+    label = run['run'] + (f' (failed at step {failed})' if failed is not None else '')
+    ax.plot(xs, ys, style, label=label, lw=2 if style == '-o' else 1)
+    if failed is not None:
+      ax.plot([failed], [0], 'x', ms=9, mew=2, color=ax.lines[-1].get_color())
   ax.set_xlabel('step')
   ax.set_ylabel('decode tokens / device / s (incl. switch stall)')
   twin = ax.twinx()
@@ -117,11 +116,13 @@ def plot_growth(r: dict, out: str) -> None:
   )
   ax = axes[1]
   names = [run['run'] for run in r['runs']]
-  vals = [run['throughput'] for run in r['runs']]
+  # A run that failed has no throughput over the schedule: a zero bar, labelled.
+  vals = [run['throughput'] or 0.0 for run in r['runs']]
   colors = ['#d94801' if n == 'earl-dynamic' else '#9e9e9e' for n in names]
   bars = ax.bar(range(len(names)), vals, color=colors)
   for bar, run in zip(bars, r['runs']):
-    label = f'{run["refused"]} refused' if run['refused'] else 'all steps'
+    failed = run.get('failed_at')
+    label = f'FAILED at step {failed}' if failed is not None else 'all steps'
     ax.text(
       bar.get_x() + bar.get_width() / 2,
       bar.get_height(),
@@ -132,7 +133,7 @@ def plot_growth(r: dict, out: str) -> None:
     )
   ax.set_xticks(range(len(names)), names, rotation=30, ha='right', fontsize=8)
   ax.set_ylabel('total tokens / device / s')
-  ax.set_title('Throughput over the steps each run completed', fontsize=9)
+  ax.set_title('Throughput over the whole schedule (x: the step a run failed at)', fontsize=9)
   fig.tight_layout()
   fig.savefig(out, dpi=130)
 

@@ -1,4 +1,4 @@
-"""The Data Dispatcher: move an RL batch from one stage layout to another, four ways.
+"""The Data Dispatcher: move an RL batch from one stage layout to another, five ways.
 
   dispatcher = Dispatcher(DispatchConfig(strategy='auto'))
   batch_t, report = dispatcher.dispatch(batch, dst=train_layout, perm=perm)   # src from the batch
@@ -14,12 +14,16 @@ Strategies (`Strategy`, or per call with `strategy=`):
                   A permutation is applied in the same program: a rotation of the rows as
                   `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as
                   `jnp.take` (XLA lowers it to an all-gather of the batch). For comparison.
-  gather_scatter  the single-controller baseline, written with care: every process
-                  `process_allgather`s each field to host (in column chunks of at most
-                  `gather_chunk_bytes`, each a local slice of every source shard, so host and
-                  device memory stay bounded), permutes rows on the host and builds only its
-                  own target shards with explicit per-device `device_put`s. In one process,
-                  `device_get` replaces the allgather.
+  gather_scatter  the single-controller baseline (the paper's, `dispatch.controller`): every
+                  worker sends its blocks to one controller process, which holds the whole
+                  batch in its host memory, permutes the rows there and sends every worker its
+                  target blocks: N-1 transfers in, N-1 out, all through the controller's links.
+  allgather       a host all-gather (no controller): every process `process_allgather`s each
+                  field to host (in column chunks of at most `gather_chunk_bytes`, each a local
+                  slice of every source shard, so host and device memory stay bounded),
+                  permutes rows on the host and builds only its own target shards with
+                  explicit per-device `device_put`s. In one process, `device_get` replaces the
+                  allgather. Every process receives the whole batch.
   auto            no-op when the layouts are the same sharding and there is no permutation; a
                   zero-copy re-wrap when every target block is exactly a source block on the same
                   device; otherwise layout_aware (which is a purely local slice when every target
@@ -53,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from earl_jax.caching import LRUCache
 from earl_jax.dispatch import collectives
+from earl_jax.dispatch import controller as controller_lib
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
 from earl_jax.dispatch.layout import Layout, check_compatible
 from earl_jax.dispatch.plan import DEFAULT_PACK_MAX_BYTES, Plan, check_permutation, make_plan
@@ -72,6 +77,7 @@ class Strategy(enum.Enum):
   LAYOUT_AWARE = 'layout_aware'
   XLA = 'xla'
   GATHER_SCATTER = 'gather_scatter'
+  ALLGATHER = 'allgather'
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +92,7 @@ class DispatchConfig:
     pack_max_bytes: rounds whose buffer is at most this many bytes per device carry all their
       fields in one collective (latency-bound: fewer collectives); larger rounds send one
       collective per field and skip the packing copies (bandwidth-bound).
-    gather_chunk_bytes: the largest global chunk the gather_scatter baseline gathers at once.
+    gather_chunk_bytes: the largest global chunk the allgather strategy gathers at once.
     donate: donate the source batch to the layout_aware / xla programs.
     timed: block until the result is ready and report the wall time.
     stable_kernels: layout_aware with a permutation that changes every call (token balancing
@@ -167,6 +173,7 @@ class Dispatcher:
     self._xla: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self._slices: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self.traces = 0
+    self.controller = controller_lib.Controller(max_programs=_PROGRAMS_KEPT)
 
   # --------------------------------------------------------------------------- planning
 
@@ -249,7 +256,7 @@ class Dispatcher:
         (e.g. from `balance.balanced_permutation`). Applied inside the same collectives.
       strategy: overrides the config's strategy for this call.
       account: compute the plan's byte counts for the report even when the strategy does not
-        need a plan (xla, gather_scatter); that time is excluded from wall_s.
+        need a plan (xla, gather_scatter, allgather); that time is excluded from wall_s.
 
     Returns:
       (the batch on `dst`, a DispatchReport).
@@ -304,9 +311,12 @@ class Dispatcher:
     elif run == Strategy.XLA:
       outs, compiled = self._run_xla(leaves, src, dst, p)
       name = Strategy.XLA.value
-    else:
-      outs = self._run_gather_scatter(leaves, src, dst, p)
+    elif run == Strategy.GATHER_SCATTER:
+      outs = [self.controller.move(x, dst.sharding(i), p) for i, x in enumerate(leaves)]
       name = Strategy.GATHER_SCATTER.value
+    else:
+      outs = self._run_allgather(leaves, src, dst, p)
+      name = Strategy.ALLGATHER.value
     wall = None
     if self.config.timed:
       jax.block_until_ready(outs)
@@ -389,7 +399,7 @@ class Dispatcher:
     fn, new = self._xla_fn(leaves, src, dst, True)
     return fn(list(leaves), _replicated(perm.astype(np.int32), src.mesh)), new
 
-  # --------------------------------------------------------------------------- gather/scatter
+  # --------------------------------------------------------------------------- allgather
 
   def _column_chunk(self, x: jax.Array, shards: int, start: int, width: int) -> jax.Array:
     """Columns [start, start + width) of every one of the `shards` column shards of x, as a
@@ -408,7 +418,7 @@ class Dispatcher:
       self._slices.put(key, fn)
     return fn(x)
 
-  def _gather_scatter_field(
+  def _allgather_field(
     self, x: jax.Array, src_sharding: NamedSharding, dst_sharding: NamedSharding, perm: Any
   ) -> jax.Array:
     shape = tuple(x.shape)
@@ -452,12 +462,11 @@ class Dispatcher:
     arrays = [jax.device_put(blocks[key_of[d]], d) for d in targets]
     return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays)
 
-  def _run_gather_scatter(
+  def _run_allgather(
     self, leaves: Sequence[Any], src: Layout, dst: Layout, perm: np.ndarray | None
   ) -> list[jax.Array]:
     return [
-      self._gather_scatter_field(x, src.sharding(i), dst.sharding(i), perm)
-      for i, x in enumerate(leaves)
+      self._allgather_field(x, src.sharding(i), dst.sharding(i), perm) for i, x in enumerate(leaves)
     ]
 
   # --------------------------------------------------------------------------- inspection

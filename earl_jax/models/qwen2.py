@@ -29,6 +29,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from earl_jax.config import ModelConfig
+from earl_jax.models import attention
 from earl_jax.sharding import rules
 
 # Logit of a token outside a restricted vocabulary: finite, so exp() is 0 and 0 * it is not NaN.
@@ -181,10 +182,11 @@ def causal_attention(
 ) -> Float[Array, 'B T H Dh']:
   """Causal self-attention of a chunk (query t sees keys 0..t), grouped-query.
 
-  'blockwise' splits the queries into blocks of `block` tokens; block i attends only to keys
-  [0, (i + 1) * block), under `jax.checkpoint`, so the upper triangle is never computed and the
-  backward pass recomputes one [B, H, block, (i + 1) * block] score tile at a time instead of
-  storing [B, H, T, T]. The softmax is exact (f32), not an online approximation.
+  'blockwise' (`earl_jax.models.attention`) loops over query blocks of `block` tokens and, for
+  query block i, over key blocks 0..i only, so the upper triangle is never computed; the softmax
+  is accumulated exactly in f32 across key blocks, and the backward pass recomputes one
+  [B, H, block, block] tile at a time from the saved log-sum-exp instead of storing [B, H, T, T].
+  Both passes are loops, so the program's size does not grow with T / block.
   'dot_product' calls `jax.nn.dot_product_attention` (XLA's attention).
   With `segment_ids` (packed rows: several sequences side by side), a query also sees only the
   keys of its own segment.
@@ -206,11 +208,8 @@ def causal_attention(
   if block <= 0 or block >= T or T % block:
     out = _attend(qg, k, v, mask(0, T))
     return out.reshape(B, T, H, Dh).astype(q.dtype)
-  outs = []
-  for i in range(T // block):
-    lo, hi = i * block, (i + 1) * block
-    outs.append(jax.checkpoint(_attend)(qg[:, lo:hi], k[:, :hi], v[:, :hi], mask(lo, hi)))
-  return jnp.concatenate(outs, axis=1).reshape(B, T, H, Dh).astype(q.dtype)
+  out = attention.blockwise_causal_attention(qg, k, v, block=block, segment_ids=segment_ids)
+  return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 
 class Attention(nnx.Module):

@@ -17,12 +17,12 @@ from earl_jax.stage import Stage
 MiB = 1 << 20
 
 # The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS).
-# Measured with 8 fake CPU devices (XLA:CPU) on 233 programs of 3 small models (4-6 layouts each,
-# T = 128..2048, 8..32 rows) and on the main job's own model ('tiny-game', 64 rows, every stage,
-# 4 layouts, T = 128..1536; 60 programs): for peaks >= 8 MiB per device the largest errors are
-# +20% for rollout, -28% for experience (how many attention-score tiles XLA keeps live grows
-# with the rows per device: 1.5 at 2 rows, 2.7 at 8) and 4% for train; below 8 MiB the largest
-# absolute error is 2.9 MiB. Tested on a subset in tests/selector/analytic_test.py. Where a
+# Measured with 8 fake CPU devices (XLA:CPU). Experience and train, with the looped blockwise
+# attention (`models/attention.py`), refitted by `scripts/fit_analytic.py` on 240 programs of
+# 'tiny', 'small-kv' and 'tiny-game' (4 layouts, T = 128..2048, 8..64 rows): for peaks >= 8 MiB
+# per device the largest errors are 26% (experience) and 20% (train), below 8 MiB 1.1 MiB.
+# Rollout (decode attends to the cache, unchanged), measured earlier on 233 + 60 programs:
+# +20%, and 2.9 MiB below 8 MiB. Tested on a subset in tests/selector/analytic_test.py. Where a
 # stage is compiled, XLA's own figure decides (a program it refuses is marked and left out).
 ANALYTIC_REL_ERROR = 0.30
 ANALYTIC_ABS_ERROR = 3 * MiB
@@ -35,16 +35,16 @@ class Coefficients:
   """How many arrays of each kind the compiled programs hold at their peak.
 
   Fitted (non-negative least squares on relative error) to XLA:CPU's memory analysis of this
-  model code with its default 'blockwise' attention, over 233 programs (see
-  ANALYTIC_REL_ERROR). "Scores" are the f32 attention tiles: [B, H, T, T] for one dense block,
-  or the lower-triangle tiles [B, H, b, (i + 1) b] of the blockwise attention, which XLA
-  schedules side by side, (T^2 + T b) / 2 per array. On a GPU with fused attention use
+  model code with its default 'blockwise' attention (see ANALYTIC_REL_ERROR; `scripts/fit_analytic.py` refits them). "Scores" are the f32 attention
+  arrays: [B, H, T, T] for one dense block, or one [B, H, b, b] tile of the blockwise attention,
+  whose loops (`models/attention.py`) hold a few tiles at a time. On a GPU with fused attention use
   `fused_attention()`: no score tiles and no decode K/V copies.
 
   Attributes:
     experience_scores: score-tile arrays live in the experience forward.
     experience_act_d: [B, T, D] activation arrays live in the forward.
     experience_logits: [B, C, V] f32 arrays of the chunked LM head.
+    experience_act_f: [B, T, F] arrays of the MLP live in the forward.
     train_scores: score-tile arrays live in the train step (forward + recomputing backward).
     train_act_d: [B, T, D] arrays saved per layer for the backward.
     train_act_f: [B, T, F] arrays saved per layer for the backward.
@@ -53,12 +53,13 @@ class Coefficients:
     update_copies: parameter-sized arrays of the optimizer update (grads, updates).
   """
 
-  experience_scores: float = 1.8
-  experience_act_d: float = 1.35
-  experience_logits: float = 1.25
-  train_scores: float = 4.8
-  train_act_d: float = 8.0
-  train_act_f: float = 6.7
+  experience_scores: float = 1.77
+  experience_act_d: float = 1.58
+  experience_logits: float = 0.51
+  experience_act_f: float = 3.08
+  train_scores: float = 3.64
+  train_act_d: float = 8.87
+  train_act_f: float = 6.82
   decode_kv_copies: float = 1.0
   decode_logits: float = 4.0
   update_copies: float = 2.0
@@ -72,10 +73,11 @@ class Coefficients:
 def attention_score_bytes(
   model: ModelConfig, rows_per_device: int, heads_per_device: int, T: int
 ) -> int:
-  """f32 bytes of one set of attention score tiles for a [B, T] chunk on one device."""
+  """f32 bytes of one attention score array for a [B, T] chunk on one device: one [b, b] tile
+  of the blockwise attention (its loops hold one tile at a time), or [T, T] for a dense block."""
   b = model.attention_block
   if model.attention_impl == 'blockwise' and 0 < b < T and T % b == 0:
-    area = (T * T + T * b) // 2  # the lower-triangle tiles of T / b query blocks
+    area = b * b
   else:
     area = T * T
   return rows_per_device * heads_per_device * area * 4
@@ -194,6 +196,7 @@ def estimate(
       c.experience_scores * attention_score_bytes(model, B_l, H_l, T)
       + c.experience_act_d * B_l * T * D * act
       + c.experience_logits * B_l * C * V_l * f32
+      + c.experience_act_f * B_l * T * F_l * act
     )
     io = B_l * T * (4 + 4)  # tokens in, log-probs out
   else:

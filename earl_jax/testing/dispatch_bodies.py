@@ -66,6 +66,7 @@ def check_placed(out: Any, host: Any, layout: Any, perm: np.ndarray | None = Non
 def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
   """Every strategy, with and without a permutation, across processes; plus group stats."""
   from earl_jax.dispatch import Dispatcher, Layout, balanced_permutation, group_stats
+  from earl_jax.dispatch.controller import link_bytes
 
   host = host_batch(rows, length, seed=seed)
   results: dict[str, Any] = {'process_index': jax.process_index(), 'problems': {}}
@@ -84,12 +85,29 @@ def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
     batch = place(host, src)
     perms = {'none': None, 'balanced': balanced_permutation(lengths, src, dst, like=host)}
     for perm_name, perm in perms.items():
-      for strategy in ('layout_aware', 'xla', 'gather_scatter', 'auto'):
-        guard = 'allow' if strategy == 'gather_scatter' else 'disallow'
+      for strategy in ('layout_aware', 'xla', 'gather_scatter', 'allgather', 'auto'):
+        guard = 'allow' if strategy in ('gather_scatter', 'allgather') else 'disallow'
         with jax.transfer_guard(guard):
           out, _ = dispatcher.dispatch(batch, dst, src=src, perm=perm, strategy=strategy)
         key = f'{src_text}->{dst_text}/{perm_name}/{strategy}'
         results['problems'][key] = check_placed(out, host, dst, perm)
+  # The controller baseline's traffic for the first case: what crosses process 0's links, and
+  # the point-to-point transfers of one call.
+  src, dst = Layout.parse(cases[0][0], host), Layout.parse(cases[0][1], host)
+  batch = place(host, src)
+  before = dispatcher.controller.transfers
+  dispatcher.dispatch(batch, dst, src=src, strategy='gather_scatter')
+  leaves = src.check(batch)
+  links = [
+    link_bytes(x.shape, x.dtype, src.sharding(i), dst.sharding(i)) for i, x in enumerate(leaves)
+  ]
+  results['controller'] = {
+    'transfers': dispatcher.controller.transfers - before,
+    'in': sum(x['in'] for x in links),
+    'out': sum(x['out'] for x in links),
+    'total': sum(int(x.nbytes) for x in leaves),
+    'fields': len(leaves),
+  }
   # Group statistics on the target layout, across processes.
   dst = Layout.parse(f'dp{n // 2}.tp2', host)
   batch = place(host, dst)

@@ -73,14 +73,14 @@ def test_layout_aware_property(src_text, dst_text, perm_kind):
   ('src_text', 'dst_text', 'perm_kind'),
   [('dp2.tp4:seq', 'dp4.tp2', 'balanced'), ('dp2.tp4:rep', 'dp8:perm', 'random')],
 )
-@pytest.mark.parametrize('strategy', ['xla', 'gather_scatter', 'auto'])
+@pytest.mark.parametrize('strategy', ['xla', 'gather_scatter', 'allgather', 'auto'])
 def test_other_strategies_deliver_the_same_batch(src_text, dst_text, perm_kind, strategy):
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout(src_text, host), _layout(dst_text, host)
   perm = _perm(perm_kind, host, src, dst)
   batch = bodies.place(host, src)
   dispatcher = Dispatcher(DispatchConfig(gather_chunk_bytes=256))  # forces column chunks
-  guard = 'allow' if strategy == 'gather_scatter' else 'disallow'
+  guard = 'allow' if strategy in ('gather_scatter', 'allgather') else 'disallow'
   with jax.transfer_guard(guard):
     out, report = dispatcher.dispatch(batch, dst, src=src, perm=perm, strategy=strategy)
   assert bodies.check_placed(out, host, dst, perm) == []

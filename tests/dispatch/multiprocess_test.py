@@ -15,8 +15,13 @@ def test_two_processes_dispatch_every_strategy():
   )
   assert [r['process_index'] for r in results] == [0, 1]
   for r in results:
-    # 3 layout pairs x 2 permutations x 4 strategies, each checked shard by shard.
-    assert len(r['problems']) == 24
+    # 3 layout pairs x 2 permutations x 5 strategies, each checked shard by shard.
+    assert len(r['problems']) == 30
     assert {k: v for k, v in r['problems'].items() if v} == {}
     assert r['group_mean_ok']
     assert r['num_local_rows'] == 16
+    # dp4.tp2 (rows replicated over tensor) -> dp8 through process 0: process 1 holds half the
+    # unique source blocks (2 of 4, sent once each) and half the target devices (4 of 8).
+    c = r['controller']
+    assert c['in'] == c['out'] == c['total'] // 2
+    assert c['transfers'] == c['fields'] * (2 + 4)

@@ -229,7 +229,12 @@ def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
     c: analytic.estimate(Stage.ROLLOUT, cfg, c, 4096, 8, chunk=spec.chunk).total
     for c in (DP8, ParallelConfig(dp=4, tp=2))
   }
-  budget_mib = (need[DP8] + need[ParallelConfig(dp=4, tp=2)]) / 2 / MiB
+  # Train holds the AdamW moments too: replicated 8 ways, it needs more at 128 tokens than the
+  # rollout's dp4.tp2 at 4096. A budget between them fits neither dp8 program.
+  train_dp8 = analytic.estimate(Stage.TRAIN, cfg, DP8, 128, 8).total
+  fits = need[ParallelConfig(dp=4, tp=2)]
+  assert fits < min(need[DP8], train_dp8)
+  budget_mib = (fits + min(need[DP8], train_dp8)) / 2 / MiB
   # Nothing is compiled or measured: analytic memory, the fewest-splits preference.
   config = SelectorConfig(
     profile=ProfileSettings(stages=()), budget_mib=budget_mib, safety_margin=0.0
@@ -242,7 +247,6 @@ def test_unprofiled_stages_use_the_analytic_model_and_the_state_round_trips():
   d = sel.decide(Stage.ROLLOUT, _stats(4000, n=8))
   assert d.config == ParallelConfig(dp=4, tp=2) and d.switched
   assert 'dp8.tp1 no longer fits' in d.reason and 'infeasible: dp8.tp1' in d.reason
-  # Train holds the AdamW moments too: replicated 8 ways they do not fit even at 128 tokens.
   t = sel.decide(Stage.TRAIN, _stats(100, n=8))
   assert t.config == ParallelConfig(dp=4, tp=2) and 'infeasible: dp8.tp1' in t.reason
   state = json.loads(json.dumps(sel.state_dict()))
