@@ -606,6 +606,8 @@ class Trainer:
       'win_rate': ep.win_rate(),
       'return_mean': float(np.mean(ep.returns)),
       'invalid_rate': ep.outcome_rates().get('invalid', 0.0),
+      # Episodes that would have outgrown the largest bucket (the context cap): truncated there.
+      'overflow_rate': ep.outcome_rates().get('overflow', 0.0),
       **{f'ctx/{k}': v for k, v in ep.context_stats().items()},
       'bucket': T,
       'tokens': ep.tokens,

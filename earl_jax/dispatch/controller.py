@@ -7,8 +7,9 @@ every worker the rows its next stage needs. N-1 transfers go in and N-1 go out, 
 them crosses the controller's links.
 
 Transport: JAX collectives between a worker's device and the controller's device (gloo over TCP
-on CPU, NCCL on GPU), one point-to-point `ppermute` per block, staged through the controller's
-host memory (`device_get` on arrival, `device_put` before sending). These are the same links the
+on CPU, NCCL on GPU), one point-to-point `ppermute` per block (all issued before the controller
+reads the first, as a driver pulls its workers' objects), staged through the controller's host
+memory (`device_get` on arrival, `device_put` before sending). These are the same links the
 layout-aware dispatcher uses, so what the comparison measures is the path: each byte crosses the
 controller's link twice, one transfer at a time, and is copied through its host. (The other
 transport every process has, the coordination service's gRPC key-value store, moved 40 MB/s on
@@ -157,13 +158,15 @@ class Controller:
     for d in devices:  # mesh order: the first holder of a block sends it
       owners.setdefault(_key(src.devices_indices_map(shape)[d], shape), d)
     src_block = tuple(src.shard_shape(shape))
+    arrived = []  # every transfer is issued before the controller reads any (JAX is async)
     for key, owner in owners.items():
       if owner.process_index == self.process:
-        if is_ctrl:
-          host[_slices(key)] = np.asarray(shards[owner])
+        arrived.append((key, shards.get(owner)))
         continue
       got = self._send(mesh, src_block, dtype, shards.get(owner), index_of[owner], index_of[ctrl])
-      if is_ctrl:
+      arrived.append((key, got))
+    if is_ctrl:
+      for key, got in arrived:
         host[_slices(key)] = np.asarray(got)
 
     # Scatter: every target block from the controller's host, rows permuted there.

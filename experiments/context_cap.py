@@ -1,0 +1,201 @@
+"""Fig. 1 of the paper and EARL's fix: the main job under a hard context cap, and without one.
+
+  python experiments/context_cap.py --out_dir=runs/fig1                 # the default, cap 384
+  python experiments/context_cap.py --cap=256 --steps=40 --out_dir=/tmp/fig1
+  python experiments/context_cap.py --preset=smoke --cap=96 --steps=4   # seconds (CI)
+
+Trains the main job (`experiments/train.py`) twice from the same seed, one after the other:
+  capped  the buckets stop at `--cap` tokens, as a system whose layout runs out of memory there
+          (the paper's 8K limit): an episode that would outgrow it is truncated at the cap and
+          its turn forfeited as invalid, as in the paper ("low-quality data" in the rollouts);
+  earl    the preset as it is: buckets up to its largest, the selector choosing each stage's
+          layout per bucket.
+Agentic contexts grow as the policy learns: in the default (Connect Four against a random
+opponent, a small reward for every legal move) an episode lasts longer once the policy plays
+legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and fig1.png with
+the paper's three panels for both runs (turn-level context, episode-level context against the
+cap, return) and prints the key numbers: the step at which the capped run's episodes reach the
+cap, the share truncated, and each run's return before and after that step.
+
+Extra `--config.*` flags go to both runs, e.g. `--config.rollout.num_episodes=32`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import flags
+
+from earl_jax import runtime
+from earl_jax.errors import UserError
+
+_PRESET = flags.DEFINE_string('preset', 'default', 'Preset of experiments/train.py.')
+_CAP = flags.DEFINE_integer('cap', 384, 'Context cap (tokens) of the capped run.')
+_STEPS = flags.DEFINE_integer('steps', None, 'Steps of both runs (default: the preset).')
+_OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
+_OVERRIDES = flags.DEFINE_multi_string(
+  'override', [], "A '--config.a.b=value' override for both runs (repeatable)."
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _first_turn_tokens(config) -> int:
+  """Tokens of an episode's first turn: its prompt and the longest reply."""
+  from earl_jax.envs.registry import make_env
+  from earl_jax.models import tokenizer as tokenizer_lib
+
+  tok = tokenizer_lib.load_tokenizer(config.model_dir or config.tokenizer)
+  obs = make_env(config.env).reset(1, seed=0)[0]
+  return len(tok.turn_prompt_ids(obs, first=True)) + config.rollout.sampling.max_new_tokens
+
+
+def capped_buckets(lengths: tuple[int, ...], cap: int, first_turn: int) -> tuple[int, ...]:
+  """The preset's buckets below the cap, then the cap itself."""
+  if cap < first_turn:
+    raise UserError(
+      f'--cap {cap}: expected at least the first turn of an episode ({first_turn} tokens: its '
+      'prompt and reply)'
+    )
+  if cap >= lengths[-1]:
+    raise UserError(f'--cap {cap}: expected less than the largest bucket, {lengths[-1]}')
+  return (*[b for b in lengths if b < cap], cap)
+
+
+def _train(name: str, args: list[str], out_dir: str) -> str:
+  workdir = os.path.join(out_dir, name)
+  cmd = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}', '--move_aside', *args]
+  print(f'== {name}: ' + ' '.join(['python', *cmd[1:]]), flush=True)
+  rc = subprocess.run(cmd, cwd=ROOT).returncode
+  if rc:
+    raise SystemExit(f'error: the {name} run failed (exit code {rc}); see its output above')
+  return os.path.join(workdir, 'metrics.jsonl')
+
+
+def _series(path: str) -> dict[str, list]:
+  from earl_jax import metrics
+
+  rows = [r for r in metrics.read_jsonl(path) if 'ctx/turn_len_mean' in r]
+  keys = ('ctx/turn_len_mean', 'ctx/episode_len_mean', 'ctx/episode_len_max', 'return_mean',
+          'win_rate', 'overflow_rate', 'plan/rollout', 'plan/train')  # fmt: skip
+  return {'step': [r['step'] for r in rows], **{k: [r.get(k) for r in rows] for k in keys}}
+
+
+def _mean(xs):
+  return sum(xs) / len(xs) if xs else None
+
+
+def summarize(capped: dict, earl: dict, cap: int) -> dict:
+  """The step at which the capped run's episodes reach the cap (the first truncated one), and
+  each run's return before and after it."""
+  # The first step in which an episode of the capped run was truncated at the cap.
+  reach = next((s for s, o in zip(capped['step'], capped['overflow_rate']) if o), None)
+  out = {'cap': cap, 'capped_reaches_cap_at_step': reach}
+  for name, run in (('capped', capped), ('earl', earl)):
+    before = [r for s, r in zip(run['step'], run['return_mean']) if reach is None or s < reach]
+    after = [r for s, r in zip(run['step'], run['return_mean']) if reach is not None and s >= reach]
+    last = run['return_mean'][-max(1, len(run['step']) // 4) :]
+    out[name] = {
+      'return_before': _mean(before),
+      'return_after': _mean(after),
+      'return_last_quarter': _mean(last),
+      'overflow_rate_after': _mean(
+        [o for s, o in zip(run['step'], run['overflow_rate']) if reach is not None and s >= reach]
+      ),
+      'episode_len_mean_last': run['ctx/episode_len_mean'][-1],
+      'rollout_layouts': sorted({p.split('@')[0] for p in run['plan/rollout'] if p}),
+      'train_layouts': sorted({p.split('@')[0] for p in run['plan/train'] if p}),
+    }
+  return out
+
+
+def plot(capped: dict, earl: dict, cap: int, out: str) -> None:
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  runs = (('EARL (no cap)', earl, '#d94801'), (f'capped at {cap} tokens', capped, '#555555'))
+  for label, run, color in runs:
+    axes[0].plot(run['step'], run['ctx/turn_len_mean'], color=color, label=label)
+    axes[1].plot(run['step'], run['ctx/episode_len_mean'], color=color, label=f'{label}: mean')
+    axes[1].plot(run['step'], run['ctx/episode_len_max'], ':', color=color, label=f'{label}: max')
+    axes[2].plot(run['step'], run['return_mean'], color=color, label=label)
+  axes[1].axhline(cap, color='red', lw=1, ls='--', label='cap')
+  titles = ('(a) turn-level context length', '(b) episode-level context length', '(c) return')
+  for ax, title in zip(axes, titles):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel('step')
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('tokens')
+  axes[1].set_ylabel('tokens')
+  axes[2].set_ylabel('mean return of the step')
+  axes[1].legend(fontsize=7)
+  axes[2].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out, dpi=130)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  runtime.setup(cpu_devices=8)
+  from earl_jax import config_cli
+  from experiments.configs import train as presets
+
+  if _PRESET.value not in presets.PRESETS:
+    raise UserError(f'--preset {_PRESET.value}: expected one of {", ".join(presets.PRESETS)}')
+  config = presets.PRESETS[_PRESET.value]()
+  for text in _OVERRIDES.value:
+    path, sep, value = text.removeprefix('--config.').partition('=')
+    if not sep:
+      raise UserError(f'--override {text}: expected --config.a.b=value')
+    config = config_cli.apply_override(config, path, value)
+  if _STEPS.value is not None and _STEPS.value < 1:
+    raise UserError(f'--steps {_STEPS.value}: expected a positive number of steps')
+  buckets = capped_buckets(config.buckets.lengths, _CAP.value, _first_turn_tokens(config))
+  common = [f'--config={_PRESET.value}', *_OVERRIDES.value]
+  if _STEPS.value is not None:
+    common.append(f'--config.steps={_STEPS.value}')
+  out = _OUT_DIR.value
+  os.makedirs(out, exist_ok=True)
+  lengths = ','.join(map(str, buckets))
+  earl = _series(_train('earl', common, out))
+  cache = config.selector.profile.cache
+  capped_args = [*common, f'--config.buckets.lengths={lengths}']
+  if cache:  # its own profile cache: another bucket table is another profile
+    root, ext = os.path.splitext(cache)
+    capped_args.append(f'--config.selector.profile.cache={root}_cap{_CAP.value}{ext}')
+  capped = _series(_train('capped', capped_args, out))
+  summary = summarize(capped, earl, _CAP.value)
+  report = {
+    'experiment': 'context_cap',
+    'preset': _PRESET.value,
+    'capped_buckets': list(buckets),
+    'earl_buckets': list(config.buckets.lengths),
+    'summary': summary,
+    'runs': {'capped': capped, 'earl': earl},
+  }
+  with open(os.path.join(out, 'fig1.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  plot(capped, earl, _CAP.value, os.path.join(out, 'fig1.png'))
+  s = summary
+  reach = s['capped_reaches_cap_at_step']
+  print(f"\ncap {_CAP.value} tokens: the capped run's longest episodes reach it at step {reach}")
+  for name in ('capped', 'earl'):
+    x = s[name]
+    ret = lambda v: '-' if v is None else f'{v:+.3f}'  # noqa: E731
+    share = '-' if x['overflow_rate_after'] is None else f'{x["overflow_rate_after"]:.0%}'
+    print(
+      f'  {name:6s} return before {ret(x["return_before"])}, after {ret(x["return_after"])}, '
+      f'last quarter {ret(x["return_last_quarter"])}; truncated after: {share}; episode mean at '
+      f'the end {x["episode_len_mean_last"]:.0f} tokens; rollout layouts '
+      f'{", ".join(x["rollout_layouts"])}'
+    )
+  print(f'wrote {os.path.join(out, "fig1.json")} and fig1.png')
+
+
+if __name__ == '__main__':
+  runtime.run(main)

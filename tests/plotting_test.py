@@ -1,0 +1,41 @@
+"""The main job's plots: written from a metrics file, and the layout-per-stage series they show."""
+
+import json
+
+from earl_jax import plotting
+
+
+def _rows():
+  plans = [
+    ('dp8.tp1@128', 'dp8.tp1@128', 'dp8.tp1@128'),
+    ('dp8.tp1@256', 'dp8.tp1@256', 'dp4.tp2@256'),  # train switches at step 2
+    ('dp4.tp2@256', 'dp8.tp1@256', 'dp4.tp2@256'),  # rollout switches at step 3
+    ('dp4.tp2@512', 'dp8.tp1@512', 'dp8.tp1@512'),  # train back at step 4; new buckets
+  ]
+  rows = [{'step': 0, 'eval/win_rate': 0.0}]
+  for step, (r, e, t) in enumerate(plans, start=1):
+    rows.append({
+      'step': step, 'win_rate': 0.1 * step, 'invalid_rate': 0.5, 'bucket': 128,
+      'ctx/turn_len_mean': 60.0, 'ctx/episode_len_mean': 60.0 * step,
+      'ctx/episode_len_max': 90.0 * step,
+      'plan/rollout': r, 'plan/experience': e, 'plan/train': t,
+    })  # fmt: skip
+  return rows
+
+
+def test_stage_layouts_counts_layout_changes_not_bucket_changes():
+  series = plotting.stage_layouts(_rows())
+  assert series['rollout']['switches'] == [3]
+  assert series['experience']['switches'] == []
+  assert series['train']['switches'] == [2, 4]
+  assert series['rollout']['buckets'] == [128, 256, 256, 512]
+  assert series['train']['layouts'] == ['dp8.tp1', 'dp4.tp2', 'dp4.tp2', 'dp8.tp1']
+
+
+def test_plot_training_writes_every_png(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in _rows()))
+  paths = plotting.plot_training(str(path), str(tmp_path))
+  names = sorted(p.rsplit('/', 1)[1] for p in paths)
+  assert names == ['context_lengths.png', 'learning_curve.png', 'stage_layouts.png']
+  assert all((tmp_path / n).stat().st_size > 10_000 for n in names)
