@@ -1,7 +1,7 @@
 """Fig. 1 of the paper and EARL's fix: the main job under a hard context cap, and without one.
 
   python experiments/context_cap.py --out_dir=runs/fig1                 # the default, cap 384
-  python experiments/context_cap.py --cap=256 --steps=40 --out_dir=/tmp/fig1
+  python experiments/context_cap.py --opponent=random --out_dir=runs/fig1_random
   python experiments/context_cap.py --preset=smoke --cap=96 --steps=4   # seconds (CI)
 
 Trains the main job (`experiments/train.py`) twice from the same seed, one after the other:
@@ -10,9 +10,10 @@ Trains the main job (`experiments/train.py`) twice from the same seed, one after
           its turn forfeited as invalid, as in the paper ("low-quality data" in the rollouts);
   earl    the preset as it is: buckets up to its largest, the selector choosing each stage's
           layout per bucket.
-Agentic contexts grow as the policy learns: in the default (Connect Four against a random
-opponent, a small reward for every legal move) an episode lasts longer once the policy plays
-legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and fig1.png with
+Agentic contexts grow as the policy learns: in the main job's default (Connect Four, whole-board
+observations, a small reward for every legal move), here against the greedy opponent
+(`--opponent`: it takes a win and blocks one, so games last), an episode lasts longer once the
+policy plays legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and fig1.png with
 the paper's three panels for both runs (turn-level context, episode-level context against the
 cap, return) and prints the key numbers: the step at which the capped run's episodes reach the
 cap, the share truncated, and each run's return before and after that step.
@@ -32,7 +33,10 @@ from earl_jax.errors import UserError
 
 _PRESET = flags.DEFINE_string('preset', 'default', 'Preset of experiments/train.py.')
 _CAP = flags.DEFINE_integer('cap', 384, 'Context cap (tokens) of the capped run.')
-_STEPS = flags.DEFINE_integer('steps', None, 'Steps of both runs (default: the preset).')
+_STEPS = flags.DEFINE_integer('steps', 60, 'Steps of both runs.')
+_OPPONENT = flags.DEFINE_string(
+  'opponent', 'greedy', "Opponent of both runs' training and evaluation ('' keeps the preset's)."
+)
 _OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
 _OVERRIDES = flags.DEFINE_multi_string(
   'override', [], "A '--config.a.b=value' override for both runs (repeatable)."
@@ -153,12 +157,16 @@ def main(argv):
     if not sep:
       raise UserError(f'--override {text}: expected --config.a.b=value')
     config = config_cli.apply_override(config, path, value)
-  if _STEPS.value is not None and _STEPS.value < 1:
+  if _STEPS.value < 1:
     raise UserError(f'--steps {_STEPS.value}: expected a positive number of steps')
+  overrides = list(_OVERRIDES.value)
+  if _OPPONENT.value:
+    overrides += [f'--config.{e}.opponent={_OPPONENT.value}' for e in ('env', 'eval_env')]
+  for text in overrides[len(_OVERRIDES.value) :]:
+    path, _, value = text.removeprefix('--config.').partition('=')
+    config = config_cli.apply_override(config, path, value)
   buckets = capped_buckets(config.buckets.lengths, _CAP.value, _first_turn_tokens(config))
-  common = [f'--config={_PRESET.value}', *_OVERRIDES.value]
-  if _STEPS.value is not None:
-    common.append(f'--config.steps={_STEPS.value}')
+  common = [f'--config={_PRESET.value}', *overrides, f'--config.steps={_STEPS.value}']
   out = _OUT_DIR.value
   os.makedirs(out, exist_ok=True)
   lengths = ','.join(map(str, buckets))
@@ -173,6 +181,7 @@ def main(argv):
   report = {
     'experiment': 'context_cap',
     'preset': _PRESET.value,
+    'overrides': overrides,
     'capped_buckets': list(buckets),
     'earl_buckets': list(config.buckets.lengths),
     'summary': summary,

@@ -208,11 +208,11 @@ def _run_worker() -> None:
     )
   )
   lead = jax.process_index() == 0
-  t0 = time.perf_counter()
+  t_start = time.perf_counter()
 
   def progress(text: str) -> None:  # the workers run for minutes: say where they are
     if lead:
-      print(f'[{time.perf_counter() - t0:6.1f} s] {text}', flush=True)
+      print(f'[{time.perf_counter() - t_start:6.1f} s] {text}', flush=True)
 
   ring = None
   if FLAGS.socket_floor and n_proc > 1:
