@@ -42,9 +42,10 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 from earl_jax import distributed, runtime
+from earl_jax.errors import UserError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer(
@@ -198,8 +199,6 @@ def _run_worker() -> None:
   n_proc = jax.process_count()
   lengths = [int(x) for x in FLAGS.lengths]
   payloads = [float(x) for x in FLAGS.payload_mib]
-  if len(payloads) != len(lengths):
-    raise app.UsageError('--payload_mib needs one value per --lengths entry.')
   dispatcher = Dispatcher(
     DispatchConfig(
       collective=FLAGS.collective,
@@ -403,8 +402,50 @@ def format_table(report: dict) -> str:
   return '\n'.join(lines)
 
 
+STRATEGIES = ('gather_scatter', 'allgather', 'xla', 'layout_aware', 'auto')
+KINDS = ('rep', 'rows', 'seq', 'perm')
+
+
+def check_flags() -> None:
+  """Refuses bad flags in one line before any worker starts (UserError)."""
+  from earl_jax.config import ParallelConfig
+
+  try:
+    lengths = [int(x) for x in FLAGS.lengths]
+    payloads = [float(x) for x in FLAGS.payload_mib]
+  except ValueError:
+    raise UserError(
+      f'--lengths {",".join(FLAGS.lengths)} / --payload_mib {",".join(FLAGS.payload_mib)}: '
+      'expected integers and numbers'
+    ) from None
+  if not lengths or min(lengths) < 1 or min(payloads, default=0) <= 0:
+    raise UserError(f'--lengths {",".join(FLAGS.lengths)}: expected positive lengths and payloads')
+  if len(payloads) != len(lengths):
+    raise UserError(
+      f'--payload_mib {",".join(FLAGS.payload_mib)}: expected one value per --lengths entry '
+      f'({len(lengths)})'
+    )
+  unknown = [x for x in FLAGS.strategies if x not in STRATEGIES]
+  if unknown or not FLAGS.strategies:
+    raise UserError(f'--strategies {",".join(unknown)}: expected any of {", ".join(STRATEGIES)}')
+  devices = FLAGS.num_workers * FLAGS.devices_per_worker
+  for name in ('src', 'dst'):
+    text = FLAGS[name].value
+    parallel, _, kind = text.partition(':')
+    if kind and kind not in KINDS:
+      raise UserError(f'--{name} {text}: expected a kind among {", ".join(KINDS)} after the colon')
+    n = ParallelConfig.parse(parallel).num_devices
+    if n != devices:
+      raise UserError(
+        f'--{name} {text}: expected a layout over {devices} devices (--num_workers '
+        f'{FLAGS.num_workers} x --devices_per_worker {FLAGS.devices_per_worker}), not {n}'
+      )
+
+
 def main(argv) -> None:
   del argv
+  if distributed.process_env() is None:
+    check_flags()
   if distributed.process_env() is None and FLAGS.num_workers > 1:
     distributed.launch_local(
       [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],

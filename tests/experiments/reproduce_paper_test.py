@@ -33,6 +33,11 @@ def _run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     ('experiments.simulate_paper', ['--nomeasure', '--model=huge'], '--model huge'),
     ('experiments.data_volume', ['--lengths=1k'], '--lengths 1k: expected integers'),
     ('experiments.context_cap', ['--cap=20'], '--cap 20: expected at least the first turn'),
+    ('experiments.context_cap', ['--opponent=alphazero'], "'alphazero' is not one of"),
+    ('experiments.dispatch_latency', ['--lengths=8192', '--payload_mib=1,2'], 'one value per'),
+    ('experiments.dispatch_latency', ['--strategies=teleport'], '--strategies teleport'),
+    ('experiments.dispatch_latency', ['--src=dp4'], '--src dp4: expected a layout over 8'),
+    ('experiments.dispatch_latency', ['--lengths=abc'], '--lengths abc / --payload_mib'),
   ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(module, args, fragment, tmp_path):
