@@ -23,11 +23,14 @@ from nbclient import NotebookClient
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def execute(source: str, *, timeout: int = 900) -> tuple[nbformat.NotebookNode, float]:
-  """The notebook of a percent source, executed; and its run time in seconds."""
+def execute(
+  source: str, *, timeout: int = 900, env: dict[str, str] | None = None
+) -> tuple[nbformat.NotebookNode, float]:
+  """The notebook of a percent source, executed (its kernel's environment: this one's, without
+  XLA_FLAGS, plus `env`); and its run time in seconds."""
   nb = jupytext.read(source)
   nb.metadata['kernelspec'] = {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'}
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the notebook sets its own
+  env = {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}, **(env or {})}
   t0 = time.perf_counter()
   client = NotebookClient(
     nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': ROOT}}
