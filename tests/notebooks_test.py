@@ -28,7 +28,11 @@ def _code(nb) -> list[str]:
 
 
 def test_there_are_notebooks():
-  assert [os.path.basename(s) for s in SOURCES] == ['paper_figures.py', 'quickstart.py']
+  assert [os.path.basename(s) for s in SOURCES] == [
+    'paper_figures.py',
+    'quickstart.py',
+    'qwen_gpu.py',
+  ]
 
 
 @pytest.mark.parametrize('source', SOURCES, ids=os.path.basename)
@@ -50,6 +54,16 @@ def test_quickstart_executes_on_cpu_under_4_gb():
   nb, seconds = make.execute(os.path.join(ROOT, 'notebooks', 'quickstart.py'), timeout=600)
   peak = make.peak_gb(nb)
   assert peak is not None and peak < 4.0, f'peak resident memory {peak} GB'
+  assert seconds < 240
+
+
+@pytest.mark.multiprocess  # a kernel process
+def test_qwen_gpu_executes_on_cpu_with_the_fixture():
+  make = _make_notebooks()
+  nb, seconds = make.execute(os.path.join(ROOT, 'notebooks', 'qwen_gpu.py'), timeout=600)
+  text = '\n'.join(o.get('text', '') for c in nb.cells for o in c.get('outputs', []))
+  assert 'new tokens/s' in text and 'budget 128 MiB per device' in text and '(fits)' in text
+  assert 'steps in' in text and 'step    2 |' in text
   assert seconds < 240
 
 
