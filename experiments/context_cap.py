@@ -152,18 +152,15 @@ def main(argv):
   if _PRESET.value not in presets.PRESETS:
     raise UserError(f'--preset {_PRESET.value}: expected one of {", ".join(presets.PRESETS)}')
   config = presets.PRESETS[_PRESET.value]()
-  for text in _OVERRIDES.value:
-    path, sep, value = text.removeprefix('--config.').partition('=')
-    if not sep:
-      raise UserError(f'--override {text}: expected --config.a.b=value')
-    config = config_cli.apply_override(config, path, value)
   if _STEPS.value < 1:
     raise UserError(f'--steps {_STEPS.value}: expected a positive number of steps')
   overrides = list(_OVERRIDES.value)
   if _OPPONENT.value:
     overrides += [f'--config.{e}.opponent={_OPPONENT.value}' for e in ('env', 'eval_env')]
-  for text in overrides[len(_OVERRIDES.value) :]:
-    path, _, value = text.removeprefix('--config.').partition('=')
+  for text in overrides:  # checked here, in one line, before either run starts
+    path, sep, value = text.removeprefix('--config.').partition('=')
+    if not sep:
+      raise UserError(f'--override {text}: expected --config.a.b=value')
     config = config_cli.apply_override(config, path, value)
   buckets = capped_buckets(config.buckets.lengths, _CAP.value, _first_turn_tokens(config))
   common = [f'--config={_PRESET.value}', *overrides, f'--config.steps={_STEPS.value}']

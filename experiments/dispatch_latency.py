@@ -217,7 +217,7 @@ def _run_worker() -> None:
   if FLAGS.socket_floor and n_proc > 1:
     from earl_jax.dispatch.sockets import SocketRing
 
-    ring = SocketRing('dispatch_latency')
+    ring = SocketRing()
   results = []
   for length, payload in zip(lengths, payloads):
     probe = _fields(FLAGS.fields, n_dev, length)

@@ -54,7 +54,8 @@ class DispatchReport:
   """What one dispatch did.
 
   Attributes:
-    strategy: the strategy that ran ('noop', 'rewrap', 'layout_aware', 'xla', 'gather_scatter', 'allgather').
+    strategy: the strategy that ran ('noop', 'rewrap', 'layout_aware', 'xla', 'gather_scatter',
+      'allgather').
     requested: the strategy that was asked for (e.g. 'auto').
     wall_s: seconds from the call to the result being ready (planning included, accounting-only
       planning excluded), when the dispatcher is timed; else None.

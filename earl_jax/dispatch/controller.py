@@ -54,6 +54,16 @@ def controller_device(devices: Sequence[jax.Device], process: int = 0) -> jax.De
   raise ValueError(f'no device of process {process} among {len(devices)} devices.')
 
 
+def _owners(sharding: NamedSharding, shape: tuple[int, ...]) -> dict[tuple, jax.Device]:
+  """Every distinct block of `sharding` and the device that sends it: the first holder in mesh
+  order (a block replicated on several devices is sent once)."""
+  index = sharding.devices_indices_map(shape)
+  owners: dict[tuple, jax.Device] = {}
+  for d in sharding.mesh.devices.flat:
+    owners.setdefault(_key(index[d], shape), d)
+  return owners
+
+
 def link_bytes(
   shape: Sequence[int], dtype: Any, src: NamedSharding, dst: NamedSharding, process: int = 0
 ) -> dict[str, int]:
@@ -61,9 +71,7 @@ def link_bytes(
   held by other processes (in) and the target blocks of other processes' devices (out)."""
   shape = tuple(shape)
   item = np.dtype(dtype).itemsize
-  owners: dict[tuple, jax.Device] = {}
-  for d, idx in src.devices_indices_map(shape).items():
-    owners.setdefault(_key(idx, shape), d)
+  owners = _owners(src, shape)
   size = lambda key: item * int(np.prod([b - a for a, b in key], dtype=np.int64))  # noqa: E731
   bytes_in = sum(size(k) for k, d in owners.items() if d.process_index != process)
   bytes_out = sum(
@@ -154,9 +162,7 @@ class Controller:
 
     # Gather: the controller assembles the whole field in its host memory.
     host = np.empty(shape, dtype) if is_ctrl else None
-    owners: dict[tuple, jax.Device] = {}
-    for d in devices:  # mesh order: the first holder of a block sends it
-      owners.setdefault(_key(src.devices_indices_map(shape)[d], shape), d)
+    owners = _owners(src, shape)
     src_block = tuple(src.shard_shape(shape))
     arrived = []  # every transfer is issued before the controller reads any (JAX is async)
     for key, owner in owners.items():

@@ -3,7 +3,7 @@
 A dispatch cannot be faster than sending its bytes over plain sockets between the same
 processes, so the benchmarks measure that floor beside the strategies:
 
-  ring = SocketRing()                       # every process; addresses via the coordination service
+  ring = SocketRing()                       # every process at once (ports are all-gathered)
   seconds = ring.exchange(nbytes)           # send nbytes to the next process, receive from the previous
   ring.close()
 
@@ -17,33 +17,27 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 _CHUNK = 4 << 20  # bytes per send / recv call
-
-
-def _client():
-  from jax._src import distributed as jax_distributed
-
-  client = jax_distributed.global_state.client
-  if client is None:
-    raise RuntimeError('SocketRing needs jax.distributed to be initialized.')
-  return client
 
 
 class SocketRing:
   """A TCP connection from every process to the next one (process p sends to p + 1 mod N)."""
 
-  def __init__(self, name: str = 'ring', timeout_s: float = 120.0):
+  def __init__(self, timeout_s: float = 120.0):
     n, p = jax.process_count(), jax.process_index()
     if n < 2:
       raise ValueError('SocketRing needs at least two processes.')
     self.n, self.p = n, p
-    client = _client()
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.bind(('127.0.0.1', 0))
     server.listen(1)
-    client.key_value_set(f'earl/{name}/{p}', str(server.getsockname()[1]))
-    port = int(client.blocking_key_value_get(f'earl/{name}/{(p + 1) % n}', int(timeout_s * 1e3)))
+    # Every process's port, on every process (a collective: all construct the ring together).
+    ports = np.asarray(
+      multihost_utils.process_allgather(np.array([server.getsockname()[1]], np.int64))
+    ).reshape(-1)
+    port = int(ports[(p + 1) % n])
     accepted: list[socket.socket] = []
     acceptor = threading.Thread(target=lambda: accepted.append(server.accept()[0]))
     acceptor.start()

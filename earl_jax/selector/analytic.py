@@ -35,9 +35,10 @@ class Coefficients:
   """How many arrays of each kind the compiled programs hold at their peak.
 
   Fitted (non-negative least squares on relative error) to XLA:CPU's memory analysis of this
-  model code with its default 'blockwise' attention (see ANALYTIC_REL_ERROR; `scripts/fit_analytic.py` refits them). "Scores" are the f32 attention
-  arrays: [B, H, T, T] for one dense block, or one [B, H, b, b] tile of the blockwise attention,
-  whose loops (`models/attention.py`) hold a few tiles at a time. On a GPU with fused attention use
+  model code with its default 'blockwise' attention (see ANALYTIC_REL_ERROR;
+  `scripts/fit_analytic.py` refits them). "Scores" are the f32 attention arrays: [B, H, T, T]
+  for one dense block, or one [B, H, b, b] tile of the blockwise attention, whose loops
+  (`models/attention.py`) hold a few tiles at a time. On a GPU with fused attention use
   `fused_attention()`: no score tiles and no decode K/V copies.
 
   Attributes:
