@@ -64,8 +64,12 @@ class ModelConfig:
     logprob_chunk: tokens per chunk when turning hidden states into log-probs, so that a
       [B, T, V] logits tensor never exists in one piece.
     attention_impl: causal self-attention of training / experience forwards: 'blockwise' (exact,
-      query blocks of `attention_block` tokens that skip the upper triangle; any backend) or
-      'dot_product' (jax.nn.dot_product_attention: cuDNN flash attention on GPUs).
+      query blocks of `attention_block` tokens that skip the upper triangle; any backend),
+      'dot_product' (jax.nn.dot_product_attention with XLA's implementation: the whole [T, T]
+      score matrix) or 'cudnn' (the same call with implementation='cudnn': cuDNN's fused flash
+      attention; NVIDIA GPUs with bf16/f16 activations only, see
+      `earl_jax.models.attention.cudnn_supported`). Packed rows (segment ids) under 'cudnn' use
+      XLA's implementation, since cuDNN's masks are causal and padding only.
     attention_block: query block of the blockwise attention (0: one dense block).
   """
 
@@ -85,7 +89,7 @@ class ModelConfig:
   param_dtype: DType = 'float32'
   dtype: DType = 'float32'
   logprob_chunk: int = 256
-  attention_impl: Literal['blockwise', 'dot_product'] = 'blockwise'
+  attention_impl: Literal['blockwise', 'dot_product', 'cudnn'] = 'blockwise'
   attention_block: int = 128
 
   def __post_init__(self):
@@ -113,9 +117,9 @@ class ModelConfig:
         raise ConfigError(
           f'ModelConfig.{field} must be one of {_DTYPES}, got {getattr(self, field)!r}.'
         )
-    if self.attention_impl not in ('blockwise', 'dot_product'):
+    if self.attention_impl not in ('blockwise', 'dot_product', 'cudnn'):
       raise ConfigError(
-        "ModelConfig.attention_impl must be 'blockwise' or 'dot_product', got "
+        "ModelConfig.attention_impl must be 'blockwise', 'dot_product' or 'cudnn', got "
         f'{self.attention_impl!r}.'
       )
     if self.attention_block < 0:

@@ -173,3 +173,25 @@ def blockwise_causal_attention(
   if block <= 0 or T % block:
     raise ValueError(f'block {block} must be a positive divisor of T={T}.')
   return _attention(q, k, v, segment_ids, block)
+
+
+def cudnn_supported(dtype=jnp.bfloat16, device: jax.Device | None = None) -> bool:
+  """Whether `jax.nn.dot_product_attention(..., implementation='cudnn')` compiles on `device`.
+
+  Compiles one tiny causal grouped-query call in `dtype` (cuDNN's fused attention takes bf16 and
+  f16 only) for the device (default: the first); False on any platform but CUDA, and wherever
+  cuDNN refuses (an old GPU, a cuDNN without fused attention). Used to pick 'cudnn' as a model's
+  `attention_impl`, with the blockwise attention as the fallback.
+  """
+  device = device or jax.devices()[0]
+  if device.platform != 'gpu':
+    return False
+  on = jax.sharding.SingleDeviceSharding(device)
+  q = jax.ShapeDtypeStruct((1, 128, 4, 64), dtype, sharding=on)
+  kv = jax.ShapeDtypeStruct((1, 128, 2, 64), dtype, sharding=on)
+  fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation='cudnn')
+  try:
+    jax.jit(fn).lower(q, kv, kv).compile()
+  except Exception:  # cuDNN's refusals surface as several exception types
+    return False
+  return True

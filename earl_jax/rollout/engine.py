@@ -325,7 +325,7 @@ class RolloutEngine:
     key = ('grow', mesh, cache.capacity, capacity)
     if key not in self._cache_ops:
       extra = capacity - cache.capacity
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))  # noqa: E731
       self._cache_ops[key] = jax.jit(
         lambda c: dataclasses.replace(c, k=tuple(map(pad, c.k)), v=tuple(map(pad, c.v))),
         out_shardings=qwen2.KVCache.shardings(self.model_cfg, mesh),

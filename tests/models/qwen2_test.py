@@ -291,6 +291,18 @@ def test_blockwise_causal_attention_matches_dense_values_and_grads(block):
   np.testing.assert_allclose(np.asarray(c)[:, :40], np.asarray(a)[:, :40], atol=1e-6)
 
 
+def test_cudnn_on_packed_rows_is_xlas_attention_with_the_segment_mask():
+  """cuDNN's masks are causal and padding only: packed rows under 'cudnn' take XLA's attention
+  (so this runs on the CPU too), and equal the blockwise attention's values."""
+  rng = np.random.default_rng(3)
+  B, T, H, K, Dh = 2, 32, 4, 2, 8
+  q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, Dh)), jnp.float32) for n in (H, K, K))
+  seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 14 + [3] * 8], B, axis=0), jnp.int32)
+  a = qwen2.causal_attention(q, k, v, block=0, impl='cudnn', segment_ids=seg)
+  b = qwen2.causal_attention(q, k, v, block=8, impl='blockwise', segment_ids=seg)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 @pytest.mark.parametrize('impl,block', [('blockwise', 8), ('blockwise', 0), ('dot_product', 0)])
 def test_packed_rows_equal_unpacked_sequences_in_values_and_gradients(impl, block):
   """Three sequences packed side by side into one row (segment ids, positions from 0 in each)
