@@ -2,14 +2,20 @@
 
   cfg = selector.get_config('cpu')      # or 'smoke'
 
-'cpu' (the default) runs on 8 fake CPU devices in a few minutes per benchmark. Its model is the
-`small-kv` preset (H = K = 8, so tp 1, 2, 4 and 8 are all valid) and its per-device budget is
-emulated: 90 MiB, chosen so that at the largest cell (64 responses x 4096) every low-tp layout
-needs ~97-99 MiB (the K/V cache is 64 MiB per device for every layout; XLA:CPU's decode also
-keeps an f32 copy of one layer's K and V, which tp8 half fuses away, and the weights are
-replicated over dp) while tp8 needs ~82 MiB: the small-tp layouts really do not fit there, as
-TP4 did not at 128 x 32K in the paper. The growth benchmark runs 16 responses with a 23 MiB
-budget: there the low-tp layouts are the fastest at short context and stop fitting at 4096.
+'cpu' (the default) runs on 8 fake CPU devices in a few minutes per benchmark. Its model is
+`small-kv` (H = K = 8, so tp 1, 2, 4 and 8 are all valid) with a wider MLP (F = 2048: 1.84M
+parameters, 7.0 MiB in f32), and its per-device budget is emulated. Every layout holds the same
+K/V cache per device (rows split by dp, heads by tp); what separates their peaks is the weights,
+replicated over dp and split by tp, as in the paper, where TP4 holds 36 GB of Qwen2.5-72B per GPU
+and TP8 18 GB. At the largest cell (64 responses x 4096) XLA's peaks are 73.0 (dp8), 69.5
+(dp4.tp2), 67.8 (dp2.tp4) and 67.0 MiB (tp8): the 67.4 MiB budget leaves only tp8 there, as
+only TP8 fitted 128 x 32K in the paper. The growth benchmark runs 16 responses with a 17.9 MiB
+budget (peaks at 4096: 23.5, 20.0, 18.3, 17.4 MiB; at 2048 at most 15.3): dp2.tp4, the fastest
+layout at every shorter context, stops fitting at 4096, where only tp8 does. The margins are
+0.4-0.5 MiB, a tp8's share of the weights; XLA's memory analysis is deterministic, so the same
+cells are refused on every run of this JAX version.
+(Until the cache was laid out [B, K, S, Dh], XLA:CPU's decode also copied one layer's K and V at
+every step, and that copy, not the weights, set the earlier budgets of 90 and 23 MiB.)
 'smoke' is a one-minute version for checking the code.
 """
 
@@ -94,16 +100,16 @@ def get_config(name: str = 'cpu') -> SelectorBench:
   small_kv = ModelConfig.preset('small-kv')
   if name == 'cpu':
     return SelectorBench(
-      model=small_kv,
+      model=small_kv.replace(name='small-kv-wide', intermediate_size=2048),
       buckets=BucketConfig(lengths=(128, 256, 512, 1024, 2048, 4096)),
       rows=(16, 32, 64),
-      budget_mib=90.0,
+      budget_mib=67.4,
       decode_tokens=8,
       repeats=2,
       min_seconds=0.5,
       rounds=4,
       # Slow growth first (as in a real run), then the long contexts where only tp8 fits: with 16
-      # responses at 4096 the low-tp layouts need 24.7-26.0 MiB per device, tp8 21.0 MiB.
+      # responses at 4096, dp2.tp4 needs 18.3 MiB per device and tp8 17.4 MiB.
       growth_schedule=(
         *(100, 105, 110, 115),
         *(200, 210, 220),
@@ -113,7 +119,7 @@ def get_config(name: str = 'cpu') -> SelectorBench:
         *(2600, 3000),
       ),
       growth_rows=16,
-      growth_budget_mib=23.0,
+      growth_budget_mib=17.9,
       growth_spread=0.1,
       calls_per_step=16,
       growth_passes=2,
