@@ -7,10 +7,11 @@
 
 Every side decodes greedily exactly --new_tokens tokens after the same random prompts, at each
 batch size, with a KV cache, in f32 on the CPU (one JAX device). Each measurement is warmed up
-and repeated; the median is kept, and the first call (compile + run) is reported. Tunix and torch
-never enter earl_jax's environment: each peer runs as a subprocess of another Python that has it
-(scripts/tunix_sampler_bench.py, scripts/hf_generate_bench.py), one after the other, so no two
-sides share the cores. The generated tokens are compared with ours, which also proves the weights
+and repeated, in --rounds rounds over the sides, every other round in reverse order (so that no
+side always runs first or last); the median pools every round, and the first call (compile +
+run) of the first round is reported. Tunix and torch never enter earl_jax's environment: each
+peer runs as a subprocess of another Python that has it (scripts/tunix_sampler_bench.py,
+scripts/hf_generate_bench.py), one side at a time, so no two sides share the cores. The generated tokens are compared with ours, which also proves the weights
 are the same.
 
 The multi-turn case: a second turn appends an observation of --obs_len tokens after the first
@@ -53,6 +54,9 @@ _NEW = flags.DEFINE_integer('new_tokens', 64, 'Tokens generated per row and turn
 _PROMPT = flags.DEFINE_integer('prompt_len', 32, 'First-turn prompt tokens per row.')
 _OBS = flags.DEFINE_integer('obs_len', 32, 'Second-turn observation tokens per row (0: no turn 2).')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed repetitions (after one warm-up).')
+_ROUNDS = flags.DEFINE_integer(
+  'rounds', 2, 'Rounds over the sides, every other one in reverse order; medians pool them all.'
+)
 _THREADS = flags.DEFINE_integer('threads', 0, 'torch threads (0: torch default).')
 _OUT = flags.DEFINE_string('out', 'runs/decode_throughput.json', 'JSON results.')
 
@@ -147,6 +151,20 @@ def _peer(python, script, model_dir, prompts, batch_sizes, new_tokens, repeats, 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _pool(into, more):
+  """`into` with `more`'s timings appended wherever both have `times_s` (medians recomputed);
+  everything else (tokens, first calls) stays as `into` had it. None: `more` itself."""
+  if into is None:
+    return more
+  for k, v in into.items():
+    if isinstance(v, dict) and isinstance(more.get(k), dict):
+      _pool(v, more[k])
+  if 'times_s' in into and 'times_s' in more:
+    into['times_s'] = [*into['times_s'], *more['times_s']]
+    into['median_s'] = statistics.median(into['times_s'])
+  return into
+
+
 def _agreement(a, b) -> float:
   return float(np.mean(np.asarray(a) == np.asarray(b)))
 
@@ -158,8 +176,10 @@ def check_flags() -> None:
   for name, flag, lo in (('new_tokens', _NEW, 1), ('prompt_len', _PROMPT, 1), ('obs_len', _OBS, 0)):
     if flag.value < lo:
       raise ConfigError(f'--{name} must be >= {lo}, got {flag.value}.')
-  if _REPEATS.value < 1:
-    raise ConfigError(f'--repeats must be >= 1, got {_REPEATS.value}.')
+  if _REPEATS.value < 1 or _ROUNDS.value < 1:
+    raise ConfigError(
+      f'--repeats and --rounds must be >= 1, got {_REPEATS.value}, {_ROUNDS.value}.'
+    )
   if not os.path.isfile(os.path.join(_MODEL_DIR.value, 'config.json')):
     raise ConfigError(f'--model_dir: {_MODEL_DIR.value!r} has no config.json (an HF checkpoint).')
   for name, flag in (('tunix_python', _TUNIX_PYTHON), ('torch_python', _TORCH_PYTHON)):
@@ -177,21 +197,34 @@ def main(argv):
   B, N = max(batch_sizes), _NEW.value
   prompts = rng.randint(0, cfg.vocab_size, (B, _PROMPT.value)).astype(np.int32)
   obs = rng.randint(0, cfg.vocab_size, (B, _OBS.value)).astype(np.int32)
-  cfg, ours, S1, S2 = _ours(_MODEL_DIR.value, prompts, obs, batch_sizes, N, _REPEATS.value)
-  history = ours[B].get('history')
-
-  peers = {}
-  for name, python, script, extra in (
-    ('tunix', _TUNIX_PYTHON.value, 'tunix_sampler_bench.py', ()),
-    ('hf', _TORCH_PYTHON.value, 'hf_generate_bench.py', (f'--threads={_THREADS.value}',)),
-  ):
-    if not python:
-      continue
-    args = (python, script, _MODEL_DIR.value)
-    peers[name] = {'turn1': _peer(*args, prompts, batch_sizes, N, _REPEATS.value, extra)}
-    if history is not None:
-      turn2_extra = (*extra, f'--cache_size={S2}') if name == 'tunix' else extra
-      peers[name]['turn2'] = _peer(*args, history, batch_sizes, N, _REPEATS.value, turn2_extra)
+  peer_sides = [
+    (name, python, script, extra)
+    for name, python, script, extra in (
+      ('tunix', _TUNIX_PYTHON.value, 'tunix_sampler_bench.py', ()),
+      ('hf', _TORCH_PYTHON.value, 'hf_generate_bench.py', (f'--threads={_THREADS.value}',)),
+    )
+    if python
+  ]
+  sides = ['ours', *(side[0] for side in peer_sides)]
+  ours, peers, history = None, {}, None
+  for r in range(_ROUNDS.value):
+    order = sides if r % 2 == 0 else sides[::-1]
+    print(f'round {r + 1} of {_ROUNDS.value}: {", ".join(order)}', flush=True)
+    for side in order:
+      if side == 'ours':
+        cfg, got, S1, S2 = _ours(_MODEL_DIR.value, prompts, obs, batch_sizes, N, _REPEATS.value)
+        ours = _pool(ours, got)
+        history = ours[B].get('history')
+        continue
+      # The peers' second turn takes the history our first turn produced (ours runs first in
+      # the first round; the greedy tokens agree).
+      name, python, script, extra = next(p for p in peer_sides if p[0] == side)
+      args = (python, script, _MODEL_DIR.value)
+      got = {'turn1': _peer(*args, prompts, batch_sizes, N, _REPEATS.value, extra)}
+      if _OBS.value:
+        turn2_extra = (*extra, f'--cache_size={S2}') if name == 'tunix' else extra
+        got['turn2'] = _peer(*args, history, batch_sizes, N, _REPEATS.value, turn2_extra)
+      peers[name] = _pool(peers.get(name), got)
 
   print(
     f'model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, prompt {_PROMPT.value}, {N} new '
@@ -275,6 +308,7 @@ def main(argv):
     'cache_bucket': S1,
     'turn2_cache_bucket': S2,
     'repeats': _REPEATS.value,
+    'rounds': _ROUNDS.value,
     'jax': jax.__version__,
     'tunix': peers['tunix']['turn1']['tunix_version'] if 'tunix' in peers else None,
     'torch': peers['hf']['turn1']['torch'] if 'hf' in peers else None,
