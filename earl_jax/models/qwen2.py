@@ -281,15 +281,19 @@ class Attention(nnx.Module):
       new_kv = (k_cache, v_cache)
       # Queries as [B, K, Q * T, Dh]: both matmuls batch over (B, K) and contract over Dh, then
       # over S, with the cache's S and Dh contiguous (no copy of the cache at any step).
+      # The matmuls take the cache in its own dtype and accumulate in f32 (a bf16 cache is never
+      # converted whole at each step).
       qg = q.reshape(B, T, K, Q, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, Q * T, Dh)
       scores = jnp.einsum(
-        'BKMd,BKSd->BKMS', qg.astype(jnp.float32), k_cache.astype(jnp.float32)
+        'BKMd,BKSd->BKMS', qg.astype(k_cache.dtype), k_cache, preferred_element_type=jnp.float32
       ) / jnp.sqrt(Dh)
       visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
       visible = jnp.broadcast_to(visible[:, None], (B, Q, T, S)).reshape(B, 1, Q * T, S)
       scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(scores, axis=-1)
-      out = jnp.einsum('BKMS,BKSd->BKMd', probs, v_cache.astype(jnp.float32))
+      out = jnp.einsum(
+        'BKMS,BKSd->BKMd', probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+      )
       out = out.reshape(B, K, Q, T, Dh).transpose(0, 3, 1, 2, 4)
       out = out.reshape(B, T, H, Dh).astype(x.dtype)
     out = rules.constrain(out, ('batch', 'seq', 'act_heads', 'head_dim'))
