@@ -155,6 +155,7 @@ def _pool(into, more):
   """`into` with `more`'s timings appended wherever both have `times_s` (medians recomputed);
   everything else (tokens, first calls) stays as `into` had it. None: `more` itself."""
   if into is None:
+    _note_rounds(more)
     return more
   for k, v in into.items():
     if isinstance(v, dict) and isinstance(more.get(k), dict):
@@ -162,7 +163,17 @@ def _pool(into, more):
   if 'times_s' in into and 'times_s' in more:
     into['times_s'] = [*into['times_s'], *more['times_s']]
     into['median_s'] = statistics.median(into['times_s'])
+    into['round_medians_s'] = [*into['round_medians_s'], more['median_s']]
   return into
+
+
+def _note_rounds(tree) -> None:
+  """Starts `round_medians_s` (one median per round) wherever a first round has `times_s`."""
+  for v in tree.values():
+    if isinstance(v, dict):
+      _note_rounds(v)
+  if 'times_s' in tree:
+    tree['round_medians_s'] = [tree['median_s']]
 
 
 def _agreement(a, b) -> float:
@@ -242,6 +253,7 @@ def main(argv):
       'batch': b,
       'ours_tokens_per_s': tps,
       'ours_median_s': o['median_s'],
+      'ours_round_medians_s': o['round_medians_s'],
       'ours_first_call_s': o['first_call_s'],
     }
     line = f'{b:>5} {tps:>11.0f}'
@@ -253,6 +265,7 @@ def main(argv):
         {
           f'{name}_tokens_per_s': peer_tps,
           f'{name}_median_s': r['median_s'],
+          f'{name}_round_medians_s': r['round_medians_s'],
           f'{name}_first_call_s': r.get('first_call_s'),
           f'ours_over_{name}': tps / peer_tps,
           f'{name}_token_agreement': same,

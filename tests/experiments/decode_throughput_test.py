@@ -39,6 +39,8 @@ def test_second_turn_on_the_kept_cache_decodes_what_the_whole_history_does(tmp_p
   assert r['cache_bucket'] == 16 and r['turn2_cache_bucket'] == 16  # 5 + 4 + 3 + 4 = 16
   for row in r['rows']:
     assert row['ours_tokens_per_s'] == row['batch'] * 4 / row['ours_median_s']
+    rounds = row['ours_round_medians_s']  # one median per round, the pooled one between them
+    assert len(rounds) == 2 and min(rounds) <= row['ours_median_s'] <= max(rounds)
   for row in r['turn2']:
     assert row['history_tokens'] == 5 + 4 + 3
     # Prefilling only the observation against the first turn's cache gives the same greedy
