@@ -80,7 +80,7 @@ class ExperimentConfig:
   )
   dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
     default_factory=lambda: dispatch_lib.DispatchConfig(
-      strategy='layout_aware', stable_kernels=True
+      strategy='layout_aware', stable_kernels=True, donate=True
     )
   )
   steps: int = 20

@@ -15,9 +15,11 @@ partitioning with equal cardinality:
        the largest spread are merged, largest subset of one with smallest of the other. Usually
        much tighter than LPT.
 Then the subsets (bins) are matched to ranks so as to keep as many rows as possible where they
-already are (`scipy.optimize.linear_sum_assignment` on rows already held by a rank's devices),
-and each rank's rows are listed in source order, so rows that stay local move as contiguous
-runs.
+already are (`scipy.optimize.linear_sum_assignment` on rows already held by a rank's devices).
+Within a rank, a row whose own index falls in the rank's block keeps that slot (perm[r] = r),
+and the rows that arrive fill the vacated slots in source order: where the source and target
+blocks are the same devices' (e.g. dp8 -> dp8), the dispatch then writes only the arriving rows
+into the block (`OutOp('update')`) instead of copying all of it.
 
 A balanced partition found from scratch moves almost every row (each bin mixes rows from every
 rank), while a dispatch only needs to move what the layouts and the balance require. So:
@@ -163,7 +165,7 @@ def local_bins(
 def permutation_from_bins(
   bins: Sequence[Int[np.ndarray, ' b']], locality: Int[np.ndarray, 'B R'] | None = None
 ) -> Int[np.ndarray, ' B']:
-  """The permutation that gives rank k the rows of its matched bin, in ascending row order.
+  """The permutation that gives rank k the rows of its matched bin (`in_slots` order).
 
   Args:
     bins: equal-size arrays of row indices that partition range(B).
@@ -181,7 +183,23 @@ def permutation_from_bins(
     rows, cols = linear_sum_assignment(-score)
     assignment = np.empty(ranks, np.int64)
     assignment[cols] = rows  # rank -> bin
-  return np.concatenate([bins[assignment[k]] for k in range(ranks)]).astype(np.int64)
+  return in_slots([bins[assignment[k]] for k in range(ranks)])
+
+
+def in_slots(rows_by_rank: Sequence[Int[np.ndarray, ' b']]) -> Int[np.ndarray, ' B']:
+  """perm with rank k's rows in its block of positions: a row whose index lies in that block
+  keeps it (perm[r] = r), the others fill the free positions in ascending order."""
+  per = len(rows_by_rank[0])
+  perm = np.empty(per * len(rows_by_rank), np.int64)
+  for k, rows in enumerate(rows_by_rank):
+    rows = np.sort(np.asarray(rows, np.int64))
+    lo = k * per
+    stay = (rows >= lo) & (rows < lo + per)
+    block = np.full(per, -1, np.int64)
+    block[rows[stay] - lo] = rows[stay]
+    block[block < 0] = rows[~stay]
+    perm[lo : lo + per] = block
+  return perm
 
 
 def target_ranks(dst: Layout, rows: int) -> int:
@@ -254,7 +272,7 @@ def balanced_permutation(
   if max(int(lengths[b].sum()) for b in local) > kk_max * (1 + _LOCAL_SLACK):
     return permutation_from_bins(kk, locality)
   # The identity placement is the starting point, so rank k keeps bin k (no matching).
-  return np.concatenate(local).astype(np.int64)
+  return in_slots(local)
 
 
 def rank_loads(

@@ -19,7 +19,9 @@ Per-shard shapes for one field of a group (n devices, U = the group's unit shape
              words [sum of elements] (all_to_all: [n, words per peer]), one collective per
              item size, then sliced and bitcast back
   pool     : [local units | recv 0 | recv 1 | ...]
-  output   : [dst_units, *U]               one whole region / dynamic_slice / row gather
+  output   : [dst_units, *U]               one whole region / dynamic_slice / row gather, or
+             (update) the local units with [updates, *U] rows of the pool scattered into their
+             slots: in place when the source is donated, so units that stay are not copied
   field out: [b_dst, t_dst, ...]           free reshape
 
 Ragged sends are padded to the round's static `cap`; the receiver's table only ever points at
@@ -221,9 +223,15 @@ def make_kernel(
         elif op.kind == 'slice':
           y = jax.lax.dynamic_slice_in_dim(parts[op.region], idx, g.dst_units, axis=0)
         else:
-          present = [p for p in parts if p is not None]
+          # 'update' from region 1: the pool of received buffers only (the local block is
+          # written, not read, so a donated block is updated in place).
+          skip = 1 if op.kind == 'update' and op.region == 1 else 0
+          present = [p for p in parts[skip:] if p is not None]
           pool = present[0] if len(present) == 1 else jnp.concatenate(present, axis=0)
-          y = take_rows(pool, idx)
+          if op.kind == 'update':  # idx [2, updates]: slots, then their pool indices
+            y = parts[0].at[idx[0]].set(take_rows(pool, idx[1]), mode='drop')
+          else:
+            y = take_rows(pool, idx)
         outs[f.index] = y.reshape(f.dst_block)
     return outs
 

@@ -107,10 +107,14 @@ class SendOp:
 @dataclasses.dataclass(frozen=True)
 class OutOp:
   """How the output block is read from the pool: 'full' (one region, whole), 'slice' (one
-  region at a per-device offset) or 'gather' (per-device indices into the whole pool)."""
+  region at a per-device offset), 'gather' (per-device indices into the whole pool) or 'update'
+  (the local block with `updates` units overwritten from the pool: the units that stay in their
+  slot are not copied when the source is donated)."""
 
-  kind: Literal['full', 'slice', 'gather']
-  region: int = -1  # 0 = local units, r + 1 = this group's section of round r
+  kind: Literal['full', 'slice', 'gather', 'update']
+  region: int = -1  # 0 = local units, r + 1 = this group's section of round r ('update': 1 =
+  # the written units come from the received buffers alone, 0 = from the whole pool)
+  updates: int = 0  # 'update': the slots written per device (a capacity bucket, padded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +148,8 @@ class GroupPlan:
     send_ops: one per plan round.
     out_op: how the output is read from the pool.
     send_tables: per plan round, int32 [n, cap] ('gather') or [n] ('slice') or None.
-    out_table: int32 [n, dst_units] ('gather') or [n] ('slice') or None.
+    out_table: int32 [n, dst_units] ('gather'), [n] ('slice'), [n, 2, updates] ('update':
+      the slots, then their pool indices; padding slots are dst_units, dropped) or None.
   """
 
   fields: tuple[FieldPlan, ...]
@@ -648,8 +653,8 @@ def _send_op(lists: dict[int, np.ndarray], cap: int, n: int, n_su: int, stable: 
 
 
 def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
-  """The output op: one region read whole or as one run, else (always, when `stable`) a gather
-  over the pool."""
+  """The output op: one region read whole or as one run (never when `stable`), else the local
+  block with the changed slots written, else a gather over the pool."""
   n, n_du = pool_idx.shape
   regions = np.unique(region_of)
   if len(regions) == 1 and not stable:
@@ -660,6 +665,26 @@ def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
       if np.all(starts == 0) and n_du == sizes[region]:
         return OutOp('full', region), None
       return OutOp('slice', region), starts.astype(np.int32)
+  if sizes[0] == n_du:
+    # Slots whose unit is already there (local unit j at slot j) need no write: if at most half
+    # of the slots change on every device, write only those into the local block (`stable`:
+    # power-of-two widths, as its caps, so that few kernels serve every permutation).
+    changed = pool_idx != np.arange(n_du)[None, :]
+    most = int(changed.sum(axis=1).max())
+    if 0 < most <= n_du // 2:
+      width = capacity_bucket(most, n_du, per_octave=1 if stable else 2)
+      # When every written unit was received (none moves within its device), the sources index
+      # the received buffers alone (region 1), so the write never reads the block it updates.
+      received_only = bool((pool_idx[changed] >= sizes[0]).all())
+      shift = sizes[0] if received_only else 0
+      table = np.zeros((n, 2, width), np.int64)
+      table[:, 0, :] = n_du  # padding: out of bounds, dropped by the scatter
+      for d in range(n):
+        slots = np.nonzero(changed[d])[0]
+        table[d, 0, : len(slots)] = slots
+        table[d, 1, : len(slots)] = pool_idx[d, slots] - shift
+      region = 1 if received_only else 0
+      return OutOp('update', region=region, updates=width), table.astype(np.int32)
   return OutOp('gather'), pool_idx.astype(np.int32)
 
 
@@ -673,7 +698,7 @@ def _build_tables(
   stable: bool = False,
 ) -> tuple[tuple[SendOp, ...], tuple[np.ndarray | None, ...], OutOp, np.ndarray | None]:
   """Send ops and tables of group g for every round, and its output op and table (`stable`:
-  row gathers throughout, so that the ops never depend on the permutation)."""
+  row gathers for the sends, so that they never depend on the permutation)."""
   n, n_du = src_dev.shape
   caps = [r.caps[g] for r in rounds]
   sizes = [n_su, *((n * c) if collective == 'all_to_all' else c for c in caps)]
@@ -851,9 +876,10 @@ def make_plan(
     pack_max_bytes: a round whose buffer (per device) is at most this many bytes carries all
       its fields in one collective (one uint8 buffer); larger rounds send one collective per
       field and avoid the packing copies (they are bandwidth-bound, not latency-bound).
-    stable: for a permutation: every ring shift with one power-of-two cap per group and row
-      gathers throughout, so that a kernel compiled for one permutation serves every other with
-      the same cap (more padding on the wire; the tables carry the permutation).
+    stable: for a permutation: every ring shift with one power-of-two cap per group, row
+      gathers for the sends and a gather or a power-of-two-wide slot update for the output, so
+      that a kernel compiled for one permutation serves every other with the same caps (more
+      padding on the wire; the tables carry the permutation).
 
   Returns:
     The Plan.

@@ -6,6 +6,7 @@ import pytest
 from earl_jax.dispatch import (
   Layout,
   LayoutError,
+  balance,
   balanced_permutation,
   check_permutation,
   kk_bins,
@@ -95,3 +96,19 @@ def test_kk_bins_are_matched_to_the_ranks_that_hold_most_of_their_rows():
 def test_balancing_rejects_rows_that_do_not_split():
   with pytest.raises(LayoutError, match='pad_rows'):
     kk_bins(np.ones(10), 4)
+
+
+def test_rows_that_stay_on_their_rank_keep_their_slot():
+  rng = np.random.default_rng(3)
+  lengths = rng.integers(1, 200, 64)
+  for rows_by_rank in (
+    [np.arange(8 * k, 8 * k + 8) for k in range(8)],  # nothing moves: the identity
+    balance.local_bins(lengths, 8, target=max(int(lengths[b].sum()) for b in kk_bins(lengths, 8))),
+  ):
+    perm = balance.in_slots(rows_by_rank)
+    assert sorted(perm.tolist()) == list(range(64))
+    for k, rows in enumerate(rows_by_rank):
+      block = perm[8 * k : 8 * k + 8]
+      assert set(block.tolist()) == set(np.asarray(rows).tolist())
+      stay = [r for r in rows if 8 * k <= r < 8 * k + 8]
+      assert all(perm[r] == r for r in stay)

@@ -249,3 +249,33 @@ def test_stable_kernels_serve_every_permutation_with_one_compile():
     caps.add(tuple(r.caps for r in plan.rounds))
     assert all(op.kind == 'gather' for g in plan.groups for op in g.send_ops)
   assert stable.traces == len(caps) < plain.traces
+
+
+@pytest.mark.parametrize('stable', [False, True])
+def test_rows_that_stay_in_their_slot_are_not_gathered_again(stable):
+  """dp8 -> dp8 with a few rows swapped between devices: the output op writes only the arriving
+  rows into the local block (from the received buffers alone, so a donated block is updated in
+  place), and the batch arrives bit for bit, donated or not."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src = dst = _layout('dp8', host)
+  perm = np.arange(ROWS)
+  perm[[1, 6, 13]] = perm[[13, 1, 6]]  # three rows on three devices change place
+  for donate in (True, False):
+    d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=donate, stable_kernels=stable))
+    batch = bodies.place(host, src)
+    [group] = d.plan(batch, src, dst, perm=perm).groups
+    assert group.out_op.kind == 'update' and group.out_op.region == 1
+    assert group.out_op.updates == 1  # one slot per device
+    out, _ = d.dispatch(batch, dst, src=src, perm=perm)
+    assert bodies.check_placed(out, host, dst, perm) == []
+    if not donate:  # the source is still whole
+      assert bodies.check_placed(batch, host, src) == []
+  # A row moving within its device is read from the whole pool (region 0).
+  perm = np.arange(ROWS)
+  perm[[0, 1, 8]] = perm[[1, 8, 0]]
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', stable_kernels=stable))
+  batch = bodies.place(host, src)
+  [group] = d.plan(batch, src, dst, perm=perm).groups
+  assert group.out_op.kind == 'update' and group.out_op.region == 0
+  out, _ = d.dispatch(batch, dst, src=src, perm=perm)
+  assert bodies.check_placed(out, host, dst, perm) == []
