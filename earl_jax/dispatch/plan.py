@@ -653,8 +653,8 @@ def _send_op(lists: dict[int, np.ndarray], cap: int, n: int, n_su: int, stable: 
 
 
 def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
-  """The output op: one region read whole or as one run (never when `stable`), else the local
-  block with the changed slots written, else a gather over the pool."""
+  """The output op: one region read whole or as one run, else the local block with the changed
+  slots written, else a gather over the pool (always a gather when `stable`)."""
   n, n_du = pool_idx.shape
   regions = np.unique(region_of)
   if len(regions) == 1 and not stable:
@@ -665,14 +665,14 @@ def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
       if np.all(starts == 0) and n_du == sizes[region]:
         return OutOp('full', region), None
       return OutOp('slice', region), starts.astype(np.int32)
-  if sizes[0] == n_du:
+  if sizes[0] == n_du and not stable:
     # Slots whose unit is already there (local unit j at slot j) need no write: if at most half
-    # of the slots change on every device, write only those into the local block (`stable`:
-    # power-of-two widths, as its caps, so that few kernels serve every permutation).
+    # of the slots change on every device, write only those into the local block. (Not when
+    # `stable`: whether and how wide depends on the permutation, which would multiply kernels.)
     changed = pool_idx != np.arange(n_du)[None, :]
     most = int(changed.sum(axis=1).max())
     if 0 < most <= n_du // 2:
-      width = capacity_bucket(most, n_du, per_octave=1 if stable else 2)
+      width = capacity_bucket(most, n_du, per_octave=2)
       # When every written unit was received (none moves within its device), the sources index
       # the received buffers alone (region 1), so the write never reads the block it updates.
       received_only = bool((pool_idx[changed] >= sizes[0]).all())
@@ -698,7 +698,7 @@ def _build_tables(
   stable: bool = False,
 ) -> tuple[tuple[SendOp, ...], tuple[np.ndarray | None, ...], OutOp, np.ndarray | None]:
   """Send ops and tables of group g for every round, and its output op and table (`stable`:
-  row gathers for the sends, so that they never depend on the permutation)."""
+  row gathers throughout, so that the ops never depend on the permutation)."""
   n, n_du = src_dev.shape
   caps = [r.caps[g] for r in rounds]
   sizes = [n_su, *((n * c) if collective == 'all_to_all' else c for c in caps)]
@@ -876,10 +876,9 @@ def make_plan(
     pack_max_bytes: a round whose buffer (per device) is at most this many bytes carries all
       its fields in one collective (one uint8 buffer); larger rounds send one collective per
       field and avoid the packing copies (they are bandwidth-bound, not latency-bound).
-    stable: for a permutation: every ring shift with one power-of-two cap per group, row
-      gathers for the sends and a gather or a power-of-two-wide slot update for the output, so
-      that a kernel compiled for one permutation serves every other with the same caps (more
-      padding on the wire; the tables carry the permutation).
+    stable: for a permutation: every ring shift with one power-of-two cap per group and row
+      gathers throughout, so that a kernel compiled for one permutation serves every other with
+      the same cap (more padding on the wire; the tables carry the permutation).
 
   Returns:
     The Plan.
