@@ -459,6 +459,8 @@ class Trainer:
       'strategy': report.strategy,
       'bytes': int(report.min_bytes or 0),
       'ms': 1e3 * seconds,
+      # This process's outputs written into recycled buffers (DispatchConfig.recycle_buffers).
+      'recycled_bytes': int(report.recycled_bytes),
     }
     return out
 
@@ -848,7 +850,8 @@ def _summary_fields(record: dict) -> dict:
 
 def move_summary(history: list[dict]) -> dict[str, Any]:
   """Per stage move, over the train steps of `history`: how many steps ran it, on how many
-  the stages' layouts differed and bytes really moved, the bytes and milliseconds in all."""
+  the stages' layouts differed and bytes really moved, the bytes (moved, and this process's
+  outputs landed in recycled buffers) and milliseconds in all."""
   out: dict[str, Any] = {}
   steps = [r for r in history if 'plan/train' in r]
   pairs = {
@@ -863,6 +866,7 @@ def move_summary(history: list[dict]) -> dict[str, Any]:
       'layouts_differ': sum(layout(r, a) != layout(r, b) for r in rows),
       'bytes_moved_steps': sum(r[f'dispatch/{name}/bytes'] > 0 for r in rows),
       'bytes': int(sum(r[f'dispatch/{name}/bytes'] for r in rows)),
+      'recycled_bytes': int(sum(r.get(f'dispatch/{name}/recycled_bytes', 0) for r in rows)),
       'ms': float(sum(r[f'dispatch/{name}/ms'] for r in rows)),
       'strategies': sorted({r[f'dispatch/{name}/strategy'] for r in rows}),
     }

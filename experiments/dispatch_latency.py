@@ -22,7 +22,11 @@ Strategies (`earl_jax.dispatch.dispatcher`): gather_scatter is the paper's singl
 baseline (every worker's rows to process 0, which scatters each worker's target rows back: N-1
 transfers in and N-1 out through its links, staged in its host memory); allgather is a host
 all-gather in which every process receives the whole batch; xla is jit with out_shardings;
-layout_aware is ours. The bytes that cross the controller's links are reported beside them.
+layout_aware is ours; layout_aware_fresh is the same kernels with recycling off, so every output is
+a fresh allocation (with --donate on CPU, layout_aware lands its outputs in the source blocks
+spent by its previous call, `DispatchConfig.recycle_buffers`: XLA:CPU has no caching allocator,
+and first-touch page faults on a fresh block cost about as much as moving it over loopback).
+The bytes that cross the controller's links are reported beside them.
 
 Default movement: every row goes to another process (both layouts dp8 with rows on every device,
 and the rows rotated by one process's share). 'xla' applies a rotation as `jnp.roll` (XLA lowers
@@ -34,11 +38,13 @@ against the source on every process, with the target sharding), then --reps roun
 strategy runs once (interleaved, in a rotating order, so background load on the shared machine
 hits all strategies alike), each call between barriers (`sync_global_devices`) so every process
 is timed on the same interval; a repetition's time is the max over processes; the table reports
-the median over repetitions. With --donate (the default, as in the main job) layout_aware and
+the median over repetitions. A recycling layout_aware is also verified on its last warm-up call,
+which lands in recycled buffers. With --donate (the default, as in the main job) layout_aware and
 xla consume their source batch, so every call gets a fresh on-device copy made before its
 barrier and timer.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -70,7 +76,9 @@ flags.DEFINE_enum(
   'random lengths (KK).',
 )
 flags.DEFINE_list(
-  'strategies', ['gather_scatter', 'allgather', 'xla', 'layout_aware'], 'Strategies to time.'
+  'strategies',
+  ['gather_scatter', 'allgather', 'xla', 'layout_aware_fresh', 'layout_aware'],
+  'Strategies to time (layout_aware_fresh: the same kernels without recycled output buffers).',
 )
 flags.DEFINE_integer('reps', 5, 'Timed repetitions per strategy (median reported).', lower_bound=1)
 flags.DEFINE_integer('warmup', 1, 'Untimed calls per strategy before timing.', lower_bound=1)
@@ -208,14 +216,21 @@ def _run_worker() -> None:
   n_proc = jax.process_count()
   lengths = [int(x) for x in FLAGS.lengths]
   payloads = [float(x) for x in FLAGS.payload_mib]
-  dispatcher = Dispatcher(
-    DispatchConfig(
-      collective=FLAGS.collective,
-      gather_chunk_bytes=FLAGS.gather_chunk_mib * MiB,
-      pack_max_bytes=int(FLAGS.pack_max_mib * MiB),
-      donate=FLAGS.donate,
-    )
+  config = DispatchConfig(
+    collective=FLAGS.collective,
+    gather_chunk_bytes=FLAGS.gather_chunk_mib * MiB,
+    pack_max_bytes=int(FLAGS.pack_max_mib * MiB),
+    donate=FLAGS.donate,
   )
+  dispatcher = Dispatcher(config)
+  # layout_aware_fresh: the same kernels, every output a fresh allocation (no recycling).
+  fresh_outputs = Dispatcher(dataclasses.replace(config, recycle_buffers=False))
+
+  def run(name: str, batch, dst, perm):
+    if name == 'layout_aware_fresh':
+      return fresh_outputs.dispatch(batch, dst, perm=perm, strategy='layout_aware', account=False)
+    return dispatcher.dispatch(batch, dst, perm=perm, strategy=name, account=False)
+
   fresh = jax.jit(lambda b: jax.tree.map(jnp.copy, b))  # a donated call consumes its batch
   lead = jax.process_index() == 0
   t_start = time.perf_counter()
@@ -274,15 +289,21 @@ def _run_worker() -> None:
     strategies = list(FLAGS.strategies)
     verified = {}
     t_length = time.perf_counter()
+    recycles = dispatcher.recycles(src)
+    entry['recycle_buffers'] = recycles
     for name in strategies:
       progress(f'{length // 1024}K: warm-up {name}')
       ok = True
-      for w in range(max(1, FLAGS.warmup)):
+      # A recycling dispatch lands in the buffers its first call spent: verify one of those too.
+      warm = max(1, FLAGS.warmup, 2 if name == 'layout_aware' and recycles else 1)
+      for w in range(warm):
         src_batch = jax.block_until_ready(fresh(batch)) if FLAGS.donate else batch
-        out, _ = dispatcher.dispatch(src_batch, dst, perm=perm, strategy=name, account=False)
+        out, report = run(name, src_batch, dst, perm)
         jax.block_until_ready(out)
-        if w == 0:
+        if w in (0, warm - 1):
           ok &= _verify(out, structs, salts, dst_sh, perm)
+        if w == warm - 1 and name == 'layout_aware':
+          entry['recycled_mib_per_process'] = report.recycled_bytes / MiB
         del out
       verified[name] = ok
     # Repetitions interleave the strategies (in a rotating order), so that background load on
@@ -298,7 +319,7 @@ def _run_worker() -> None:
         src_batch = jax.block_until_ready(fresh(batch)) if FLAGS.donate else batch
         multihost_utils.sync_global_devices('dispatch_latency')
         t0 = time.perf_counter()
-        out, _ = dispatcher.dispatch(src_batch, dst, perm=perm, strategy=name, account=False)
+        out, _ = run(name, src_batch, dst, perm)
         jax.block_until_ready(out)
         times[name].append(time.perf_counter() - t0)
         del out
@@ -317,7 +338,7 @@ def _run_worker() -> None:
     entry['socket_floor_bytes_per_process'] = floor_bytes
     med = entry['median_ms']
     if 'layout_aware' in med:
-      for other in ('gather_scatter', 'allgather', 'xla', 'socket_floor'):
+      for other in ('gather_scatter', 'allgather', 'xla', 'layout_aware_fresh', 'socket_floor'):
         if other in med:
           entry[f'ratio_{other}_over_layout_aware'] = med[other] / med['layout_aware']
     entry['bytes'] = {
@@ -364,6 +385,7 @@ def _run_worker() -> None:
           'pack_max_mib',
           'seed',
           'socket_floor',
+          'donate',
         )
       },
       'results': results,
@@ -415,7 +437,7 @@ def format_table(report: dict) -> str:
   return '\n'.join(lines)
 
 
-STRATEGIES = ('gather_scatter', 'allgather', 'xla', 'layout_aware', 'auto')
+STRATEGIES = ('gather_scatter', 'allgather', 'xla', 'layout_aware_fresh', 'layout_aware', 'auto')
 KINDS = ('rep', 'rows', 'seq', 'perm')
 
 

@@ -2,9 +2,9 @@
 
   python scripts/plot_dispatch.py --json=runs/dispatch.json --out=runs/dispatch.png
 
-One group of bars per context length (gather_scatter, allgather, xla, layout_aware and the raw
-socket floor, whichever were run), with the gather_scatter / layout_aware ratio written above
-each group, as in the paper.
+One group of bars per context length (gather_scatter, allgather, xla, layout_aware_fresh,
+layout_aware and the raw socket floor, whichever were run), with the gather_scatter /
+layout_aware ratio written above each group, as in the paper.
 """
 
 import argparse
@@ -20,6 +20,7 @@ _COLORS = {
   'gather_scatter': '#9e9e9e',
   'allgather': '#cccccc',
   'xla': '#6baed6',
+  'layout_aware_fresh': '#fdae6b',
   'layout_aware': '#d94801',
   'socket_floor': '#31a354',
 }
@@ -28,6 +29,7 @@ _LABELS = {
   'allgather': 'All-gather to every process',
   'socket_floor': 'Raw TCP ring, same bytes (floor)',
   'xla': 'XLA reshard (jit out_shardings)',
+  'layout_aware_fresh': 'Layout-aware, fresh output buffers',
   'layout_aware': 'Layout-aware (EARL)',
 }
 

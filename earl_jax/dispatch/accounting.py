@@ -67,6 +67,8 @@ class DispatchReport:
     scheduled_sent / scheduled_received: [n] bytes the layout-aware schedule moves, padding
       included (None for other strategies).
     num_collectives: collectives the layout-aware kernel issues (rounds x fields).
+    recycled_bytes: bytes of this process's outputs that landed in recycled buffers (spent
+      source blocks of earlier dispatches) instead of fresh allocations (layout_aware only).
   """
 
   strategy: str
@@ -80,6 +82,7 @@ class DispatchReport:
   scheduled_sent: tuple[int, ...] | None = None
   scheduled_received: tuple[int, ...] | None = None
   num_collectives: int = 0
+  recycled_bytes: int = 0
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

@@ -9,7 +9,8 @@ Strategies (`Strategy`, or per call with `strategy=`):
                   where it is not, the row permutation applied inside the same collectives, then
                   a zero-copy re-wrap onto the target sharding (only the re-wrap, no kernel,
                   when every target block already is a source block on its device). Device to
-                  device; no host.
+                  device; no host. Donating on CPU, the outputs land in the source blocks spent
+                  by earlier dispatches (`DispatchConfig.recycle_buffers`).
   xla             `jax.jit` with `out_shardings`: device-side, XLA's own choice of collectives.
                   A permutation is applied in the same program: a rotation of the rows as
                   `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as
@@ -95,6 +96,11 @@ class DispatchConfig:
     gather_chunk_bytes: the largest global chunk the allgather strategy gathers at once.
     donate: donate the source batch to the layout_aware / xla programs.
     timed: block until the result is ready and report the wall time.
+    recycle_buffers: land layout_aware outputs in the spent source blocks of earlier dispatches
+      (needs `donate`; `collectives.BufferPool`, at most two batches held) instead of fresh
+      allocations. None (default): on when donating on CPU, where every fresh output costs a
+      page fault and a page clear per 4 KiB (XLA:CPU has no caching allocator); off on GPU and
+      TPU, whose allocators already reuse device memory.
     stable_kernels: layout_aware with a permutation that changes every call (token balancing
       in a training loop): one kernel per (layouts, shapes) and power-of-two capacity, reused
       by every permutation (`make_plan(stable=True)`); more padding on the wire, no compile.
@@ -107,6 +113,7 @@ class DispatchConfig:
   gather_chunk_bytes: int = 64 << 20
   donate: bool = False
   timed: bool = False
+  recycle_buffers: bool | None = None
   stable_kernels: bool = False
 
   def __post_init__(self):
@@ -128,6 +135,11 @@ class DispatchConfig:
     if not isinstance(self.pack_max_bytes, int) or self.pack_max_bytes < 0:
       raise ConfigError(
         f'DispatchConfig.pack_max_bytes must be a non-negative int, got {self.pack_max_bytes}.'
+      )
+    if self.recycle_buffers and not self.donate:
+      raise ConfigError(
+        'DispatchConfig.recycle_buffers=True needs donate=True (the buffers it recycles are the '
+        'donated source blocks).'
       )
     if not isinstance(self.gather_chunk_bytes, int) or self.gather_chunk_bytes < 1:
       raise ConfigError(
@@ -153,6 +165,19 @@ def _replicated(value: np.ndarray, mesh: Mesh) -> jax.Array:
   return jax.make_array_from_single_device_arrays(value.shape, sharding, arrays)
 
 
+def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
+  """(field, earlier field) for every field whose buffers are an earlier field's."""
+  first: dict[tuple, int] = {}
+  out = []
+  for i, x in enumerate(leaves):
+    shard = x.addressable_shards[0].data
+    at = (shard.device, shard.unsafe_buffer_pointer(), x.shape, x.dtype, x.sharding)
+    j = first.setdefault(at, i)
+    if j != i:
+      out.append((i, j))
+  return tuple(out)
+
+
 def _fetch(x: jax.Array) -> np.ndarray:
   """The whole array on this host: process_allgather across processes, device_get in one."""
   if jax.process_count() > 1:
@@ -173,6 +198,7 @@ class Dispatcher:
     self._xla: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self._slices: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self.traces = 0
+    self._pool = collectives.BufferPool()
     self.controller = controller_lib.Controller(max_programs=_PROGRAMS_KEPT)
 
   # --------------------------------------------------------------------------- planning
@@ -221,18 +247,57 @@ class Dispatcher:
       del self._plans[k]
     return plan, tables, plan_s
 
-  def _kernel(self, plan: Plan, src: Layout) -> tuple[Any, bool]:
-    key = (plan.structure(), src.key(), self.config.donate)
-    kernel = self._kernels.get(key)
-    if kernel is not None:
-      return kernel, False
+  def recycles(self, src: Layout) -> bool:
+    """Whether layout_aware dispatches from `src` land in recycled buffers (see the config)."""
+    if self.config.recycle_buffers is not None:
+      return self.config.recycle_buffers
+    return self.config.donate and all(d.platform == 'cpu' for d in src.mesh.devices.flat)
+
+  def _kernel(
+    self, plan: Plan, src: Layout, recycle: bool, shared: tuple[tuple[int, int], ...] = ()
+  ) -> tuple[Any, list[jax.ShapeDtypeStruct], bool]:
+    """The kernel, its landing buffers' shapes (recycling only) and whether it is new."""
+    key = (plan.structure(), src.key(), self.config.donate, recycle, shared)
+    hit = self._kernels.get(key)
+    if hit is not None:
+      return *hit, False
 
     def count_trace():
       self.traces += 1
 
-    kernel = collectives.make_kernel(plan, src, donate=self.config.donate, on_trace=count_trace)
-    self._kernels.put(key, kernel)
-    return kernel, True
+    kernel = collectives.make_kernel(
+      plan,
+      src,
+      donate=self.config.donate,
+      recycle=recycle,
+      shared=dict(shared),
+      on_trace=count_trace,
+    )
+    structs = (
+      [collectives.output_struct(plan, src, i) for i in collectives.landing_fields(plan)]
+      if recycle
+      else []
+    )
+    self._kernels.put(key, (kernel, structs))
+    return kernel, structs, True
+
+  def _run_kernel(
+    self, plan: Plan, src: Layout, leaves: Sequence[Any], tables: list[jax.Array]
+  ) -> tuple[list[jax.Array], bool, int]:
+    """The layout_aware kernel's raw outputs, whether it was new, and the recycled bytes."""
+    recycle = self.recycles(src)
+    if not recycle:
+      kernel, _, compiled = self._kernel(plan, src, False)
+      return kernel(list(leaves), tables), compiled, 0
+    kernel, structs, compiled = self._kernel(plan, src, True, _shared(leaves))
+    landing, recycled = [], 0
+    for struct in structs:
+      buf, reused = self._pool.landing(struct)
+      landing.append(buf)
+      recycled += reused
+    raw, spent = kernel(list(leaves), tables, landing)
+    self._pool.add(spent)
+    return raw, compiled, recycled
 
   # --------------------------------------------------------------------------- dispatch
 
@@ -294,7 +359,7 @@ class Dispatcher:
     elif account:
       plan, tables, accounting_s = self._plan(leaves, src, dst, p)
 
-    compiled = False
+    compiled, recycled = False, 0
     if run == 'rewrap':
       outs = [collectives.rewrap(x, shapes[i], dst.sharding(i)) for i, x in enumerate(leaves)]
       name = 'rewrap'
@@ -304,8 +369,7 @@ class Dispatcher:
       name = Strategy.LAYOUT_AWARE.value
     elif run == Strategy.LAYOUT_AWARE:
       assert plan is not None and tables is not None
-      kernel, compiled = self._kernel(plan, src)
-      raw = kernel(list(leaves), tables)
+      raw, compiled, recycled = self._run_kernel(plan, src, leaves, tables)
       outs = [collectives.rewrap(o, shapes[i], dst.sharding(i)) for i, o in enumerate(raw)]
       name = Strategy.LAYOUT_AWARE.value
     elif run == Strategy.XLA:
@@ -322,7 +386,7 @@ class Dispatcher:
       jax.block_until_ready(outs)
       wall = time.perf_counter() - t_start - accounting_s
     result = jax.tree.unflatten(dst.treedef, outs)
-    return result, self._report(name, requested, plan, wall, plan_s, compiled)
+    return result, self._report(name, requested, plan, wall, plan_s, compiled, recycled)
 
   def _report(
     self,
@@ -332,6 +396,7 @@ class Dispatcher:
     wall: float | None = None,
     plan_s: float = 0.0,
     compiled: bool = False,
+    recycled: int = 0,
   ) -> DispatchReport:
     if plan is None:
       return DispatchReport(
@@ -351,6 +416,7 @@ class Dispatcher:
       scheduled_sent=acc['scheduled_sent'] if layout_aware else None,
       scheduled_received=acc['scheduled_received'] if layout_aware else None,
       num_collectives=plan.num_collectives if layout_aware else 0,
+      recycled_bytes=recycled,
     )
 
   # --------------------------------------------------------------------------- xla
@@ -496,8 +562,10 @@ class Dispatcher:
     if strategy != Strategy.LAYOUT_AWARE:
       raise ValueError(f'compiled_text: no device program for strategy {strategy.value!r}.')
     plan, tables, _ = self._plan(leaves, src, dst, p)
-    kernel, _ = self._kernel(plan, src)
-    return kernel.lower(list(leaves), tables).compile().as_text()
+    shared = _shared(leaves) if self.recycles(src) else ()
+    kernel, structs, _ = self._kernel(plan, src, self.recycles(src), shared)
+    args = (list(leaves), tables) + ((structs,) if self.recycles(src) else ())
+    return kernel.lower(*args).compile().as_text()
 
   def hlo_received_bytes(self, batch: Any, dst: Layout, **kwargs: Any) -> np.ndarray:
     """[n] bytes each device receives in the compiled program (see accounting.py)."""

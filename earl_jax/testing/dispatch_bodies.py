@@ -12,6 +12,7 @@ JSON-serialisable results (per-process booleans and counts) for the test to asse
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -123,5 +124,20 @@ def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
   )
   results['num_local_rows'] = len(got)
   results['traces'] = dispatcher.traces
+  # Recycling across processes: donated sources land the next dispatch's outputs.
+  from earl_jax.dispatch import DispatchConfig
+
+  recycling = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  src = Layout.parse(f'dp{n}', host)
+  rotate = (np.arange(rows) + rows // jax.process_count()) % rows  # every row to the next process
+  copy = jax.jit(lambda b: jax.tree.map(jnp.copy, b))
+  results['recycled'], results['recycled_problems'] = [], []
+  for _ in range(3):
+    out, report = recycling.dispatch(copy(place(host, src)), src, src=src, perm=rotate)
+    results['recycled'].append(report.recycled_bytes)
+    results['recycled_problems'] += check_placed(out, host, src, rotate)
+  results['local_batch_bytes'] = sum(
+    s.data.nbytes for x in jax.tree.leaves(out) for s in x.addressable_shards
+  )
   del std, count
   return results

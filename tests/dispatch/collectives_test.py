@@ -133,3 +133,60 @@ def test_take_rows_is_a_row_gather():
   np.testing.assert_array_equal(
     np.asarray(collectives.take_rows(x, idx)), np.asarray(x)[[5, 0, 0, 3]]
   )
+
+
+@pytest.mark.parametrize(('src_text', 'dst_text', 'perm_kind', 'collective'), CASES)
+def test_recycling_kernel_lands_outputs_in_the_given_buffers(
+  src_text, dst_text, perm_kind, collective
+):
+  """With recycle=True every new-buffer output is written into its donated landing buffer (the
+  same memory), the values match the dense reference, and the spent sources come back whole."""
+  host, perm = _host(), _perm(perm_kind)
+  src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
+  # Device-made copies: a device_put of host memory may borrow it, and borrowed memory is copied
+  # rather than donated.
+  leaves = jax.jit(lambda xs: [jnp.copy(x) for x in xs])(jax.tree.leaves(bodies.place(host, src)))
+  plan = make_plan(
+    src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, collective=collective
+  )
+  tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
+  kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
+  fields = collectives.landing_fields(plan)
+  assert fields  # every case moves data
+  pool = collectives.BufferPool()
+  landing = [pool.landing(collectives.output_struct(plan, src, i))[0] for i in fields]
+  at = [{s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards} for x in landing]
+  source_at = {
+    i: {s.device: s.data.unsafe_buffer_pointer() for s in leaves[i].addressable_shards}
+    for i in fields
+  }
+  raw, spent = kernel(leaves, tables, landing)
+  for i, where in zip(fields, at):
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in raw[i].addressable_shards} == where
+  for i, x in zip(fields, spent):  # the source blocks, unchanged, in their own memory
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards} == source_at[i]
+    np.testing.assert_array_equal(np.asarray(x), jax.tree.leaves(host)[i])
+  outs = [
+    collectives.rewrap(o, x.shape, dst.sharding(i)) for i, (o, x) in enumerate(zip(raw, leaves))
+  ]
+  assert bodies.check_placed(jax.tree.unflatten(dst.treedef, outs), host, dst, perm) == []
+
+
+def test_buffer_pool_reuses_matching_blocks_and_keeps_two_calls():
+  mesh = Layout.parse('dp8', _host()).mesh
+  struct = jax.ShapeDtypeStruct(
+    (16, 4), np.float32, sharding=jax.NamedSharding(mesh, jax.P('data'))
+  )
+  pool = collectives.BufferPool(keep_calls=2)
+  fresh, reused = pool.landing(struct)
+  assert reused == 0 and np.all(np.asarray(fresh) == 0)
+  spent = [jax.device_put(np.ones((16, 4), np.float32), struct.sharding) for _ in range(3)]
+  at = {s.device: s.data.unsafe_buffer_pointer() for s in spent[2].addressable_shards}
+  for x in spent:  # three calls: the first one's buffers are dropped
+    pool.add([x])
+  assert pool.nbytes == 2 * spent[0].nbytes
+  got, reused = pool.landing(struct)  # the newest first
+  assert reused == got.nbytes and got.sharding == struct.sharding
+  assert {s.device: s.data.unsafe_buffer_pointer() for s in got.addressable_shards} == at
+  odd = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=struct.sharding)
+  assert pool.landing(odd)[1] == 0  # no block of that shape

@@ -2,6 +2,7 @@
 target sharding, without touching the host (layout_aware, xla), moving the bytes the plan says."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -280,3 +281,73 @@ def test_rows_that_stay_in_their_slot_are_not_gathered_again():
   assert group.out_op.kind == 'update' and group.out_op.region == 0
   out, _ = d.dispatch(batch, dst, src=src, perm=perm)
   assert bodies.check_placed(out, host, dst, perm) == []
+
+
+def _pointers(tree) -> dict:
+  """{(leaf, device): buffer address} of every addressable shard."""
+  return {
+    (i, s.device): s.data.unsafe_buffer_pointer()
+    for i, x in enumerate(jax.tree.leaves(tree))
+    for s in x.addressable_shards
+  }
+
+
+@pytest.mark.parametrize('perm_kind', ['rotate', 'random'])
+def test_donated_dispatches_land_in_the_previous_sources_memory(perm_kind):
+  """On CPU a donating dispatcher recycles: the second dispatch's outputs are written into the
+  very buffers its first source occupied (no fresh allocation), report those bytes, and arrive
+  bit for bit; the pool holds at most two spent batches."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src = _layout('dp8', host)
+  perm = (
+    (np.arange(ROWS) + ROWS // 8) % ROWS
+    if perm_kind == 'rotate'
+    else np.random.default_rng(3).permutation(ROWS)
+  )
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  assert d.recycles(src)
+  # A device-made copy: a device_put of host memory may borrow it (then it is copied, not donated).
+  first = jax.jit(lambda b: jax.tree.map(jnp.copy, b))(bodies.place(host, src))
+  first_at = _pointers(first)
+  out, report = d.dispatch(first, src, src=src, perm=perm)
+  assert report.recycled_bytes == 0  # nothing spent yet: fresh landing buffers
+  assert all(x.is_deleted() for x in jax.tree.leaves(first))  # donated
+  assert bodies.check_placed(out, host, src, perm) == []
+  batch_bytes = sum(x.nbytes for x in jax.tree.leaves(out))
+  del out
+  out, report = d.dispatch(bodies.place(host, src), src, src=src, perm=perm)
+  assert bodies.check_placed(out, host, src, perm) == []
+  assert report.recycled_bytes == batch_bytes
+  assert _pointers(out) == first_at
+  for _ in range(3):
+    out, _ = d.dispatch(bodies.place(host, src), src, src=src, perm=perm)
+  assert bodies.check_placed(out, host, src, perm) == []
+  assert d._pool.nbytes <= 2 * batch_bytes
+
+
+def test_recycling_is_off_without_donation_or_when_asked():
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
+  assert not Dispatcher(DispatchConfig(strategy='layout_aware')).recycles(src)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True, recycle_buffers=False))
+  assert not d.recycles(src)
+  for _ in range(2):
+    batch = bodies.place(host, src)
+    out, report = d.dispatch(batch, dst, src=src)
+    assert report.recycled_bytes == 0 and bodies.check_placed(out, host, dst) == []
+  with pytest.raises(ValueError, match='recycle_buffers=True needs donate=True'):
+    DispatchConfig(recycle_buffers=True)
+
+
+def test_a_buffer_held_by_two_fields_is_donated_and_recycled_once():
+  """Reference log-probs are the policy's own array when there is no reference model: the
+  recycling kernel takes that buffer once, and both fields still arrive."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  host['ref_logprobs'] = host['logprobs']
+  src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  for _ in range(3):
+    batch = dict(jax.jit(lambda b: jax.tree.map(jnp.copy, b))(bodies.place(host, src)))
+    batch['ref_logprobs'] = batch['logprobs']
+    out, _ = d.dispatch(batch, dst, src=src)
+    assert bodies.check_placed(out, host, dst) == []

@@ -19,6 +19,9 @@ def test_two_processes_dispatch_every_strategy():
     assert len(r['problems']) == 30
     assert {k: v for k, v in r['problems'].items() if v} == {}
     assert r['group_mean_ok']
+    # The first recycling dispatch allocates; the next ones land in the spent sources.
+    assert r['recycled_problems'] == []
+    assert r['recycled'] == [0, r['local_batch_bytes'], r['local_batch_bytes']]
     assert r['num_local_rows'] == 16
     # dp4.tp2 (rows replicated over tensor) -> dp8 through process 0: process 1 holds half the
     # unique source blocks (2 of 4, sent once each) and half the target devices (4 of 8).
