@@ -562,10 +562,11 @@ class Dispatcher:
     if strategy != Strategy.LAYOUT_AWARE:
       raise ValueError(f'compiled_text: no device program for strategy {strategy.value!r}.')
     plan, tables, _ = self._plan(leaves, src, dst, p)
-    shared = _shared(leaves) if self.recycles(src) else ()
-    kernel, structs, _ = self._kernel(plan, src, self.recycles(src), shared)
-    args = (list(leaves), tables) + ((structs,) if self.recycles(src) else ())
-    return kernel.lower(*args).compile().as_text()
+    if not self.recycles(src):
+      kernel, _, _ = self._kernel(plan, src, False)
+      return kernel.lower(list(leaves), tables).compile().as_text()
+    kernel, structs, _ = self._kernel(plan, src, True, _shared(leaves))
+    return kernel.lower(list(leaves), tables, structs).compile().as_text()
 
   def hlo_received_bytes(self, batch: Any, dst: Layout, **kwargs: Any) -> np.ndarray:
     """[n] bytes each device receives in the compiled program (see accounting.py)."""

@@ -41,6 +41,17 @@ def place(host: Any, layout: Any) -> Any:
   return jax.tree.map(put, host, shardings)
 
 
+def device_copy(tree: Any) -> Any:
+  """A copy made on the devices. (A `device_put` of host memory may borrow that memory, and a
+  borrowed buffer is copied rather than donated, so donation tests start from device copies.)"""
+  return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
+
+
+def buffers(x: jax.Array) -> dict:
+  """{device: buffer address} of an array's addressable shards."""
+  return {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
 def check_placed(out: Any, host: Any, layout: Any, perm: np.ndarray | None = None) -> list[str]:
   """Problems with `out` as the host batch (rows permuted by perm) on `layout`; [] if none."""
   problems = []
@@ -130,10 +141,9 @@ def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
   recycling = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
   src = Layout.parse(f'dp{n}', host)
   rotate = (np.arange(rows) + rows // jax.process_count()) % rows  # every row to the next process
-  copy = jax.jit(lambda b: jax.tree.map(jnp.copy, b))
   results['recycled'], results['recycled_problems'] = [], []
   for _ in range(3):
-    out, report = recycling.dispatch(copy(place(host, src)), src, src=src, perm=rotate)
+    out, report = recycling.dispatch(device_copy(place(host, src)), src, src=src, perm=rotate)
     results['recycled'].append(report.recycled_bytes)
     results['recycled_problems'] += check_placed(out, host, src, rotate)
   results['local_batch_bytes'] = sum(

@@ -143,9 +143,7 @@ def test_recycling_kernel_lands_outputs_in_the_given_buffers(
   same memory), the values match the dense reference, and the spent sources come back whole."""
   host, perm = _host(), _perm(perm_kind)
   src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
-  # Device-made copies: a device_put of host memory may borrow it, and borrowed memory is copied
-  # rather than donated.
-  leaves = jax.jit(lambda xs: [jnp.copy(x) for x in xs])(jax.tree.leaves(bodies.place(host, src)))
+  leaves = bodies.device_copy(jax.tree.leaves(bodies.place(host, src)))
   plan = make_plan(
     src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, collective=collective
   )
@@ -155,16 +153,13 @@ def test_recycling_kernel_lands_outputs_in_the_given_buffers(
   assert fields  # every case moves data
   pool = collectives.BufferPool()
   landing = [pool.landing(collectives.output_struct(plan, src, i))[0] for i in fields]
-  at = [{s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards} for x in landing]
-  source_at = {
-    i: {s.device: s.data.unsafe_buffer_pointer() for s in leaves[i].addressable_shards}
-    for i in fields
-  }
+  at = [bodies.buffers(x) for x in landing]
+  source_at = {i: bodies.buffers(leaves[i]) for i in fields}
   raw, spent = kernel(leaves, tables, landing)
   for i, where in zip(fields, at):
-    assert {s.device: s.data.unsafe_buffer_pointer() for s in raw[i].addressable_shards} == where
+    assert bodies.buffers(raw[i]) == where
   for i, x in zip(fields, spent):  # the source blocks, unchanged, in their own memory
-    assert {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards} == source_at[i]
+    assert bodies.buffers(x) == source_at[i]
     np.testing.assert_array_equal(np.asarray(x), jax.tree.leaves(host)[i])
   outs = [
     collectives.rewrap(o, x.shape, dst.sharding(i)) for i, (o, x) in enumerate(zip(raw, leaves))
@@ -181,12 +176,12 @@ def test_buffer_pool_reuses_matching_blocks_and_keeps_two_calls():
   fresh, reused = pool.landing(struct)
   assert reused == 0 and np.all(np.asarray(fresh) == 0)
   spent = [jax.device_put(np.ones((16, 4), np.float32), struct.sharding) for _ in range(3)]
-  at = {s.device: s.data.unsafe_buffer_pointer() for s in spent[2].addressable_shards}
+  at = bodies.buffers(spent[2])
   for x in spent:  # three calls: the first one's buffers are dropped
     pool.add([x])
   assert pool.nbytes == 2 * spent[0].nbytes
   got, reused = pool.landing(struct)  # the newest first
   assert reused == got.nbytes and got.sharding == struct.sharding
-  assert {s.device: s.data.unsafe_buffer_pointer() for s in got.addressable_shards} == at
+  assert bodies.buffers(got) == at
   odd = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=struct.sharding)
   assert pool.landing(odd)[1] == 0  # no block of that shape

@@ -2,7 +2,6 @@
 target sharding, without touching the host (layout_aware, xla), moving the bytes the plan says."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -286,9 +285,7 @@ def test_rows_that_stay_in_their_slot_are_not_gathered_again():
 def _pointers(tree) -> dict:
   """{(leaf, device): buffer address} of every addressable shard."""
   return {
-    (i, s.device): s.data.unsafe_buffer_pointer()
-    for i, x in enumerate(jax.tree.leaves(tree))
-    for s in x.addressable_shards
+    (i, d): at for i, x in enumerate(jax.tree.leaves(tree)) for d, at in bodies.buffers(x).items()
   }
 
 
@@ -306,8 +303,7 @@ def test_donated_dispatches_land_in_the_previous_sources_memory(perm_kind):
   )
   d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
   assert d.recycles(src)
-  # A device-made copy: a device_put of host memory may borrow it (then it is copied, not donated).
-  first = jax.jit(lambda b: jax.tree.map(jnp.copy, b))(bodies.place(host, src))
+  first = bodies.device_copy(bodies.place(host, src))
   first_at = _pointers(first)
   out, report = d.dispatch(first, src, src=src, perm=perm)
   assert report.recycled_bytes == 0  # nothing spent yet: fresh landing buffers
@@ -347,7 +343,7 @@ def test_a_buffer_held_by_two_fields_is_donated_and_recycled_once():
   src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
   d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
   for _ in range(3):
-    batch = dict(jax.jit(lambda b: jax.tree.map(jnp.copy, b))(bodies.place(host, src)))
+    batch = dict(bodies.device_copy(bodies.place(host, src)))
     batch['ref_logprobs'] = batch['logprobs']
     out, _ = d.dispatch(batch, dst, src=src)
     assert bodies.check_placed(out, host, dst) == []
