@@ -28,8 +28,8 @@ def test_xla_feasibility_agrees_with_running_near_the_budget_edge():
   assert re.search(r'dp2\.tp4.*needs .* MiB per device.*Refused', r['refused'])
   for c in (small, big):
     assert c['decoded_to'] == bucket  # it decoded N tokens into the last slots
-    # The run's peak is read from the process's resident memory (allocator pages and thread
-    # scratch included): seen within -7% to +5% of XLA's figure over repeated runs.
+    # The run's peak is read from the process's resident memory, the least of 3 runs: a single
+    # run was seen from -7% to +10% of XLA's figure (allocator pages and thread scratch).
     assert abs(c['measured'] - c['need']) <= 0.10 * c['need'], c
   assert small['measured'] <= budget < big['measured']
 
