@@ -239,7 +239,7 @@ class Profile:
 
   def save(self, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f'{path}.tmp'
+    tmp = f'{path}.{os.getpid()}.tmp'  # two processes saving at once each replace it whole
     with open(tmp, 'w') as f:
       json.dump(self.to_json(), f, indent=1)
     os.replace(tmp, path)
