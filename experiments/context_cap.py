@@ -2,6 +2,7 @@
 
   python experiments/context_cap.py --out_dir=runs/fig1                 # the default, cap 384
   python experiments/context_cap.py --opponent=random --out_dir=runs/fig1_random
+  python experiments/context_cap.py --invalid_penalty=-2 --out_dir=runs/fig1_penalty
   python experiments/context_cap.py --preset=smoke --cap=96 --steps=4   # seconds (CI)
 
 Trains the main job (`experiments/train.py`) twice from the same seed, one after the other:
@@ -10,6 +11,10 @@ Trains the main job (`experiments/train.py`) twice from the same seed, one after
           its turn forfeited as invalid, as in the paper ("low-quality data" in the rollouts);
   earl    the preset as it is: buckets up to its largest, the selector choosing each stage's
           layout per bucket.
+A forfeited turn costs what an invalid reply costs (`--invalid_penalty`; the preset's is -1, as
+much as a lost game, so survival up to the cap is still the best a capped policy can do; -2 makes
+the truncated games, the ones in which the policy survived longest, the worst outcome, as a
+truncated answer that cannot be parsed is in the paper).
 Agentic contexts grow as the policy learns: in the main job's default (Connect Four, whole-board
 observations, a small reward for every legal move), here against the greedy opponent
 (`--opponent`: it takes a win and blocks one, so games last), an episode lasts longer once the
@@ -22,6 +27,7 @@ Extra `--config.*` flags go to both runs, e.g. `--config.rollout.num_episodes=32
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,12 +43,19 @@ _STEPS = flags.DEFINE_integer('steps', 60, 'Steps of both runs.')
 _OPPONENT = flags.DEFINE_string(
   'opponent', 'greedy', "Opponent of both runs' training and evaluation ('' keeps the preset's)."
 )
+_INVALID = flags.DEFINE_float(
+  'invalid_penalty',
+  float('nan'),
+  'Reward of a reply the game cannot accept, and so of a turn forfeited at the cap, in both '
+  "runs (unset: the preset's, -1, as much as a loss).",
+)
 _OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
 _OVERRIDES = flags.DEFINE_multi_string(
   'override', [], "A '--config.a.b=value' override for both runs (repeatable)."
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOOTH = 5  # steps of the trailing mean in the summary's peak and fall
 
 
 def _first_turn_tokens(config) -> int:
@@ -90,9 +103,24 @@ def _mean(xs):
   return sum(xs) / len(xs) if xs else None
 
 
+def smoothed(xs: list[float], window: int = SMOOTH) -> list[float]:
+  """The trailing mean of each step's return over the last `window` steps (fewer at the start)."""
+  return [_mean(xs[max(0, i + 1 - window) : i + 1]) for i in range(len(xs))]
+
+
+def peak_and_fall(steps: list[int], returns: list[float]) -> dict:
+  """The best smoothed return, its step, and how far the smoothed return falls after it (the
+  least value after the peak, and the last)."""
+  s = smoothed(returns)
+  i = max(range(len(s)), key=s.__getitem__)
+  low = min(s[i:])
+  return {'peak': s[i], 'peak_step': steps[i], 'low_after_peak': low, 'fall': s[i] - low,
+          'last': s[-1]}  # fmt: skip
+
+
 def summarize(capped: dict, earl: dict, cap: int) -> dict:
-  """The step at which the capped run's episodes reach the cap (the first truncated one), and
-  each run's return before and after it."""
+  """The step at which the capped run's episodes reach the cap (the first truncated one), each
+  run's return before and after it, and each run's smoothed return: its peak and its fall."""
   # The first step in which an episode of the capped run was truncated at the cap.
   reach = next((s for s, o in zip(capped['step'], capped['overflow_rate']) if o), None)
   out = {'cap': cap, 'capped_reaches_cap_at_step': reach}
@@ -107,6 +135,7 @@ def summarize(capped: dict, earl: dict, cap: int) -> dict:
       'overflow_rate_after': _mean(
         [o for s, o in zip(run['step'], run['overflow_rate']) if reach is not None and s >= reach]
       ),
+      f'smoothed_{SMOOTH}': peak_and_fall(run['step'], run['return_mean']),
       'episode_len_mean_last': run['ctx/episode_len_mean'][-1],
       'rollout_layouts': sorted({p.split('@')[0] for p in run['plan/rollout'] if p}),
       'train_layouts': sorted({p.split('@')[0] for p in run['plan/train'] if p}),
@@ -126,7 +155,8 @@ def plot(capped: dict, earl: dict, cap: int, out: str) -> None:
     axes[0].plot(run['step'], run['ctx/turn_len_mean'], color=color, label=label)
     axes[1].plot(run['step'], run['ctx/episode_len_mean'], color=color, label=f'{label}: mean')
     axes[1].plot(run['step'], run['ctx/episode_len_max'], ':', color=color, label=f'{label}: max')
-    axes[2].plot(run['step'], run['return_mean'], color=color, label=label)
+    axes[2].plot(run['step'], run['return_mean'], color=color, alpha=0.3, lw=1)
+    axes[2].plot(run['step'], smoothed(run['return_mean']), color=color, label=label)
   axes[1].axhline(cap, color='red', lw=1, ls='--', label='cap')
   titles = ('(a) turn-level context length', '(b) episode-level context length', '(c) return')
   for ax, title in zip(axes, titles):
@@ -135,7 +165,7 @@ def plot(capped: dict, earl: dict, cap: int, out: str) -> None:
     ax.grid(alpha=0.3)
   axes[0].set_ylabel('tokens')
   axes[1].set_ylabel('tokens')
-  axes[2].set_ylabel('mean return of the step')
+  axes[2].set_ylabel(f'mean return (thin: per step; thick: last {SMOOTH} steps)')
   axes[1].legend(fontsize=7)
   axes[2].legend(fontsize=8)
   fig.tight_layout()
@@ -157,6 +187,8 @@ def main(argv):
   overrides = list(_OVERRIDES.value)
   if _OPPONENT.value:
     overrides += [f'--config.{e}.opponent={_OPPONENT.value}' for e in ('env', 'eval_env')]
+  if not math.isnan(_INVALID.value):
+    overrides += [f'--config.{e}.invalid_penalty={_INVALID.value}' for e in ('env', 'eval_env')]
   for text in overrides:  # checked here, in one line, before either run starts
     path, sep, value = text.removeprefix('--config.').partition('=')
     if not sep:
@@ -199,6 +231,11 @@ def main(argv):
       f'last quarter {ret(x["return_last_quarter"])}; truncated after: {share}; episode mean at '
       f'the end {x["episode_len_mean_last"]:.0f} tokens; rollout layouts '
       f'{", ".join(x["rollout_layouts"])}'
+    )
+    pf = x[f'smoothed_{SMOOTH}']
+    print(
+      f'         return over the last {SMOOTH} steps: peak {pf["peak"]:+.3f} at step '
+      f'{pf["peak_step"]}, then falls by {pf["fall"]:.3f} (last {pf["last"]:+.3f})'
     )
   print(f'wrote {os.path.join(out, "fig1.json")} and fig1.png')
 
