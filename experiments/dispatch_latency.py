@@ -93,7 +93,8 @@ flags.DEFINE_integer('seed', 0, 'Seed of random permutations and lengths.')
 flags.DEFINE_bool(
   'socket_floor',
   True,
-  'Also time a raw TCP ring exchange of the same bytes per process (the transport floor).',
+  'Also time the transport floors: a raw TCP ring exchange of the same bytes per process, and '
+  'the same bytes between the same pairs of processes over a TCP connection per pair.',
 )
 flags.DEFINE_bool(
   'donate',
@@ -239,11 +240,11 @@ def _run_worker() -> None:
     if lead:
       print(f'[{time.perf_counter() - t_start:6.1f} s] {text}', flush=True)
 
-  ring = None
+  ring = pairs = None
   if FLAGS.socket_floor and n_proc > 1:
-    from earl_jax.dispatch.sockets import SocketRing
+    from earl_jax.dispatch.sockets import SocketMesh, SocketRing
 
-    ring = SocketRing()
+    ring, pairs = SocketRing(), SocketMesh()
   results = []
   for length, payload in zip(lengths, payloads):
     probe = _fields(FLAGS.fields, n_dev, length)
@@ -278,6 +279,12 @@ def _run_worker() -> None:
     # plan, over a plain TCP connection to the next process.
     owner = np.array([d.process_index for d in src.mesh.devices.flat])
     floor_bytes = int(max(plan.bytes_sent[owner == q].sum() for q in range(n_proc)))
+    # The pairs floor: the same bytes between the same pairs of processes, all at once.
+    to_procs = np.zeros((n_proc, plan.num_devices), np.int64)
+    np.add.at(to_procs, owner, plan.min_matrix)
+    pair_matrix = np.zeros((n_proc, n_proc), np.int64)
+    np.add.at(pair_matrix.T, owner, to_procs.T)
+    np.fill_diagonal(pair_matrix, 0)
     entry = {
       'context': length,
       'rows': rows,
@@ -310,8 +317,9 @@ def _run_worker() -> None:
     # the shared machine hits them alike.
     times = {name: [] for name in strategies}
     if ring is not None:
-      times['socket_floor'] = []
-      ring.exchange(floor_bytes)  # warm-up
+      times['socket_floor'], times['socket_pairs'] = [], []
+      ring.exchange(floor_bytes)  # warm-ups
+      pairs.exchange(pair_matrix)
     for rep in range(FLAGS.reps):
       progress(f'{length // 1024}K: repetition {rep + 1}/{FLAGS.reps}')
       for j in range(len(strategies)):
@@ -326,6 +334,8 @@ def _run_worker() -> None:
       if ring is not None:
         multihost_utils.sync_global_devices('dispatch_latency')
         times['socket_floor'].append(ring.exchange(floor_bytes))
+        multihost_utils.sync_global_devices('dispatch_latency')
+        times['socket_pairs'].append(pairs.exchange(pair_matrix))
     for name in times:
       all_times = multihost_utils.process_allgather(np.array(times[name]))
       all_times = np.asarray(all_times).reshape(n_proc, -1)
@@ -336,9 +346,12 @@ def _run_worker() -> None:
       all_ok = np.asarray(multihost_utils.process_allgather(np.array([verified[name]]))).all()
       entry['verified'][name] = bool(all_ok)
     entry['socket_floor_bytes_per_process'] = floor_bytes
+    entry['socket_pairs_matrix'] = pair_matrix.tolist()
     med = entry['median_ms']
     if 'layout_aware' in med:
-      for other in ('gather_scatter', 'allgather', 'xla', 'layout_aware_fresh', 'socket_floor'):
+      others = ('gather_scatter', 'allgather', 'xla', 'layout_aware_fresh', 'socket_floor',
+                'socket_pairs')  # fmt: skip
+      for other in others:
         if other in med:
           entry[f'ratio_{other}_over_layout_aware'] = med[other] / med['layout_aware']
     entry['bytes'] = {
@@ -404,22 +417,24 @@ def format_table(report: dict) -> str:
   strategies = report['flags']['strategies']
   floor = any('socket_floor' in r['median_ms'] for r in report['results'])
   head = ['context', 'MiB/worker'] + [f'{s} ms' for s in strategies]
-  head += ['socket floor ms'] if floor else []
+  head += ['socket floor ms', 'pairs floor ms'] if floor else []
   if 'layout_aware' in strategies:
     head += [f'{s}/la' for s in strategies if s != 'layout_aware']
-    head += ['la/floor'] if floor else []
+    head += ['la/floor', 'la/pairs'] if floor else []
   head += ['moved MiB/dev', 'controller links MiB', 'verified']
   rows = []
   for r in report['results']:
     row = [f'{r["context"] // 1024}K', f'{r["payload_mib_per_worker"]:.1f}']
     row += [f'{r["median_ms"][s]:.1f}' for s in strategies]
-    row += [f'{r["median_ms"]["socket_floor"]:.1f}'] if floor else []
+    row += [f'{r["median_ms"][k]:.1f}' for k in ('socket_floor', 'socket_pairs')] if floor else []
     if 'layout_aware' in strategies:
       row += [
         f'{r[f"ratio_{s}_over_layout_aware"]:.1f}x' for s in strategies if s != 'layout_aware'
       ]
       if floor:
-        row.append(f'{1 / r["ratio_socket_floor_over_layout_aware"]:.2f}x')
+        row += [
+          f'{1 / r[f"ratio_{k}_over_layout_aware"]:.2f}x' for k in ('socket_floor', 'socket_pairs')
+        ]
     row.append(f'{max(r["bytes"]["min_received_per_device"]) / MiB:.1f}')
     b = r['bytes']
     row.append(f'{(b["controller_in"] + b["controller_out"]) / MiB:.0f}')

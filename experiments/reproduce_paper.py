@@ -135,8 +135,8 @@ def _summary(name: str, out: str) -> list[str]:
       f'scale {r["flags"]["scale"]}, median of {r["flags"]["reps"]} (ms).',
       '',
       '| context | MiB/worker | gather_scatter | allgather | xla | layout_aware (fresh outputs) '
-      '| layout_aware | TCP floor | gs / la (paper) |',
-      '|---|---|---|---|---|---|---|---|---|',
+      '| layout_aware | TCP floor | TCP pairs | gs / la (paper) |',
+      '|---|---|---|---|---|---|---|---|---|---|',
     ]
     for x in r['results']:
       m = x['median_ms']
@@ -147,7 +147,7 @@ def _summary(name: str, out: str) -> list[str]:
         f'| {x["context"] // 1024}K | {x["payload_mib_per_worker"]:.1f} | {cell("gather_scatter")} '
         f'| {cell("allgather")} | {cell("xla")} | {cell("layout_aware_fresh")} '
         f'| {cell("layout_aware")} | '
-        f'{cell("socket_floor")} | {ratio:.1f}x ({paper}x) |'
+        f'{cell("socket_floor")} | {cell("socket_pairs")} | {ratio:.1f}x ({paper}x) |'
       )
   elif name == 'table1':
     lines += [

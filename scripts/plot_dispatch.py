@@ -23,11 +23,13 @@ _COLORS = {
   'layout_aware_fresh': '#fdae6b',
   'layout_aware': '#d94801',
   'socket_floor': '#31a354',
+  'socket_pairs': '#a1d99b',
 }
 _LABELS = {
   'gather_scatter': 'Gather to controller + scatter (baseline)',
   'allgather': 'All-gather to every process',
   'socket_floor': 'Raw TCP ring, same bytes (floor)',
+  'socket_pairs': 'Raw TCP, same bytes between the same pairs',
   'xla': 'XLA reshard (jit out_shardings)',
   'layout_aware_fresh': 'Layout-aware, fresh output buffers',
   'layout_aware': 'Layout-aware (EARL)',
@@ -36,7 +38,7 @@ _LABELS = {
 
 def plot(report: dict, out: str, *, log: bool = False) -> None:
   results = report['results']
-  names = [*report['flags']['strategies'], 'socket_floor']
+  names = [*report['flags']['strategies'], 'socket_floor', 'socket_pairs']
   strategies = [s for s in names if all(s in r['median_ms'] for r in results)]
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
   width = 0.8 / max(1, len(strategies))

@@ -82,7 +82,7 @@ def test_paper_figures_executes_and_writes_every_artefact(tmp_path):
   assert fig4['processes'] == 4 and fig4['verified']
   for x in fig4['results']:
     assert set(x['median_ms']) == {'gather_scatter', 'allgather', 'xla', 'layout_aware_fresh',
-                                   'layout_aware', 'socket_floor'}  # fmt: skip
+                                   'layout_aware', 'socket_floor', 'socket_pairs'}  # fmt: skip
     # Donating on CPU, layout_aware lands its outputs in the blocks its previous call spent.
     assert x['recycle_buffers'] and x['recycled_mib_per_process'] == x['payload_mib_per_worker']
     # The controller carries every other process's rows in and its targets out again.

@@ -56,6 +56,23 @@ def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:
   }
 
 
+def socket_mesh_exchange(matrix: list[list[int]]) -> dict:
+  """One `SocketMesh.exchange` of `matrix`: what this process received from each peer (its
+  length and the byte values in it)."""
+  from earl_jax.dispatch.sockets import SocketMesh
+
+  mesh = SocketMesh()
+  try:
+    seconds = mesh.exchange(np.asarray(matrix))
+    again = mesh.exchange(np.asarray(matrix))  # the buffers are reused
+  finally:
+    mesh.close()
+  return {
+    'seconds': [seconds, again],
+    'received': {str(q): [len(b), sorted(set(b.tolist()))] for q, b in mesh.received.items()},
+  }
+
+
 def rollout_peaks_near_a_budget(
   bucket: int, rows: int, small: str, big: str, repeats: int = 3
 ) -> dict:
