@@ -18,10 +18,11 @@ truncated answer that cannot be parsed is in the paper).
 Agentic contexts grow as the policy learns: in the main job's default (Connect Four, whole-board
 observations, a small reward for every legal move), here against the greedy opponent
 (`--opponent`: it takes a win and blocks one, so games last), an episode lasts longer once the
-policy plays legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and fig1.png with
-the paper's three panels for both runs (turn-level context, episode-level context against the
-cap, return) and prints the key numbers: the step at which the capped run's episodes reach the
-cap, the share truncated, and each run's return before and after that step.
+policy plays legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and
+fig1.png with the paper's three panels for both runs (turn-level context, episode-level context
+against the cap, return) and prints the key numbers: the step at which the capped run's episodes
+reach the cap, the share truncated, each run's return before and after that step, and the peak
+of its return over 5 steps and how far it falls after it.
 
 Extra `--config.*` flags go to both runs, e.g. `--config.rollout.num_episodes=32`.
 """
@@ -114,8 +115,8 @@ def peak_and_fall(steps: list[int], returns: list[float]) -> dict:
   s = smoothed(returns)
   i = max(range(len(s)), key=s.__getitem__)
   low = min(s[i:])
-  return {'peak': s[i], 'peak_step': steps[i], 'low_after_peak': low, 'fall': s[i] - low,
-          'last': s[-1]}  # fmt: skip
+  return {'window': SMOOTH, 'peak': s[i], 'peak_step': steps[i], 'low_after_peak': low,
+          'fall': s[i] - low, 'last': s[-1]}  # fmt: skip
 
 
 def summarize(capped: dict, earl: dict, cap: int) -> dict:
@@ -135,7 +136,7 @@ def summarize(capped: dict, earl: dict, cap: int) -> dict:
       'overflow_rate_after': _mean(
         [o for s, o in zip(run['step'], run['overflow_rate']) if reach is not None and s >= reach]
       ),
-      f'smoothed_{SMOOTH}': peak_and_fall(run['step'], run['return_mean']),
+      'smoothed': peak_and_fall(run['step'], run['return_mean']),
       'episode_len_mean_last': run['ctx/episode_len_mean'][-1],
       'rollout_layouts': sorted({p.split('@')[0] for p in run['plan/rollout'] if p}),
       'train_layouts': sorted({p.split('@')[0] for p in run['plan/train'] if p}),
@@ -232,9 +233,9 @@ def main(argv):
       f'the end {x["episode_len_mean_last"]:.0f} tokens; rollout layouts '
       f'{", ".join(x["rollout_layouts"])}'
     )
-    pf = x[f'smoothed_{SMOOTH}']
+    pf = x['smoothed']
     print(
-      f'         return over the last {SMOOTH} steps: peak {pf["peak"]:+.3f} at step '
+      f'         return over the last {pf["window"]} steps: peak {pf["peak"]:+.3f} at step '
       f'{pf["peak_step"]}, then falls by {pf["fall"]:.3f} (last {pf["last"]:+.3f})'
     )
   print(f'wrote {os.path.join(out, "fig1.json")} and fig1.png')

@@ -280,10 +280,8 @@ def _run_worker() -> None:
     owner = np.array([d.process_index for d in src.mesh.devices.flat])
     floor_bytes = int(max(plan.bytes_sent[owner == q].sum() for q in range(n_proc)))
     # The pairs floor: the same bytes between the same pairs of processes, all at once.
-    to_procs = np.zeros((n_proc, plan.num_devices), np.int64)
-    np.add.at(to_procs, owner, plan.min_matrix)
-    pair_matrix = np.zeros((n_proc, n_proc), np.int64)
-    np.add.at(pair_matrix.T, owner, to_procs.T)
+    member = (owner[:, None] == np.arange(n_proc)).astype(np.int64)  # [devices, processes]
+    pair_matrix = member.T @ plan.min_matrix @ member
     np.fill_diagonal(pair_matrix, 0)
     entry = {
       'context': length,

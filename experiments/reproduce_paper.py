@@ -180,13 +180,15 @@ def _summary(name: str, out: str) -> list[str]:
       f'{s["capped_reaches_cap_at_step"]}. Paper: episodes reach the 8K cap by step 13 and the '
       'return collapses after step 15.'
     )
+    window = s['capped']['smoothed']['window']
     lines += ['', '| run | return before | after | last quarter | truncated after | '
-              '5-step peak (step) | fall after it |', '|---|---|---|---|---|---|---|']  # fmt: skip
+              f'{window}-step peak (step) | fall after it |',
+              '|---|---|---|---|---|---|---|']  # fmt: skip
     for run in ('capped', 'earl'):
       x = s[run]
       f = lambda v: '-' if v is None else f'{v:+.3f}'  # noqa: E731
       share = '-' if x['overflow_rate_after'] is None else f'{x["overflow_rate_after"]:.0%}'
-      pf = x['smoothed_5']
+      pf = x['smoothed']
       lines.append(
         f'| {run} | {f(x["return_before"])} | {f(x["return_after"])} | '
         f'{f(x["return_last_quarter"])} | {share} | {f(pf["peak"])} ({pf["peak_step"]}) | '

@@ -102,10 +102,11 @@ print(f'cap {s["cap"]} tokens; the capped run first truncates an episode at step
       f'{s["capped_reaches_cap_at_step"]}')  # fmt: skip
 for name in ('capped', 'earl'):
   x = s[name]
-  pf = x['smoothed_5']
+  pf = x['smoothed']
   print(f'  {name:6s} mean return over the last quarter {x["return_last_quarter"]:+.3f}, '
-        f'episodes at the end {x["episode_len_mean_last"]:.0f} tokens; 5-step return peaks at '
-        f'{pf["peak"]:+.3f} (step {pf["peak_step"]}), then falls by {pf["fall"]:.3f}')  # fmt: skip
+        f'episodes at the end {x["episode_len_mean_last"]:.0f} tokens; {pf["window"]}-step '
+        f'return peaks at {pf["peak"]:+.3f} (step {pf["peak_step"]}), then falls by '
+        f'{pf["fall"]:.3f}')  # fmt: skip
 
 # %% [markdown]
 # ## Fig. 3: decode throughput per layout, and the selector's choice

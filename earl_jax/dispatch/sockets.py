@@ -38,6 +38,15 @@ def _listen(name: str, backlog: int) -> tuple[int, int, socket.socket, np.ndarra
   return n, p, server, ports
 
 
+def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
+  got, nbytes = 0, len(view)
+  while got < nbytes:
+    k = sock.recv_into(view[got:], min(_CHUNK, nbytes - got))
+    if k == 0:
+      raise RuntimeError(f'{what}: the peer closed its connection.')
+    got += k
+
+
 class SocketRing:
   """A TCP connection from every process to the next one (process p sends to p + 1 mod N)."""
 
@@ -73,27 +82,13 @@ class SocketRing:
     t0 = time.perf_counter()
     sender = threading.Thread(target=send)
     sender.start()
-    got = 0
-    while got < nbytes:
-      k = self.recv_sock.recv_into(view_in[got:], min(_CHUNK, nbytes - got))
-      if k == 0:
-        raise RuntimeError('SocketRing: the previous process closed its connection.')
-      got += k
+    _recv_into(self.recv_sock, view_in, 'SocketRing')
     sender.join()
     return time.perf_counter() - t0
 
   def close(self) -> None:
     for s in (self.send_sock, self.recv_sock):
       s.close()
-
-
-def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
-  got, nbytes = 0, len(view)
-  while got < nbytes:
-    k = sock.recv_into(view[got:], min(_CHUNK, nbytes - got))
-    if k == 0:
-      raise RuntimeError(f'{what}: the peer closed its connection.')
-    got += k
 
 
 class SocketMesh:
