@@ -33,14 +33,20 @@ Vocabulary
   schedule   the rounds that carry every remote unit.
                static (no permutation): the send graph, weighted by bytes over all groups, is
                edge-coloured into matchings; several colourings are tried (edges in ring-shift
-               order, edges by weight, Konig's exact colouring with max-degree colours) and the
-               cheapest kept (cost = per-round latency + padded bytes). Caps are exact. When
-               the plan permutes whole blocks between devices, it is one round whose self pairs
-               carry the blocks that stay, so the output is the received buffer (no copy).
+               order, edges by weight, Konig's exact colouring with max-degree colours), each
+               also with the big pairs cut into equal chunks (a pair in k rounds sends its next
+               units in each), and the cheapest kept (cost = per-round latency + padded bytes).
+               Cuts matter when pair sizes are uneven: a round pads every pair to its largest,
+               so whole big pairs would fill the small receivers' rounds with padding. Caps are
+               exact. When the plan permutes whole blocks between devices, it is one round whose
+               self pairs carry the blocks that stay, so the output is the received buffer.
                bucketed (a permutation that changes every step): rounds are the fixed ring
                shifts k = 1..n-1 (device s sends to s+k), each cap rounded up to a capacity
                bucket (a few buckets per octave). The compiled kernel depends only on these
-               caps, so a new permutation with the same caps reuses it.
+               caps, so a new permutation with the same caps reuses it. When pair sizes are so
+               uneven that a colouring (with cuts, same bucketed caps) costs at most
+               COLOURING_GAIN of the ring shifts, the colouring is taken; its kernel depends on
+               its pairs too.
                all_to_all: one round with every pair and one cap per group (padded), for
                backends whose all-to-all is fast (NCCL); on XLA:CPU with gloo, ppermute rounds
                measured 3-4x faster for the same bytes.
@@ -76,6 +82,9 @@ ROUND_COST_BYTES = 256 * 1024
 # as much at ~4 MiB per device (the copies of all processes share the cores). On GPUs
 # (collectives ~10-50 us, copies at HBM speed) the break-even is larger; tune per platform.
 DEFAULT_PACK_MAX_BYTES = 4 << 20
+# A permuted (bucketed) plan takes an edge colouring over the ring shifts when it costs at most
+# this share of them.
+COLOURING_GAIN = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +202,8 @@ class Plan:
     num_devices: n, the devices of both meshes (same order).
     rows: B.
     static: exact capacities and colouring-based rounds (no permutation), or bucketed
-      capacities over fixed ring-shift rounds (a permutation that changes every step).
+      capacities over fixed ring-shift rounds (a permutation that changes every step; a
+      colouring when pair sizes are very uneven).
   """
 
   groups: tuple[GroupPlan, ...]
@@ -503,34 +513,89 @@ def _konig_colouring(edges: list[tuple[int, int, int]], n: int) -> list[list[tup
   return [r for r in out if r]
 
 
-def _round_caps(pairs: Sequence[tuple[int, int]], counts: Sequence[np.ndarray]) -> tuple[int, ...]:
-  return tuple(max((int(c[s, d]) for s, d in pairs if s != d), default=0) for c in counts)
+def _chunkings(weight: np.ndarray) -> list[np.ndarray]:
+  """Ways to cut each pair's bytes into equal chunks, each chunk its own edge of the send graph.
+
+  A round pads every pair to its largest one, so when pair sizes are uneven (a device that
+  receives from few devices, each a lot, beside one that receives a little from many), whole
+  pairs leave the small receivers' rounds mostly padding. Cut into chunks near the small pairs'
+  size, every round carries about one chunk per pair and a device's rounds add up to about what
+  it must receive (preemptive scheduling: with equal chunks the rounds are max-degree matchings).
+  Returns [n, n] chunk counts, the first one all ones (no cut); a cut that would make a pair more
+  than `_MAX_CHUNKS` chunks is skipped.
+  """
+  off = weight[weight > 0]
+  out = [np.where(weight > 0, 1, 0)]
+  if not off.size:
+    return out
+  seen = {tuple(out[0].ravel())}
+  for quantum in (int(off.min()), int(off.max()) // 2, int(off.max()) // 4):
+    if quantum <= 0:
+      continue
+    # Within 1/8 of a whole number of quanta is that number (a pair of rows that also carries
+    # a few [B] fields is not cut in two for them).
+    chunks = np.where(weight > 0, np.maximum(1, -(-8 * weight // (9 * quantum))), 0)
+    key = tuple(chunks.ravel())
+    if chunks.max() <= _MAX_CHUNKS and key not in seen:
+      seen.add(key)
+      out.append(chunks)
+  return out
 
 
-def _static_rounds(counts: Sequence[np.ndarray], unit_bytes: Sequence[int]) -> list[Round]:
-  """Rounds from an edge colouring of the send graph (bytes over all groups); exact caps."""
+_MAX_CHUNKS = 4  # most rounds one pair may be cut into
+
+
+def _colouring_rounds(
+  counts: Sequence[np.ndarray],
+  unit_bytes: Sequence[int],
+  bucket: tuple[Sequence[int], int] | None = None,
+) -> list[Round]:
+  """Rounds from an edge colouring of the send graph (bytes over all groups), its pairs possibly
+  cut into chunks (`_chunkings`); the cheapest of several colourings and cuts is kept.
+
+  Caps are exact, or with `bucket` = (limits, per_octave) rounded up to capacity buckets. A pair
+  cut into k chunks appears in k rounds; each of its rounds carries its next units, up to the cap.
+  """
   n = len(counts[0])
   weight = sum(c.astype(np.int64) * max(1, b) for c, b in zip(counts, unit_bytes))
-  edges = [(s, d, int(weight[s, d])) for s in range(n) for d in range(n) if s != d and weight[s, d]]
-  if not edges:
+  np.fill_diagonal(weight, 0)
+  if not weight.any():
     return []
-  candidates = [
-    _greedy_colouring(sorted(edges, key=lambda e: ((e[1] - e[0]) % n, e[0]))),
-    _greedy_colouring(sorted(edges, key=lambda e: (-e[2], (e[1] - e[0]) % n, e[0]))),
-    _konig_colouring(sorted(edges, key=lambda e: (-e[2], e[0], e[1])), n),
-  ]
   best = None
-  for colouring in candidates:
-    rounds = []
-    for r in colouring:
-      pairs = tuple(sorted((s, d) for s, d, _ in r))
-      rounds.append(Round(pairs=pairs, caps=_round_caps(pairs, counts)))
-    rounds.sort(key=lambda r: -sum(c * b for c, b in zip(r.caps, unit_bytes)))
-    cost = sum(ROUND_COST_BYTES + sum(c * b for c, b in zip(r.caps, unit_bytes)) for r in rounds)
-    if best is None or cost < best[0]:
-      best = (cost, rounds)
+  for chunks in _chunkings(weight):
+    edges = [
+      (s, d, int(-(-weight[s, d] // chunks[s, d])))
+      for s in range(n)
+      for d in range(n)
+      for _ in range(chunks[s, d])
+    ]
+    # Per group, the units of one chunk of each pair.
+    chunk_units = [np.where(chunks > 0, -(-c // np.maximum(chunks, 1)), 0) for c in counts]
+    colourings = [
+      _greedy_colouring(sorted(edges, key=lambda e: ((e[1] - e[0]) % n, e[0]))),
+      _greedy_colouring(sorted(edges, key=lambda e: (-e[2], (e[1] - e[0]) % n, e[0]))),
+      _konig_colouring(sorted(edges, key=lambda e: (-e[2], e[0], e[1])), n),
+    ]
+    for colouring in colourings:
+      rounds = []
+      for r in colouring:
+        pairs = tuple(sorted((s, d) for s, d, _ in r))
+        caps = [max(int(u[s, d]) for s, d in pairs) for u in chunk_units]
+        if bucket is not None:
+          limits, per_octave = bucket
+          caps = [capacity_bucket(c, limit, per_octave) for c, limit in zip(caps, limits)]
+        rounds.append(Round(pairs=pairs, caps=tuple(caps)))
+      rounds.sort(key=lambda r: -sum(c * b for c, b in zip(r.caps, unit_bytes)))
+      cost = _schedule_cost(rounds, unit_bytes)
+      if best is None or cost < best[0]:
+        best = (cost, rounds)
   assert best is not None
   return best[1]
+
+
+def _schedule_cost(rounds: Sequence[Round], unit_bytes: Sequence[int]) -> int:
+  """What a schedule costs, in bytes: each round's per-pair buffer plus its latency."""
+  return sum(ROUND_COST_BYTES + sum(c * b for c, b in zip(r.caps, unit_bytes)) for r in rounds)
 
 
 def _block_permutation_round(
@@ -730,8 +795,9 @@ def _build_tables(
       continue
     lists = {}
     for s, d in rnd.pairs:
-      pos = np.nonzero(src_dev[d] == s)[0]
-      assert len(pos) <= cap, (len(pos), cap)
+      # A pair cut into chunks appears in several rounds: each carries its next units (not yet
+      # received; a self pair takes the local ones).
+      pos = np.nonzero((src_dev[d] == s) & (region_of[d] <= 0))[0][:cap]
       pool_idx[d, pos] = offsets[k + 1] + np.arange(len(pos))
       region_of[d, pos] = k + 1
       lists[s] = src_unit[d, pos]
@@ -842,9 +908,15 @@ def _schedule(routed, n, *, collective, static, stable, buckets_per_octave, pack
   elif static:
     rounds = _block_permutation_round([r.src_dev for r in routed], [r.dst_units for r in routed])
     if rounds is None:
-      rounds = _static_rounds(counts, unit_bytes)
+      rounds = _colouring_rounds(counts, unit_bytes)
   else:
     rounds = _bucketed_rounds(counts, limits, buckets_per_octave)
+    # Ring shifts pad every pair of a shift to its largest; when pair sizes are uneven, a
+    # colouring (same bucketed caps) can move much less. It is kept only for a clear gain, since
+    # its kernel also depends on the pairs, which a new permutation may change.
+    coloured = _colouring_rounds(counts, unit_bytes, bucket=(limits, buckets_per_octave))
+    if _schedule_cost(coloured, unit_bytes) <= COLOURING_GAIN * _schedule_cost(rounds, unit_bytes):
+      rounds = coloured
   return _pack(rounds, [len(r.fields) for r in routed], unit_bytes, n, collective, pack_max_bytes)
 
 
@@ -870,7 +942,8 @@ def make_plan(
     dtypes: the dtype of every field, in layout order.
     perm: optional int [B]: target row i holds source row perm[i].
     static: exact capacities over an edge colouring (default when perm is None), or bucketed
-      capacities over fixed ring shifts (default with a permutation).
+      capacities over fixed ring shifts (default with a permutation; over a colouring when
+      that costs at most COLOURING_GAIN of them).
     collective: 'ppermute' rounds or one 'all_to_all'.
     buckets_per_octave: capacity buckets per power of two for non-static plans.
     pack_max_bytes: a round whose buffer (per device) is at most this many bytes carries all

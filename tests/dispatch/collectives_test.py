@@ -1,5 +1,7 @@
 """The dispatch kernels against a dense single-device reference: values, gradients, word packing."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,31 @@ def test_kernel_and_rewrap_match_the_dense_reference(src_text, dst_text, perm_ki
     ]
   out = jax.tree.unflatten(dst.treedef, outs)
   assert bodies.check_placed(out, host, dst, perm) == []
+
+
+@pytest.mark.parametrize('static', [True, False])
+def test_kernel_with_pairs_cut_over_rounds_matches_the_dense_reference(static):
+  """A pair cut into chunks (`plan._chunkings`) sends its next units in each of its rounds."""
+  rows, length = 64, 32768  # 8 MiB: large enough that bytes, not rounds, set the schedule
+  rng = np.random.default_rng(4)
+  host = {
+    'logprobs': rng.standard_normal((rows, length)).astype(np.float32),
+    'lengths': rng.integers(1, length + 1, rows).astype(np.int32),
+  }
+  perm = (np.arange(rows) + rows // 8) % rows
+  src, dst = Layout.parse('dp2.tp4:seq', host), Layout.parse('dp4.tp2', host)
+  leaves = jax.tree.leaves(host)
+  plan = make_plan(
+    src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, static=static
+  )
+  uses = collections.Counter(pair for r in plan.rounds for pair in r.pairs)
+  assert max(uses.values()) == 2
+  tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
+  raw = collectives.make_kernel(plan, src)(jax.tree.leaves(bodies.place(host, src)), tables)
+  outs = [
+    collectives.rewrap(o, x.shape, dst.sharding(i)) for i, (o, x) in enumerate(zip(raw, leaves))
+  ]
+  assert bodies.check_placed(jax.tree.unflatten(dst.treedef, outs), host, dst, perm) == []
 
 
 @pytest.mark.parametrize(('src_text', 'dst_text', 'perm_kind', 'collective'), CASES[:4])
