@@ -458,6 +458,10 @@ class Trainer:
     moves[name] = {
       'strategy': report.strategy,
       'bytes': int(report.min_bytes or 0),
+      # What the layout-aware rounds put on the wire, padding included (their capacities).
+      'wire_bytes': int(
+        sum(report.scheduled_sent) if report.scheduled_sent is not None else report.min_bytes or 0
+      ),
       'ms': 1e3 * seconds,
       # This process's outputs written into recycled buffers (DispatchConfig.recycle_buffers).
       'recycled_bytes': int(report.recycled_bytes),
@@ -620,6 +624,7 @@ class Trainer:
       'skipped_steps': int(skipped),
       **{f'dispatch/{name}/{k}': v for name, move in moves.items() for k, v in move.items()},
       'dispatch/bytes_moved': float(sum(move['bytes'] for move in moves.values())),
+      'dispatch/kernels': self.dispatcher.traces,  # layout-aware kernels compiled so far
       'switch_ms': switch_ms,
       **{f'plan/{s}': f'{self.plans[s].config.name}@{self.plans[s].bucket}' for s in STAGES},
       **{f'time/{k}_s': v for k, v in timer.times.items()},
@@ -850,8 +855,9 @@ def _summary_fields(record: dict) -> dict:
 
 def move_summary(history: list[dict]) -> dict[str, Any]:
   """Per stage move, over the train steps of `history`: how many steps ran it, on how many
-  the stages' layouts differed and bytes really moved, the bytes (moved, and this process's
-  outputs landed in recycled buffers) and milliseconds in all."""
+  the stages' layouts differed and bytes really moved, the bytes (moved, put on the wire by the
+  layout-aware rounds with their padding, and this process's outputs landed in recycled
+  buffers) and milliseconds in all."""
   out: dict[str, Any] = {}
   steps = [r for r in history if 'plan/train' in r]
   pairs = {
@@ -866,6 +872,7 @@ def move_summary(history: list[dict]) -> dict[str, Any]:
       'layouts_differ': sum(layout(r, a) != layout(r, b) for r in rows),
       'bytes_moved_steps': sum(r[f'dispatch/{name}/bytes'] > 0 for r in rows),
       'bytes': int(sum(r[f'dispatch/{name}/bytes'] for r in rows)),
+      'wire_bytes': int(sum(r.get(f'dispatch/{name}/wire_bytes', 0) for r in rows)),
       'recycled_bytes': int(sum(r.get(f'dispatch/{name}/recycled_bytes', 0) for r in rows)),
       'ms': float(sum(r[f'dispatch/{name}/ms'] for r in rows)),
       'strategies': sorted({r[f'dispatch/{name}/strategy'] for r in rows}),

@@ -289,8 +289,11 @@ def test_two_processes_equal_one_and_resume_there(tmp_path):
     assert r['plan/train'].startswith('dp2.tp4')
     assert r['dispatch/experience_train/strategy'] == 'layout_aware'
     assert r['dispatch/experience_train/bytes'] > 0
+    assert r['dispatch/experience_train/wire_bytes'] >= r['dispatch/experience_train/bytes']
+    assert r['dispatch/kernels'] >= 1
   moves = first[0]['moves']['experience_train']
   assert moves['layouts_differ'] == 3 and moves['bytes_moved_steps'] == 3 and moves['bytes'] > 0
+  assert moves['wire_bytes'] >= moves['bytes']  # the rounds' padding on top of the minimum
 
 
 def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
