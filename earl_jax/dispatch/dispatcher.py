@@ -61,7 +61,13 @@ from earl_jax.dispatch import collectives
 from earl_jax.dispatch import controller as controller_lib
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
 from earl_jax.dispatch.layout import Layout, check_compatible
-from earl_jax.dispatch.plan import DEFAULT_PACK_MAX_BYTES, Plan, check_permutation, make_plan
+from earl_jax.dispatch.plan import (
+  DEFAULT_PACK_MAX_BYTES,
+  Plan,
+  check_permutation,
+  make_plan,
+  stable_floor,
+)
 from earl_jax.errors import ConfigError
 
 # Permuted plans are cached by the permutation's digest (a step that re-dispatches with the same
@@ -102,8 +108,9 @@ class DispatchConfig:
       page fault and a page clear per 4 KiB (XLA:CPU has no caching allocator); off on GPU and
       TPU, whose allocators already reuse device memory.
     stable_kernels: layout_aware with a permutation that changes every call (token balancing
-      in a training loop): one kernel per (layouts, shapes) and power-of-two capacity, reused
-      by every permutation (`make_plan(stable=True)`); more padding on the wire, no compile.
+      in a training loop): the ring shifts with a power-of-two capacity each, which only grow
+      for the same (layouts, shapes) (`make_plan(stable=True, floor=...)`), so the loop's
+      permutations settle on one kernel; more padding on the wire, no compile per step.
   """
 
   strategy: Strategy | str = Strategy.AUTO
@@ -198,6 +205,8 @@ class Dispatcher:
     self._xla: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self._slices: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self.traces = 0
+    # Stable kernels: the caps per ring shift so far, per (layouts, shapes, dtypes).
+    self._floors: dict[tuple, dict[int, tuple[int, ...]]] = {}
     self._pool = collectives.BufferPool()
     self.controller = controller_lib.Controller(max_programs=_PROGRAMS_KEPT)
 
@@ -227,6 +236,10 @@ class Dispatcher:
     if hit is not None:
       self._plans.move_to_end(key)
       return hit[0], hit[1], time.perf_counter() - t0
+    # Stable kernels: caps per ring shift only grow for the same layouts and shapes, so the
+    # permutations of a training loop settle on one kernel (every process keeps the same floor:
+    # they plan the same dispatches in the same order).
+    floor_key = key[:-1] if self.config.stable_kernels and perm is not None else None
     plan = make_plan(
       src,
       dst,
@@ -237,7 +250,10 @@ class Dispatcher:
       buckets_per_octave=self.config.buckets_per_octave,
       pack_max_bytes=self.config.pack_max_bytes,
       stable=self.config.stable_kernels,
+      floor=self._floors.get(floor_key),
     )
+    if floor_key is not None:
+      self._floors[floor_key] = stable_floor(plan)
     tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
     plan_s = time.perf_counter() - t0
     self._plans[key] = (plan, tables)

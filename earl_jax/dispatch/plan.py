@@ -65,7 +65,7 @@ rounds they are equal; tests check the compiled HLO's collectives against `sched
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -85,6 +85,8 @@ DEFAULT_PACK_MAX_BYTES = 4 << 20
 # A permuted (bucketed) plan takes an edge colouring over the ring shifts when it costs at most
 # this share of them.
 COLOURING_GAIN = 0.8
+# The most rounds one pair may be cut into (see _chunkings).
+_MAX_CHUNKS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,9 +544,6 @@ def _chunkings(weight: np.ndarray) -> list[np.ndarray]:
   return out
 
 
-_MAX_CHUNKS = 4  # most rounds one pair may be cut into
-
-
 def _colouring_rounds(
   counts: Sequence[np.ndarray],
   unit_bytes: Sequence[int],
@@ -641,20 +640,30 @@ def _bucketed_rounds(
   return rounds
 
 
-def _uniform_rounds(counts: Sequence[np.ndarray], limits: Sequence[int]) -> list[Round]:
-  """Every ring shift k = 1..n-1, with one cap per group for all of them (a power of two): the
-  structure of a kernel then depends on the permutation through that cap alone."""
+def _uniform_rounds(
+  counts: Sequence[np.ndarray], limits: Sequence[int], floor: Mapping[int, Sequence[int]] | None
+) -> list[Round]:
+  """Every ring shift k = 1..n-1 that carries anything, each with a power-of-two cap per group,
+  at least the caps `floor` gives that shift (those of the kernel compiled so far, `stable_floor`):
+  a new permutation whose rows fit them has the same structure, so it reuses that kernel."""
   n = len(counts[0])
-  caps = []
-  for c, limit in zip(counts, limits):
-    off = c.copy()
-    np.fill_diagonal(off, 0)
-    caps.append(capacity_bucket(int(off.max()) if n > 1 else 0, limit, 1))
-  if not any(caps):
-    return []
-  return [
-    Round(pairs=tuple((s, (s + k) % n) for s in range(n)), caps=tuple(caps)) for k in range(1, n)
-  ]
+  floor = floor or {}
+  rounds = []
+  for k in range(1, n):
+    low = floor.get(k, (0,) * len(counts))
+    caps = tuple(
+      max(capacity_bucket(max(int(c[s, (s + k) % n]) for s in range(n)), limit, 1), f)
+      for c, limit, f in zip(counts, limits, low)
+    )
+    if any(caps):
+      rounds.append(Round(pairs=tuple((s, (s + k) % n) for s in range(n)), caps=caps))
+  return rounds
+
+
+def stable_floor(plan: 'Plan') -> dict[int, tuple[int, ...]]:
+  """The caps of a stable plan per ring shift k, for `make_plan(floor=...)`."""
+  n = plan.num_devices
+  return {(r.pairs[0][1] - r.pairs[0][0]) % n: r.caps for r in plan.rounds}
 
 
 def _all_to_all_rounds(
@@ -896,13 +905,15 @@ def _route_group(src: Layout, key: tuple, group: list, structs, rows, perm, n) -
   return _Routed(fields, s_units, d_units, unit_bytes, src_dev, src_unit, counts)
 
 
-def _schedule(routed, n, *, collective, static, stable, buckets_per_octave, pack_max_bytes):
+def _schedule(
+  routed, n, *, collective, static, stable, buckets_per_octave, pack_max_bytes, floor=None
+):
   """The collective rounds that carry every group's units (then packed into shared buffers)."""
   counts = [r.counts for r in routed]
   unit_bytes = [r.unit_bytes for r in routed]
   limits = [min(r.src_units, r.dst_units) for r in routed]
   if stable and collective == 'ppermute':
-    rounds = _uniform_rounds(counts, limits)
+    rounds = _uniform_rounds(counts, limits, floor)
   elif collective == 'all_to_all':
     rounds = _all_to_all_rounds(counts, limits, buckets_per_octave, static)
   elif static:
@@ -932,6 +943,7 @@ def make_plan(
   buckets_per_octave: int = 4,
   pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
   stable: bool = False,
+  floor: Mapping[int, Sequence[int]] | None = None,
 ) -> Plan:
   """Computes the routing plan of moving a batch from `src` to `dst`.
 
@@ -949,9 +961,12 @@ def make_plan(
     pack_max_bytes: a round whose buffer (per device) is at most this many bytes carries all
       its fields in one collective (one uint8 buffer); larger rounds send one collective per
       field and avoid the packing copies (they are bandwidth-bound, not latency-bound).
-    stable: for a permutation: every ring shift with one power-of-two cap per group and row
-      gathers throughout, so that a kernel compiled for one permutation serves every other with
-      the same cap (more padding on the wire; the tables carry the permutation).
+    stable: for a permutation: the ring shifts with power-of-two caps per group and row
+      gathers throughout, so that a kernel compiled for one permutation serves every other whose
+      rows fit its caps (more padding on the wire; the tables carry the permutation).
+    floor: stable only: the least caps per ring shift (`stable_floor` of the previous plan for
+      the same layouts and shapes). Caps then only grow, so a stream of permutations settles on
+      one kernel whose caps fit them all, each shift padded only to what it carried.
 
   Returns:
     The Plan.
@@ -979,6 +994,7 @@ def make_plan(
     stable=stable,
     buckets_per_octave=buckets_per_octave,
     pack_max_bytes=pack_max_bytes,
+    floor=floor if stable else None,
   )
   groups = []
   for g, r in enumerate(routed):

@@ -13,6 +13,7 @@ from earl_jax.dispatch import (
   hlo_collective_counts,
   hlo_received_bytes,
 )
+from earl_jax.dispatch import plan as plan_lib
 from earl_jax.testing import dispatch_bodies as bodies
 
 ROWS, LENGTH = 32, 16
@@ -251,6 +252,33 @@ def test_stable_kernels_serve_every_permutation_with_one_compile(dst_text):
     caps.add(tuple(r.caps for r in plan.rounds))
     assert all(op.kind == 'gather' for g in plan.groups for op in g.send_ops)
   assert stable.traces == len(caps) < plain.traces
+
+
+def test_stable_caps_per_ring_shift_only_grow_and_pad_each_shift_to_what_it_carried():
+  """dp8 -> dp2.tp4 with a few rows swapped: each ring shift gets its own power-of-two cap; a
+  later permutation that needs less keeps the caps (no compile), and one that needs more on some
+  shift raises the caps there and keeps the others."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout('dp2.tp4', host)
+  batch = bodies.place(host, src)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', stable_kernels=True))
+
+  def run(*swaps):
+    perm = np.arange(ROWS)
+    for a, b in swaps:
+      perm[[a, b]] = perm[[b, a]]
+    out, _ = d.dispatch(batch, dst, src=src, perm=perm)
+    assert bodies.check_placed(out, host, dst, perm) == []
+    return plan_lib.stable_floor(d.plan(batch, src, dst, perm=perm))
+
+  first = run((0, 31), (1, 30))
+  traces = d.traces
+  assert len({c for caps in first.values() for c in caps}) > 1  # shifts padded differently
+  assert run((0, 31)) == first and d.traces == traces  # needs less: the same kernel
+  grown = run((0, 31), (1, 30), (2, 29), (3, 28), (4, 27), (8, 23))
+  assert grown != first and d.traces == traces + 1
+  for k, caps in first.items():
+    assert all(g >= f for g, f in zip(grown[k], caps))
 
 
 def test_rows_that_stay_in_their_slot_are_not_gathered_again():
