@@ -1,6 +1,9 @@
 """Helpers shared by tests, experiments and notebooks."""
 
 import os
+import subprocess
+import sys
+from collections.abc import Mapping
 
 import jax
 from flax import nnx
@@ -9,14 +12,32 @@ from earl_jax.config import ParallelConfig
 from earl_jax.models import qwen2
 from earl_jax.sharding import mesh as mesh_lib
 
-FIXTURES_DIR = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'tests', 'fixtures'
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES_DIR = os.path.join(ROOT, 'tests', 'fixtures')
 
 
 def fixture_path(*parts: str) -> str:
   """Path of a committed fixture (made by scripts/make_qwen2_fixture.py)."""
   return os.path.join(FIXTURES_DIR, *parts)
+
+
+def run_module(
+  module: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+  """`python -m module args` from the repository root, as a user runs it, output captured.
+
+  The tests' fake-device XLA_FLAGS are dropped: each entry point sets its own device count.
+  """
+  full = {**os.environ, 'PYTHONPATH': ROOT, **(env or {})}
+  full.pop('XLA_FLAGS', None)
+  return subprocess.run(
+    [sys.executable, '-m', module, *args],
+    cwd=ROOT,
+    env=full,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def small_mesh(dp: int = 1, tp: int = 1, fsdp: int = 1) -> jax.sharding.Mesh:

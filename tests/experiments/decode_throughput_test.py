@@ -1,25 +1,15 @@
 """The decode benchmark on the tiny fixture, our side only (the peers need their own venvs)."""
 
 import json
-import os
 import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'qwen2_tiny')
+from earl_jax.testing import helpers
+
+FIXTURE = helpers.fixture_path('qwen2_tiny')
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)  # one device, as the benchmark sets
-  return subprocess.run(
-    [sys.executable, '-m', 'experiments.decode_throughput', f'--model_dir={FIXTURE}', *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  return helpers.run_module('experiments.decode_throughput', f'--model_dir={FIXTURE}', *args)
 
 
 def test_second_turn_on_the_kept_cache_decodes_what_the_whole_history_does(tmp_path):

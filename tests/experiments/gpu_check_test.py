@@ -2,30 +2,18 @@
 JSON, with the attention, FLOP and memory accounting it states."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from earl_jax.config import ModelConfig
 from earl_jax.models import attention
+from earl_jax.testing import helpers
 from experiments import gpu_check
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)  # the check sets its own device count
-  return subprocess.run(
-    [sys.executable, '-m', 'experiments.gpu_check', *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  return helpers.run_module('experiments.gpu_check', *args)
 
 
 @pytest.mark.multiprocess

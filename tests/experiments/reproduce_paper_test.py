@@ -4,24 +4,14 @@ simulation reproduces the memory cells and states its fit."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from earl_jax.testing import helpers
 
 
 def _run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)  # each experiment sets its own device count
-  return subprocess.run(
-    [sys.executable, '-m', module, *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+  return helpers.run_module(module, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize(

@@ -1,27 +1,19 @@
 """The train-step comparison on the tiny fixture, our side only (Tunix needs its own venv)."""
 
 import json
-import os
 import subprocess
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'qwen2_tiny')
-REFERENCE = os.path.join(ROOT, 'tests', 'fixtures', 'qwen2_tiny_reference.npz')
+from earl_jax.testing import helpers
+
+FIXTURE = helpers.fixture_path('qwen2_tiny')
+REFERENCE = helpers.fixture_path('qwen2_tiny_reference.npz')
 
 
 def _run(*args: str, env=None) -> subprocess.CompletedProcess:
-  env = {**os.environ, 'PYTHONPATH': ROOT, **(env or {})}
-  env.pop('XLA_FLAGS', None)  # one device, as the benchmark sets
-  return subprocess.run(
-    [sys.executable, '-m', 'experiments.train_step_compare', f'--model_dir={FIXTURE}', *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
+  return helpers.run_module(
+    'experiments.train_step_compare', f'--model_dir={FIXTURE}', *args, env=env
   )
 
 

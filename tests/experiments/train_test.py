@@ -12,6 +12,7 @@ import time
 import pytest
 
 from earl_jax import metrics
+from earl_jax.testing import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,16 +54,7 @@ BAD_INPUTS = [
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)  # the job sets its own device count
-  return subprocess.run(
-    [sys.executable, '-m', 'experiments.train', '--config=smoke', *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  return helpers.run_module('experiments.train', '--config=smoke', *args, timeout=300)
 
 
 def _listing(folder) -> dict[str, int]:
