@@ -11,8 +11,8 @@ times one forward and backward of the mean next-token negative log-likelihood th
 Qwen2 (`tunix.models.qwen2.model.Qwen2.__call__` with a causal mask; the log-softmax of its
 logits), the gradient taken with respect to every parameter, in f32. For each token array of
 the .npz (int32 [B, T]) it prints the ahead-of-time compile seconds (lower + compile, the
-persistent compilation cache off), the median step seconds, the loss and the gradient's global
-norm, as one JSON object.
+persistent compilation cache in --cache_dir, or off without it), the median step seconds, the
+loss and the gradient's global norm, as one JSON object.
 """
 
 import argparse
@@ -37,8 +37,16 @@ def main() -> None:
   parser.add_argument('--model_dir', required=True)
   parser.add_argument('--tokens', required=True, help='.npz of int32 [B, T] arrays')
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument(
+    '--cache_dir', default='', help='persistent compilation cache (as ours); empty: off'
+  )
   args = parser.parse_args()
-  jax.config.update('jax_enable_compilation_cache', False)
+  if args.cache_dir:  # the settings of earl_jax.runtime.setup, so both sides cache alike
+    jax.config.update('jax_compilation_cache_dir', args.cache_dir)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+  else:
+    jax.config.update('jax_enable_compilation_cache', False)
   cfg = tunix_config(args.model_dir)
   model = params_lib.create_model_from_safe_tensors(args.model_dir, cfg, dtype=jnp.float32)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

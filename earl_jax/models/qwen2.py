@@ -19,6 +19,7 @@ KV head).
 """
 
 import dataclasses
+import functools
 import typing
 
 import flax.struct
@@ -337,6 +338,16 @@ class DecoderLayer(nnx.Module):
     return x, kv
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_forward(graphdef, state, x, positions, segment_ids):
+  """One decoder layer without a cache (training and experience forwards), as its own traced
+  function: every layer of a model has the same graph and shapes, so the L layers, and their
+  derivatives under `jax.grad`, are traced and lowered once instead of L times (XLA inlines the
+  calls, so the compiled program is that of the layers written out). The trace is also what a
+  program loaded from the persistent cache pays, since the cache key needs it."""
+  return nnx.merge(graphdef, state)(x, positions, None, segment_ids)[0]
+
+
 class Qwen2(nnx.Module):
   """The decoder. `__call__` returns final hidden states; `logits` applies the LM head."""
 
@@ -374,11 +385,12 @@ class Qwen2(nnx.Module):
     x = rules.constrain(x, ('batch', 'seq', 'act_embed'))
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, kv = layer(x, positions, kv, segment_ids)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
+      if cache is None:
+        x = _layer_forward(*nnx.split(layer), x, positions, segment_ids)
+        continue
+      x, (k, v) = layer(x, positions, (cache.k[i], cache.v[i]), segment_ids)
+      new_k.append(k)
+      new_v.append(v)
     h = self.norm(x)
     if cache is None:
       return h, None

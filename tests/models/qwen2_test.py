@@ -179,6 +179,42 @@ def test_one_trace_per_bucket():
   assert traces == [(4, 32), (4, 16), (4, 64)]
 
 
+def test_layers_of_a_forward_without_cache_are_traced_once(monkeypatch):
+  """The L identical layers of a training / experience forward (and its gradient) trace one
+  layer; the train step's loss and gradients are those of the layers written out."""
+  cfg = ModelConfig.preset('tiny')
+  assert cfg.num_layers > 1
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh)
+  calls = []
+  layer_call = qwen2.DecoderLayer.__call__
+
+  def counted(self, *args, **kwargs):
+    calls.append(args[2] is None)  # kv
+    return layer_call(self, *args, **kwargs)
+
+  monkeypatch.setattr(qwen2.DecoderLayer, '__call__', counted)
+  qwen2._layer_forward.clear_cache()  # an earlier test may have traced these shapes
+  tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (4, 32)).astype(np.int32))
+
+  def loss(state):
+    return -jnp.mean(qwen2.token_logprobs(nnx.merge(graphdef, state), tokens))
+
+  with jax.set_mesh(mesh):
+    value, grads = jax.jit(jax.value_and_grad(loss))(state)
+    assert calls == [True]
+    # The same model with its layers inline (the path a KV-cache forward takes).
+    monkeypatch.setattr(
+      qwen2, '_layer_forward', lambda g, s, *a: nnx.merge(g, s)(a[0], a[1], None, a[2])[0]
+    )
+    calls.clear()
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(state)
+    assert calls == [True] * cfg.num_layers
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize('dtype,atol', [('float32', 1e-4), ('bfloat16', 0.15)])
 def test_kv_cache_decode_matches_full_forward(reference, dtype, atol):
   """Prefill a ragged prefix per row, then feed one token at a time: same logits as a full pass
