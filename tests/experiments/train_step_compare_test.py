@@ -6,7 +6,6 @@ import subprocess
 import numpy as np
 
 from earl_jax.testing import helpers
-from experiments import train_step_compare
 
 FIXTURE = helpers.fixture_path('qwen2_tiny')
 REFERENCE = helpers.fixture_path('qwen2_tiny_reference.npz')
@@ -56,20 +55,3 @@ def test_bad_shape_ends_in_one_line():
   assert proc.stderr.strip().splitlines()[-1] == (
     "error: --shapes: '8by512': expected rows x tokens, e.g. 8x512 (tokens >= 2)"
   )
-
-
-def test_summary_compares_cold_with_cold_and_cached_with_cached():
-  def run(compile_s, step_s):
-    return {'results': {'2x8': {'compile_s': compile_s, 'lower_s': 0.1, 'median_s': step_s,
-                                'times_s': [step_s], 'loss': 1.0, 'grad_norm': 2.0}}}  # fmt: skip
-
-  runs = {
-    'ours': [run(4.0, 0.5), run(1.0, 0.5), run(0.8, 0.5)],
-    'tunix': [run(3.0, 1.0), run(1.2, 1.0), run(0.6, 1.0)],
-  }
-  (row,) = train_step_compare.summarize(runs, ['2x8'])['rows']
-  assert row['tunix_over_ours_cold_compile'] == 3.0 / 4.0
-  assert row['tunix_over_ours_cached_compile'] == 0.6 / 0.8
-  assert row['ours']['cached_over_cold_compile'] == 0.8 / 4.0
-  assert row['tunix']['cached_over_cold_compile'] == 0.6 / 3.0
-  assert row['ours_over_tunix_tokens_per_s'] == 2.0
