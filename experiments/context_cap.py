@@ -1,8 +1,7 @@
 """Fig. 1 of the paper and EARL's fix: the main job under a hard context cap, and without one.
 
-  python experiments/context_cap.py --out_dir=runs/fig1                 # the default, cap 384
-  python experiments/context_cap.py --opponent=random --out_dir=runs/fig1_random
-  python experiments/context_cap.py --invalid_penalty=-2 --out_dir=runs/fig1_penalty
+  python experiments/context_cap.py --out_dir=runs/fig1                 # the `think` preset, cap 640
+  python experiments/context_cap.py --preset=default --opponent=greedy --cap=384 --out_dir=runs/fig1_survival
   python experiments/context_cap.py --preset=smoke --cap=96 --steps=4   # seconds (CI)
 
 Trains the main job (`experiments/train.py`) twice from the same seed, one after the other:
@@ -11,20 +10,26 @@ Trains the main job (`experiments/train.py`) twice from the same seed, one after
           its turn forfeited as invalid, as in the paper ("low-quality data" in the rollouts);
   earl    the preset as it is: buckets up to its largest, the selector choosing each stage's
           layout per bucket.
-A forfeited turn costs what an invalid reply costs (`--invalid_penalty`; the preset's is -1, as
-much as a lost game, so survival up to the cap is still the best a capped policy can do; -2 makes
-the truncated games, the ones in which the policy survived longest, the worst outcome, as a
-truncated answer that cannot be parsed is in the paper).
-Agentic contexts grow as the policy learns: in the main job's default (Connect Four, whole-board
-observations, a small reward for every legal move), here against the greedy opponent
-(`--opponent`: it takes a win and blocks one, so games last), an episode lasts longer once the
-policy plays legal moves, from one turn (~60 tokens) to 15-20 (~1,000). Writes fig1.json and
-fig1.png with the paper's three panels for both runs (turn-level context, episode-level context
-against the cap, return) and prints the key numbers: the step at which the capped run's episodes
-reach the cap, the share truncated, each run's return before and after that step, and the peak
-of its return over 5 steps and how far it falls after it.
+A forfeited turn costs what an invalid reply costs (`--invalid_penalty`; the presets' is -1, as
+much as a lost game).
 
-Extra `--config.*` flags go to both runs, e.g. `--config.rollout.num_episodes=32`.
+The task must make contexts grow as the policy learns, as the paper's reasoning does. The
+`think` preset (the default here) does it inside each move: before a move the policy thinks up to
+3 times, a turn and one more ply of minimax search each (`EnvConfig.think_depth`), and deeper
+thoughts win more against the 2-ply minimax opponent, so the tokens per move and the episodes
+grow as it learns to think. In the `default` preset contexts grow only with survival (whole-board
+observations, a reward per legal move; against `--opponent=greedy` episodes last longer once the
+policy plays legal moves): there the capped policy learns to keep its games under the cap, and
+its return stalls instead of falling.
+
+Writes fig1.json and fig1.png with the paper's three panels for both runs (turn-level context as
+tokens per move, thoughts included; episode-level context against the cap; return) and prints
+the key numbers: the step at which the capped run's episodes reach the cap, the share truncated,
+each run's return before and after that step, and the peak of its return over 5 steps and how
+far it falls after it.
+
+Extra `--config.*` overrides go to both runs through `--override`, e.g.
+`--override=--config.rollout.num_episodes=32`.
 """
 
 import json
@@ -38,17 +43,23 @@ from absl import flags
 from earl_jax import runtime
 from earl_jax.errors import UserError
 
-_PRESET = flags.DEFINE_string('preset', 'default', 'Preset of experiments/train.py.')
-_CAP = flags.DEFINE_integer('cap', 384, 'Context cap (tokens) of the capped run.')
+_PRESET = flags.DEFINE_string('preset', 'think', 'Preset of experiments/train.py.')
+_CAP = flags.DEFINE_integer('cap', 640, 'Context cap (tokens) of the capped run.')
 _STEPS = flags.DEFINE_integer('steps', 60, 'Steps of both runs.')
 _OPPONENT = flags.DEFINE_string(
-  'opponent', 'greedy', "Opponent of both runs' training and evaluation ('' keeps the preset's)."
+  'opponent', '', "Opponent of both runs' training and evaluation ('': the preset's)."
 )
 _INVALID = flags.DEFINE_float(
   'invalid_penalty',
   float('nan'),
   'Reward of a reply the game cannot accept, and so of a turn forfeited at the cap, in both '
   "runs (unset: the preset's, -1, as much as a loss).",
+)
+_THINK = flags.DEFINE_integer(
+  'think_depth',
+  None,
+  "Both runs' EnvConfig.think_depth: how deep a policy may think before a move, a turn per ply "
+  "(unset: the preset's, no thinking).",
 )
 _OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
 _OVERRIDES = flags.DEFINE_multi_string(
@@ -95,9 +106,17 @@ def _series(path: str) -> dict[str, list]:
   from earl_jax import metrics
 
   rows = [r for r in metrics.read_jsonl(path) if 'ctx/turn_len_mean' in r]
-  keys = ('ctx/turn_len_mean', 'ctx/episode_len_mean', 'ctx/episode_len_max', 'return_mean',
-          'win_rate', 'overflow_rate', 'plan/rollout', 'plan/train')  # fmt: skip
+  keys = ('ctx/turn_len_mean', 'ctx/move_len_mean', 'ctx/thoughts_per_move',
+          'ctx/episode_len_mean', 'ctx/episode_len_max', 'return_mean', 'win_rate',
+          'overflow_rate', 'plan/rollout', 'plan/train')  # fmt: skip
   return {'step': [r['step'] for r in rows], **{k: [r.get(k) for r in rows] for k in keys}}
+
+
+def turn_level(run: dict) -> list[float]:
+  """Panel (a): tokens per move, its thinking turns included (the turn-level length of runs
+  logged before thinking existed)."""
+  moves = run.get('ctx/move_len_mean') or []
+  return moves if moves and None not in moves else run['ctx/turn_len_mean']
 
 
 def _mean(xs):
@@ -138,6 +157,9 @@ def summarize(capped: dict, earl: dict, cap: int) -> dict:
       ),
       'smoothed': peak_and_fall(run['step'], run['return_mean']),
       'episode_len_mean_last': run['ctx/episode_len_mean'][-1],
+      'turn_len_first': turn_level(run)[0],
+      'turn_len_last': turn_level(run)[-1],
+      'thoughts_per_move_last': (run.get('ctx/thoughts_per_move') or [None])[-1],
       'rollout_layouts': sorted({p.split('@')[0] for p in run['plan/rollout'] if p}),
       'train_layouts': sorted({p.split('@')[0] for p in run['plan/train'] if p}),
     }
@@ -153,13 +175,17 @@ def plot(capped: dict, earl: dict, cap: int, out: str) -> None:
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
   runs = (('EARL (no cap)', earl, '#d94801'), (f'capped at {cap} tokens', capped, '#555555'))
   for label, run, color in runs:
-    axes[0].plot(run['step'], run['ctx/turn_len_mean'], color=color, label=label)
+    axes[0].plot(run['step'], turn_level(run), color=color, label=label)
     axes[1].plot(run['step'], run['ctx/episode_len_mean'], color=color, label=f'{label}: mean')
     axes[1].plot(run['step'], run['ctx/episode_len_max'], ':', color=color, label=f'{label}: max')
     axes[2].plot(run['step'], run['return_mean'], color=color, alpha=0.3, lw=1)
     axes[2].plot(run['step'], smoothed(run['return_mean']), color=color, label=label)
   axes[1].axhline(cap, color='red', lw=1, ls='--', label='cap')
-  titles = ('(a) turn-level context length', '(b) episode-level context length', '(c) return')
+  titles = (
+    '(a) turn-level context length (tokens per move)',
+    '(b) episode-level context length',
+    '(c) return',
+  )
   for ax, title in zip(axes, titles):
     ax.set_title(title, fontsize=10)
     ax.set_xlabel('step')
@@ -190,6 +216,8 @@ def main(argv):
     overrides += [f'--config.{e}.opponent={_OPPONENT.value}' for e in ('env', 'eval_env')]
   if not math.isnan(_INVALID.value):
     overrides += [f'--config.{e}.invalid_penalty={_INVALID.value}' for e in ('env', 'eval_env')]
+  if _THINK.value is not None:
+    overrides += [f'--config.{e}.think_depth={_THINK.value}' for e in ('env', 'eval_env')]
   for text in overrides:  # checked here, in one line, before either run starts
     path, sep, value = text.removeprefix('--config.').partition('=')
     if not sep:
@@ -234,6 +262,11 @@ def main(argv):
       f'{", ".join(x["rollout_layouts"])}'
     )
     pf = x['smoothed']
+    thoughts = x['thoughts_per_move_last']
+    print(
+      f'         tokens per move {x["turn_len_first"]:.1f} at the start, {x["turn_len_last"]:.1f} '
+      f'at the end' + ('' if thoughts is None else f' ({thoughts:.2f} thoughts per move)')
+    )
     print(
       f'         return over the last {pf["window"]} steps: peak {pf["peak"]:+.3f} at step '
       f'{pf["peak_step"]}, then falls by {pf["fall"]:.3f} (last {pf["last"]:+.3f})'

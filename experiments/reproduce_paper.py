@@ -181,18 +181,20 @@ def _summary(name: str, out: str) -> list[str]:
       'return collapses after step 15.'
     )
     window = s['capped']['smoothed']['window']
-    lines += ['', '| run | return before | after | last quarter | truncated after | '
+    lines += ['', '| run | tokens per move, first -> last | episode mean at the end | '
+              'return before | after | last quarter | truncated after | '
               f'{window}-step peak (step) | fall after it |',
-              '|---|---|---|---|---|---|---|']  # fmt: skip
+              '|---|---|---|---|---|---|---|---|---|']  # fmt: skip
     for run in ('capped', 'earl'):
       x = s[run]
       f = lambda v: '-' if v is None else f'{v:+.3f}'  # noqa: E731
       share = '-' if x['overflow_rate_after'] is None else f'{x["overflow_rate_after"]:.0%}'
       pf = x['smoothed']
       lines.append(
-        f'| {run} | {f(x["return_before"])} | {f(x["return_after"])} | '
-        f'{f(x["return_last_quarter"])} | {share} | {f(pf["peak"])} ({pf["peak_step"]}) | '
-        f'{pf["fall"]:.3f} |'
+        f'| {run} | {x["turn_len_first"]:.1f} -> {x["turn_len_last"]:.1f} | '
+        f'{x["episode_len_mean_last"]:.0f} | {f(x["return_before"])} | '
+        f'{f(x["return_after"])} | {f(x["return_last_quarter"])} | {share} | '
+        f'{f(pf["peak"])} ({pf["peak_step"]}) | {pf["fall"]:.3f} |'
       )
   elif name == 'fig3':
     c = r['counts']

@@ -62,6 +62,13 @@ OUTCOMES: tuple[str, ...] = get_args(Outcome)
 # The search is exponential in depth (about 7**depth positions per Connect Four move); past 9
 # plies Tic-Tac-Toe is already solved and Connect Four far too slow.
 MAX_MINIMAX_DEPTH = 9
+# Thoughts before a move; the last searches one ply more (a few batched searches per step; a
+# 6-ply search of 64 Connect Four boards takes about 0.1-0.5 s).
+MAX_THINK_DEPTH = 5
+# The replies that think instead of moving, and that play the move thought of
+# (`EnvConfig.think_depth`).
+THINK = 't'
+PLAY_HINT = 'h'
 
 
 def _check_choice(field: str, value: Any, known: tuple[str, ...]) -> None:
@@ -105,6 +112,16 @@ class EnvConfig:
     parse: 'strict' accepts a reply only if, stripped of surrounding whitespace, it is exactly one
       in-range digit; 'lenient' takes the last in-range digit that stands alone (no ASCII letter
       or digit right before or after it) anywhere in the reply, for chatty LLM replies.
+    think_depth: how many times a policy may think before a move (0: no thinking). Two more
+      replies exist then. `THINK` ('t') plays no move: the k-th thought since the episode's last
+      move searches k + 1 plies and answers with the observation 'h<k+1>:<digit>\\n', the move
+      that minimax search found (ties broken by the step's noise); the opponent does not move
+      and the reward is 0. `PLAY_HINT` ('h') plays the move of a search one ply deeper than the
+      thoughts so far, like the digit it names: without a thought a 1-ply search, after k
+      thoughts the move the last one showed. A thought past `think_depth` plays that move too:
+      the budget is spent, and the search stops where it is. So a policy turns tokens into better moves: every thought is one more
+      round of context and one more ply, and the episodes of a policy that learns to think grow
+      inside each move, as an LLM's reasoning grows inside its turn.
   """
 
   game: GameName = 'connect_four'
@@ -120,6 +137,7 @@ class EnvConfig:
   show_legal: bool = False
   show_illegal: bool = False
   parse: ParseMode = 'strict'
+  think_depth: int = 0
 
   def __post_init__(self):
     _check_choice('game', self.game, GAMES)
@@ -134,6 +152,11 @@ class EnvConfig:
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_MINIMAX_DEPTH:
       raise ConfigError(
         f'EnvConfig.minimax_depth must be an int in [1, {MAX_MINIMAX_DEPTH}], got {depth!r}.'
+      )
+    think = self.think_depth
+    if not isinstance(think, int) or isinstance(think, bool) or not 0 <= think <= MAX_THINK_DEPTH:
+      raise ConfigError(
+        f'EnvConfig.think_depth must be an int in [0, {MAX_THINK_DEPTH}], got {think!r}.'
       )
     for field in (
       'win_reward',
@@ -163,6 +186,8 @@ class StepInfo(TypedDict):
       of turns the episode took).
     opponent_action: the opponent's 0-based reply to this move, or None if it did not move.
     ignored: True when the episode had ended before this step (its reply was ignored).
+    hint: for a thinking reply (`EnvConfig.think_depth`), the 0-based move its search found, else
+      None.
   """
 
   outcome: Outcome | None
@@ -171,6 +196,7 @@ class StepInfo(TypedDict):
   turn: int
   opponent_action: int | None
   ignored: bool
+  hint: int | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,9 @@ Observations (`EnvConfig.observation`), always with the agent as 'X':
     moved since the agent's last reply (the agent moves first, or the agent's move ended the game).
 The observation of the step that ends an episode adds one line with the outcome ('win\\n',
 'loss\\n', 'draw\\n' or 'invalid\\n'), after the final board; in 'board' mode a finished Connect
-Four observation is at most 64 characters.
+Four observation is at most 64 characters. With `EnvConfig.think_depth`, a thinking reply ('t')
+is answered by its hint alone ('h2:4\\n'), whatever the mode: the board has not changed; 'h'
+plays the hinted move.
 
 Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
 an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
@@ -50,6 +52,8 @@ class BoardGameEnv(base.TextEnv):
     self._turns = np.zeros(0, dtype=np.int64)
     self._last_opponent = np.zeros(0, dtype=np.int64)
     self._agent_first = np.zeros(0, dtype=bool)
+    self._thoughts = np.zeros(0, dtype=np.int64)  # thinking replies since the last move
+    self._hints = np.zeros(0, dtype=np.int64)  # the last thought's move (-1: none since a move)
     self._outcomes: list[base.Outcome | None] = []
 
   @property
@@ -58,7 +62,8 @@ class BoardGameEnv(base.TextEnv):
 
   @property
   def max_turns(self) -> int:
-    return math.ceil(self.game.rows * self.game.cols / 2)
+    """The agent's moves in a full game, each after up to `think_depth` thinking replies."""
+    return math.ceil(self.game.rows * self.game.cols / 2) * (1 + self.config.think_depth)
 
   @property
   def num_envs(self) -> int:
@@ -82,6 +87,11 @@ class BoardGameEnv(base.TextEnv):
   def turns(self) -> Int[np.ndarray, ' B']:
     """Agent turns played per episode."""
     return self._turns.copy()
+
+  @property
+  def thoughts(self) -> Int[np.ndarray, ' B']:
+    """Thinking replies of each episode since its last move (`EnvConfig.think_depth`)."""
+    return self._thoughts.copy()
 
   @property
   def agent_first(self) -> Bool[np.ndarray, ' B']:
@@ -163,6 +173,8 @@ class BoardGameEnv(base.TextEnv):
     self._turns = np.zeros(n, dtype=np.int64)
     self._last_opponent = last_opponent
     self._agent_first = ~opponent_first
+    self._thoughts = np.zeros(n, dtype=np.int64)
+    self._hints = np.full(n, -1, dtype=np.int64)
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
 
@@ -222,13 +234,27 @@ class BoardGameEnv(base.TextEnv):
     active_idx = np.flatnonzero(active)
 
     parsed = np.full(n, -1, dtype=np.int64)
+    think = np.zeros(n, dtype=bool)
+    play_hint = np.zeros(n, dtype=bool)
     for i in active_idx.tolist():
-      action = base.parse_action(actions[i], game.num_actions, config.parse)
-      if action is not None:
-        parsed[i] = action
+      reply = actions[i].strip() if config.think_depth and isinstance(actions[i], str) else None
+      if reply == base.THINK and self._thoughts[i] < config.think_depth:
+        think[i] = True
+      elif reply in (base.THINK, base.PLAY_HINT):  # a thought past the budget plays its move
+        play_hint[i] = True
+      else:
+        action = base.parse_action(actions[i], game.num_actions, config.parse)
+        if action is not None:
+          parsed[i] = action
+    unthought = np.flatnonzero(play_hint & (self._thoughts == 0))
+    self._hints[unthought] = self._search(unthought, np.ones_like(unthought), noise)[unthought]
+    parsed[play_hint] = self._hints[play_hint]
+    thinking = np.flatnonzero(think)
+    hints = self._search(thinking, self._thoughts[thinking] + 2, noise)
+    self._hints[thinking] = hints[thinking]
     legal = active & (parsed >= 0)
     legal &= game.legal_mask(self._boards)[np.arange(n), np.maximum(parsed, 0)]
-    invalid = active & ~legal
+    invalid = active & ~legal & ~think
 
     boards = self._boards
     won = np.zeros(n, dtype=bool)
@@ -263,13 +289,19 @@ class BoardGameEnv(base.TextEnv):
         self._outcomes[i] = outcome
     turns = self._turns.tolist()
     self._turns[active] += 1
+    self._thoughts[think] += 1
+    self._thoughts[legal] = 0
+    self._hints[legal] = -1
     self._done |= won | lost | drawn | invalid
 
     observations = [''] * n
-    if active_idx.size:
-      texts = self._observe(active_idx, [self._outcomes[i] for i in active_idx.tolist()])
-      for i, text in zip(active_idx.tolist(), texts):
+    shown = np.flatnonzero(active & ~think)
+    if shown.size:
+      texts = self._observe(shown, [self._outcomes[i] for i in shown.tolist()])
+      for i, text in zip(shown.tolist(), texts):
         observations[i] = text
+    for i in np.flatnonzero(think).tolist():
+      observations[i] = f'h{self._thoughts[i] + 1}:{hints[i] + 1}\n'
     parsed_list, legal_list, reply_list = parsed.tolist(), legal.tolist(), opponent_action.tolist()
     infos: list[base.StepInfo] = [
       {
@@ -279,9 +311,23 @@ class BoardGameEnv(base.TextEnv):
         'turn': turns[i],
         'opponent_action': reply_list[i] if reply_list[i] >= 0 else None,
         'ignored': not is_active,
+        'hint': int(hints[i]) if think[i] else None,
       }
       for i, is_active in enumerate(active.tolist())
     ]
     return base.StepResult(
       observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
     )
+
+  def _search(
+    self, idx: Int[np.ndarray, ' Mc'], depths: Int[np.ndarray, ' Mc'], noise: np.ndarray
+  ) -> Int[np.ndarray, ' B']:
+    """The agent's best move in episodes `idx` by minimax searches of `depths` plies, ties
+    broken by the noise (-1 elsewhere); one batched search per depth."""
+    hints = np.full(self.num_envs, -1, dtype=np.int64)
+    for depth in np.unique(depths).tolist():
+      rows = idx[depths == depth]
+      values = opponents.minimax_values(self.game, self._boards[rows], base.AGENT, depth)
+      best = values == values.max(axis=1, keepdims=True)
+      hints[rows] = np.argmax(np.where(best, noise[rows], -1.0), axis=1)
+    return hints

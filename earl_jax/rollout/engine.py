@@ -148,6 +148,7 @@ class _Episodes:
   active: np.ndarray  # bool [B]
   unterminated: np.ndarray  # bool [B]: the last reply hit the limit without an end-of-turn
   fill: np.ndarray  # int64 [B]: host mirror of the cache lengths
+  thoughts: np.ndarray  # int32 [B]: turns that thought instead of moving (the env's hints)
   generated: int = 0
 
   @classmethod
@@ -165,6 +166,7 @@ class _Episodes:
       active=np.ones(B, bool),
       unterminated=np.zeros(B, bool),
       fill=np.zeros(B, np.int64),
+      thoughts=np.zeros(B, np.int32),
     )
 
   def record(self, i: int, prompt: list[int], reply: list[int], logprobs: list[float]) -> None:
@@ -182,6 +184,7 @@ class _Episodes:
     self.returns += result.rewards
     for i in np.flatnonzero(played).tolist():
       self.turn_rewards[i].append(float(result.rewards[i]))
+      self.thoughts[i] += result.infos[i].get('hint') is not None
     for i in np.flatnonzero(overflow).tolist():  # the forfeit lands on the last turn played
       if self.turn_rewards[i]:
         self.turn_rewards[i][-1] += float(result.rewards[i])
@@ -225,6 +228,7 @@ class _Episodes:
       timings=timings,
       row_ids=row_ids.astype(np.int32),
       batch_rows=batch_rows,
+      thoughts=self.thoughts.copy(),
     )
 
 

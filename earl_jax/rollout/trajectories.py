@@ -51,6 +51,8 @@ class Trajectories:
     turn_starts: the token index where each turn's prompt starts, per episode.
     turn_tokens: the tokens of each turn (prompt + reply): the turn-level context length.
     outcomes: 'win' | 'loss' | 'draw' | 'invalid' | 'overflow' | 'truncated', per episode.
+    thoughts: the turns of each episode that thought instead of moving (`EnvConfig.think_depth`;
+      default: none).
     generated_tokens: tokens the policy generated in all.
     cache_buckets: the KV-cache capacities the rollout went through.
     timings: seconds spent generating, in the environment and on the host.
@@ -73,9 +75,12 @@ class Trajectories:
   timings: dict[str, float]
   row_ids: Int32[np.ndarray, ' B'] | None = None
   batch_rows: int | None = None
+  thoughts: Int32[np.ndarray, ' B'] | None = None
 
   def __post_init__(self):
     B = len(self.outcomes)
+    if self.thoughts is None:
+      self.thoughts = np.zeros(B, np.int32)
     if self.row_ids is None:
       self.row_ids = np.arange(B, dtype=np.int32)
     if self.batch_rows is None:
@@ -92,14 +97,7 @@ class Trajectories:
     return outcome_rates(self.outcomes)
 
   def context_stats(self) -> dict[str, float]:
-    turns = [t for row in self.turn_tokens for t in row]
-    return {
-      'episode_len_mean': float(np.mean(self.lengths)),
-      'episode_len_max': float(np.max(self.lengths)),
-      'episode_len_p95': float(np.percentile(self.lengths, 95)),
-      'turn_len_mean': float(np.mean(turns)) if turns else 0.0,
-      'turns_mean': float(np.mean([len(t) for t in self.turn_tokens])),
-    }
+    return context_stats(self.lengths, [len(t) for t in self.turn_tokens], self.thoughts)
 
   def token_returns(self, gamma: float) -> Float32[np.ndarray, 'B T']:
     """On every generated token, the discounted reward-to-go from its turn on.
@@ -167,6 +165,7 @@ class EpisodeStats:
     turns: its agent turns.
     generated: the tokens the policy generated in it.
     outcomes: its outcome (one of OUTCOMES).
+    thoughts: its turns that thought instead of moving.
   """
 
   lengths: Int32[np.ndarray, ' B']
@@ -174,6 +173,7 @@ class EpisodeStats:
   turns: Int32[np.ndarray, ' B']
   generated: Int32[np.ndarray, ' B']
   outcomes: list[str]
+  thoughts: Int32[np.ndarray, ' B'] | None = None
 
   @classmethod
   def gather(cls, traj: Trajectories) -> 'EpisodeStats':
@@ -181,7 +181,7 @@ class EpisodeStats:
     B = traj.batch_rows
     held = np.zeros(B, bool)
     held[traj.row_ids] = True
-    table = np.zeros((B, 5), np.float64)
+    table = np.zeros((B, 6), np.float64)
     table[traj.row_ids] = np.stack(
       [
         traj.lengths,
@@ -189,6 +189,7 @@ class EpisodeStats:
         [len(t) for t in traj.turn_tokens],
         traj.loss_mask.sum(axis=1),
         [OUTCOMES.index(o) for o in traj.outcomes],
+        traj.thoughts,
       ],
       axis=1,
     )
@@ -199,6 +200,7 @@ class EpisodeStats:
       turns=table[:, 2].astype(np.int32),
       generated=table[:, 3].astype(np.int32),
       outcomes=[OUTCOMES[int(i)] for i in table[:, 4]],
+      thoughts=table[:, 5].astype(np.int32),
     )
 
   @property
@@ -220,11 +222,33 @@ class EpisodeStats:
     return outcome_rates(self.outcomes)
 
   def context_stats(self) -> dict[str, float]:
-    """Episode-level lengths (mean, max, p95), the mean turn-level length, turns per episode."""
-    return {
-      'episode_len_mean': float(np.mean(self.lengths)),
-      'episode_len_max': float(np.max(self.lengths)),
-      'episode_len_p95': float(np.percentile(self.lengths, 95)),
-      'turn_len_mean': float(np.sum(self.lengths) / max(int(np.sum(self.turns)), 1)),
-      'turns_mean': float(np.mean(self.turns)),
-    }
+    return context_stats(self.lengths, self.turns, self.thoughts)
+
+
+def context_stats(
+  lengths: Int32[np.ndarray, ' B'], turns, thoughts: Int32[np.ndarray, ' B'] | None
+) -> dict[str, float]:
+  """Fig. 1's context lengths of a batch of episodes.
+
+  Returns:
+    episode_len_mean / _max / _p95: the episode-level context length (tokens).
+    turn_len_mean: the turn-level context length, tokens per agent turn (its prompt and reply).
+    turns_mean: agent turns per episode.
+    move_len_mean: tokens per move, the thinking turns before it included (a turn that thought
+      instead of moving is part of the move it prepared); equal to turn_len_mean without
+      thinking.
+    thoughts_per_move: thinking turns per move.
+  """
+  tokens = float(np.sum(lengths))
+  turns = int(np.sum(turns))
+  thought = 0 if thoughts is None else int(np.sum(thoughts))
+  moves = max(turns - thought, 1)
+  return {
+    'episode_len_mean': float(np.mean(lengths)),
+    'episode_len_max': float(np.max(lengths)),
+    'episode_len_p95': float(np.percentile(lengths, 95)),
+    'turn_len_mean': tokens / max(turns, 1),
+    'turns_mean': turns / len(lengths),
+    'move_len_mean': tokens / moves,
+    'thoughts_per_move': thought / moves,
+  }

@@ -6,6 +6,12 @@ long      the same task to >= 80% greedy wins against random (see README, Result
           constrained to the column digits, a cue naming full columns, only the opponent's last
           move in each observation (the agent tracks the game in its own context), REINFORCE++
           with turn-level discounted credit.
+think     Fig. 1's task (experiments/context_cap.py): the default's model and loop, Connect Four
+          against a 2-ply minimax opponent, only its last move in each observation, and thinking
+          (`EnvConfig.think_depth`): before each move the policy thinks up to 3 times, a turn and
+          a ply of search each, then plays the move it thought of. Deeper thoughts win more, so
+          its contexts grow inside each move as it learns, as an LLM's reasoning grows inside
+          its turn.
 smoke     a few seconds: the loop with every stage, for tests and CI.
 qwen      a real Qwen2.5 checkpoint (--config.model_dir=...), chat template, for GPUs.
 """
@@ -13,7 +19,7 @@ qwen      a real Qwen2.5 checkpoint (--config.model_dir=...), chat template, for
 import dataclasses
 
 from earl_jax.config import BucketConfig
-from earl_jax.envs.base import EnvConfig
+from earl_jax.envs.base import PLAY_HINT, THINK, EnvConfig
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.rl.advantages import AdvantageConfig
 from earl_jax.rl.losses import LossConfig
@@ -99,6 +105,30 @@ def long() -> ExperimentConfig:
   )
 
 
+def think() -> ExperimentConfig:
+  c = default()
+  env = EnvConfig(
+    game='connect_four',
+    opponent='minimax',
+    minimax_depth=2,
+    observation='last_move',
+    think_depth=3,
+    legal_move_reward=0.1,
+  )
+  return dataclasses.replace(
+    c,
+    name='think',
+    env=env,
+    eval_env=env.replace(legal_move_reward=0.0),
+    # The policy decides how long to think: a reply is a thought or the move thought of.
+    rollout=dataclasses.replace(c.rollout, reply_tokens=(THINK, PLAY_HINT)),
+    selector=dataclasses.replace(
+      c.selector,
+      profile=dataclasses.replace(c.selector.profile, cache='.earl_cache/profile_think.json'),
+    ),
+  )
+
+
 def smoke() -> ExperimentConfig:
   return configs.smoke_experiment()
 
@@ -127,4 +157,4 @@ def qwen() -> ExperimentConfig:
   )
 
 
-PRESETS = {'default': default, 'long': long, 'smoke': smoke, 'qwen': qwen}
+PRESETS = {'default': default, 'long': long, 'think': think, 'smoke': smoke, 'qwen': qwen}

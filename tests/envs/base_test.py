@@ -19,6 +19,7 @@ def test_config_defaults():
   assert (config.agent_first, config.observation, config.parse) == ('random', 'board', 'strict')
   assert config.show_legal is False
   assert config.show_illegal is False
+  assert config.think_depth == 0
   assert config.replace(opponent='greedy').opponent == 'greedy'
 
 
@@ -69,6 +70,14 @@ def test_config_rejects_non_finite_rewards(field, value):
     _validate(**{field: value})
   with pytest.raises((ValueError, TypeError)):
     base.EnvConfig(**{field: value})
+
+
+@pytest.mark.parametrize('depth', [-1, 6, True, 1.0])
+def test_config_rejects_bad_think_depth(depth):
+  with pytest.raises(ValueError, match=r'think_depth must be an int in \[0, 5\]'):
+    _validate(think_depth=depth)
+  with pytest.raises((ValueError, TypeError)):
+    base.EnvConfig(think_depth=depth)
 
 
 def test_config_accepts_int_rewards_and_every_depth():

@@ -539,3 +539,80 @@ def test_a_subset_of_rows_plays_the_same_games_as_the_whole_batch(game):
     part.reset(8, seed=0, rows=[1, 1])
   with pytest.raises(ValueError, match=r'rows must be distinct episodes in \[0, 8\)'):
     part.reset(8, seed=0, rows=[8])
+
+
+def test_thinking_hints_the_move_of_a_search_one_ply_deeper_per_thought():
+  """'t' plays nothing: the opponent waits, the reward is 0, and the answer is the move a
+  minimax search of k + 1 plies would play after k thoughts, until the next move."""
+  # The agent can win at once with column 4; the opponent threatens column 1.
+  start = _grid('.......\n' * 3 + '...X...\nO..XO..\nO..XO..\n')
+  env = _env(game='connect_four', opponent='greedy', think_depth=2)
+  env.reset(1, seed=0, start_boards=start[None])
+  r = env.step([' t '])
+  assert r.observations == ['h2:4\n'] and r.rewards.tolist() == [0.0] and not r.dones[0]
+  assert r.infos[0]['hint'] == 3 and r.infos[0]['parsed_action'] is None
+  np.testing.assert_array_equal(env.boards[0], start)  # nobody moved
+  r = env.step(['t'])
+  assert r.observations == ['h3:4\n'] and r.infos[0]['hint'] == 3
+  r = env.step(['t'])  # a third thought exceeds think_depth=2: it plays the last hint
+  assert r.dones[0] and r.infos[0]['outcome'] == 'win' and r.infos[0]['hint'] is None
+  assert r.infos[0]['parsed_action'] == 3 and r.rewards.tolist() == [env.config.win_reward]
+  assert env.turns.tolist() == [3] and env.max_turns == 21 * 3
+
+
+def test_thoughts_restart_at_two_plies_after_a_move_and_match_minimax():
+  env = _env(game='connect_four', opponent='random', agent_first='always', think_depth=3)
+  env.reset(16, seed=3)
+  rng = np.random.default_rng(0)
+  for _ in range(3):  # a few random moves, so the positions differ
+    env.step(_random_replies(env, rng))
+  running = np.flatnonzero(~env.done)
+  for thoughts in (1, 2, 3):
+    boards = env.boards
+    replies = ['t' if i in running else '1' for i in range(16)]
+    r = env.step(replies)
+    values = opponents.minimax_values(env.game, boards[running], base.AGENT, thoughts + 1)
+    for row, i in enumerate(running.tolist()):
+      hint = r.infos[i]['hint']
+      assert values[row, hint] == values[row].max()  # a best move of the (k + 1)-ply search
+      assert r.observations[i] == f'h{thoughts + 1}:{hint + 1}\n'
+  env.step(_random_replies(env, rng))  # a move: the next thought searches 2 plies again
+  still = [i for i in running.tolist() if not env.done[i]]
+  r = env.step(['t'] * 16)
+  assert still and all(r.observations[i].startswith('h2:') for i in still)
+
+
+def test_thinking_is_an_invalid_reply_when_it_is_off():
+  env = _env(game='connect_four')
+  env.reset(1, seed=0)
+  r = env.step(['t'])
+  assert r.dones[0] and r.infos[0]['outcome'] == 'invalid' and r.infos[0]['hint'] is None
+
+
+def test_play_hint_plays_the_last_thought_or_a_one_ply_search():
+  # Column 4 wins at once for the agent; a 1-ply search finds it.
+  start = _grid('.......\n' * 3 + '...X...\nO..XO..\nO..XO..\n')
+  env = _env(game='connect_four', opponent='greedy', think_depth=2)
+  env.reset(2, seed=0, start_boards=np.stack([start, start]))
+  r = env.step(['h', 't'])  # episode 0 plays a 1-ply search's move unthought
+  assert r.infos[0]['parsed_action'] == 3 and r.infos[0]['outcome'] == 'win'
+  assert r.observations[1] == 'h2:4\n'
+  r = env.step(['1', 'h'])  # episode 1 plays its hint
+  assert r.infos[1]['parsed_action'] == 3 and r.infos[1]['outcome'] == 'win'
+  assert r.rewards.tolist() == [0.0, env.config.win_reward]
+  off = _env(game='connect_four')  # without thinking 'h' is an unparseable reply
+  off.reset(1, seed=0)
+  assert off.step(['h']).infos[0]['outcome'] == 'invalid'
+
+
+def test_a_thinking_policy_wins_more_often_the_longer_it_thinks():
+  """What makes a policy learn to think: every thought is a ply, and deeper moves win more
+  against a 2-ply minimax opponent (measured: 7, 26, 44 and 50 of 64 for 0-3 thoughts)."""
+  wins = []
+  for thoughts in (0, 1, 3):
+    env = _env(game='connect_four', opponent='minimax', minimax_depth=2, think_depth=3)
+    env.reset(64, seed=5)
+    while not env.done.all():
+      env.step(['t' if t < thoughts else 'h' for t in env.thoughts.tolist()])
+    wins.append(sum(o == 'win' for o in env.outcomes))
+  assert wins[0] + 10 < wins[1] < wins[2] - 10, wins

@@ -34,3 +34,36 @@ def test_peak_and_fall_of_a_return_that_rises_then_collapses():
   # A return that only rises does not fall.
   rising = context_cap.peak_and_fall(steps, [0.1 * s for s in steps])
   assert rising['peak_step'] == 12 and rising['fall'] == 0.0
+
+
+def test_turn_level_is_tokens_per_move_with_a_fallback_for_older_runs():
+  run = {'ctx/turn_len_mean': [10.0, 9.0], 'ctx/move_len_mean': [18.0, 33.0]}
+  assert context_cap.turn_level(run) == [18.0, 33.0]  # thoughts count toward their move
+  old = {'ctx/turn_len_mean': [60.0, 61.0], 'ctx/move_len_mean': [None, None]}
+  assert context_cap.turn_level(old) == [60.0, 61.0]
+
+
+def test_summary_reports_the_cap_step_and_each_runs_context_growth():
+  def run(returns, overflow, move_len, thoughts):
+    n = len(returns)
+    return {
+      'step': list(range(1, n + 1)),
+      'return_mean': returns,
+      'overflow_rate': overflow,
+      'ctx/turn_len_mean': [8.0] * n,
+      'ctx/move_len_mean': move_len,
+      'ctx/thoughts_per_move': thoughts,
+      'ctx/episode_len_mean': [100.0 * (i + 1) for i in range(n)],
+      'plan/rollout': ['dp8@256'] * n,
+      'plan/train': ['dp4.tp2@256'] * n,
+    }
+
+  capped = run([0.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.25, 0.5], [10.0, 20, 30, 25], [0.2, 1, 2, 1.5])
+  earl = run([0.0, 1.0, 2.0, 2.5], [0.0] * 4, [10.0, 20, 30, 35], [0.2, 1, 2, 2.5])
+  s = context_cap.summarize(capped, earl, cap=640)
+  assert s['capped_reaches_cap_at_step'] == 3
+  assert s['capped']['return_before'] == pytest.approx(0.5)
+  assert s['capped']['return_after'] == pytest.approx(1.25)
+  assert s['capped']['overflow_rate_after'] == pytest.approx(0.375)
+  assert (s['capped']['turn_len_first'], s['capped']['turn_len_last']) == (10.0, 25.0)
+  assert s['earl']['thoughts_per_move_last'] == 2.5 and s['earl']['rollout_layouts'] == ['dp8']

@@ -104,6 +104,28 @@ def test_reply_tokens_constrain_sampling_and_match_the_restricted_forward():
   assert not set(free_traj.tokens[free_traj.loss_mask].tolist()) <= set(eng.token_ids)
 
 
+def test_thinking_turns_are_counted_per_episode():
+  """With `think_depth`, a 't' reply is a turn that thinks instead of moving: the engine counts
+  them from the environment's hints, and they match the replies the policy sampled."""
+  mesh = small_mesh(dp=2, tp=2)
+  _, params = qwen2.init_model(CFG, mesh, seed=2)
+  eng = _engine(mesh=mesh, reply_tokens=('t', 'h'), think_depth=2, opponent='minimax')
+  traj = eng.run(params, mesh, seed=1)
+  think = TOK.encode('t')[0]
+  for i in range(traj.num_episodes):
+    thoughts, run = 0, 0
+    for token in traj.tokens[i][traj.loss_mask[i]].tolist():
+      if token == think and run < 2:  # a third 't' before a move plays the hint
+        thoughts, run = thoughts + 1, run + 1
+      else:
+        run = 0
+    assert traj.thoughts[i] == thoughts
+  assert traj.thoughts.sum() > 0 and set(traj.outcomes) <= {'win', 'loss', 'draw'}
+  stats = traj.context_stats()
+  moves = sum(len(t) for t in traj.turn_tokens) - traj.thoughts.sum()
+  assert stats['move_len_mean'] == pytest.approx(traj.lengths.sum() / moves)
+
+
 @pytest.mark.parametrize(
   'reply_tokens, message',
   [

@@ -53,3 +53,12 @@ def test_context_and_outcome_statistics():
   assert stats['episode_len_mean'] == 4.0 and stats['episode_len_max'] == 5.0
   assert stats['turn_len_mean'] == pytest.approx(8 / 3) and stats['turns_mean'] == 1.5
   assert traj.win_rate() == 0.5 and traj.outcome_rates() == {'loss': 0.5, 'win': 0.5}
+
+
+def test_a_thinking_turn_counts_toward_the_move_it_prepared():
+  traj = _trajectories()
+  assert traj.context_stats()['move_len_mean'] == pytest.approx(8 / 3)  # no thinking: per turn
+  traj.thoughts = np.array([1, 0], np.int32)  # episode 0 thought once, then moved
+  stats = traj.context_stats()
+  assert stats['turn_len_mean'] == pytest.approx(8 / 3) and stats['turns_mean'] == 1.5
+  assert stats['move_len_mean'] == pytest.approx(8 / 2) and stats['thoughts_per_move'] == 0.5
