@@ -22,7 +22,7 @@ def _run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     ('experiments.simulate_paper', ['--nomeasure', '--lengths=8192'], 'one value per --lengths'),
     ('experiments.simulate_paper', ['--nomeasure', '--model=huge'], '--model huge'),
     ('experiments.data_volume', ['--lengths=1k'], '--lengths 1k: expected integers'),
-    ('experiments.context_cap', ['--cap=20'], '--cap 20: expected at least the first turn'),
+    ('experiments.context_cap', ['--cap=6'], '--cap 6: expected at least the first turn'),
     ('experiments.context_cap', ['--opponent=alphazero'], "'alphazero' is not one of"),
     ('experiments.dispatch_latency', ['--lengths=8192', '--payload_mib=1,2'], 'one value per'),
     ('experiments.dispatch_latency', ['--strategies=teleport'], '--strategies teleport'),
