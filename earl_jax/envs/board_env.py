@@ -327,7 +327,6 @@ class BoardGameEnv(base.TextEnv):
     hints = np.full(self.num_envs, -1, dtype=np.int64)
     for depth in np.unique(depths).tolist():
       rows = idx[depths == depth]
-      values = opponents.minimax_values(self.game, self._boards[rows], base.AGENT, depth)
-      best = values == values.max(axis=1, keepdims=True)
-      hints[rows] = np.argmax(np.where(best, noise[rows], -1.0), axis=1)
+      search = opponents.MinimaxOpponent(self.game, depth)  # plays for the agent here
+      hints[rows] = search.select(self._boards[rows], base.AGENT, noise[rows])
     return hints
