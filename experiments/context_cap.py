@@ -29,7 +29,9 @@ each run's return before and after that step, and the peak of its return over 5 
 far it falls after it.
 
 Extra `--config.*` overrides go to both runs through `--override`, e.g.
-`--override=--config.rollout.num_episodes=32`.
+`--override=--config.rollout.num_episodes=32`. The EARL run does not depend on `--cap`: with
+`--reuse_earl` a sweep over caps into one `--out_dir` trains it once (it is kept when its recorded
+command, `earl/command.json`, is this call's and it logged every step).
 """
 
 import json
@@ -62,11 +64,18 @@ _THINK = flags.DEFINE_integer(
   "(unset: the preset's, no thinking).",
 )
 _OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
+_REUSE_EARL = flags.DEFINE_bool(
+  'reuse_earl',
+  False,
+  'Keep a finished EARL run in <out_dir>/earl whose command is the one this call would run (the '
+  'EARL run does not depend on --cap, so a sweep over caps trains it once); otherwise train it.',
+)
 _OVERRIDES = flags.DEFINE_multi_string(
   'override', [], "A '--config.a.b=value' override for both runs (repeatable)."
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMAND_FILE = 'command.json'  # in each run's workdir: the train command that made it
 SMOOTH = 5  # steps of the trailing mean in the summary's peak and fall
 
 
@@ -92,14 +101,36 @@ def capped_buckets(lengths: tuple[int, ...], cap: int, first_turn: int) -> tuple
   return (*[b for b in lengths if b < cap], cap)
 
 
-def _train(name: str, args: list[str], out_dir: str) -> str:
+def _train(name: str, args: list[str], out_dir: str, *, reuse: bool = False, steps: int = 0) -> str:
+  """Trains one run into <out_dir>/<name> (an earlier run there is moved aside), and records its
+  command there; with `reuse`, keeps a finished run of the same command instead."""
   workdir = os.path.join(out_dir, name)
   cmd = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}', '--move_aside', *args]
+  if reuse and _finished(workdir, cmd[1:], steps):
+    print(f'== {name}: kept {workdir} (a finished run of the same command)', flush=True)
+    return os.path.join(workdir, 'metrics.jsonl')
   print(f'== {name}: ' + ' '.join(['python', *cmd[1:]]), flush=True)
   rc = subprocess.run(cmd, cwd=ROOT).returncode
   if rc:
     raise SystemExit(f'error: the {name} run failed (exit code {rc}); see its output above')
+  with open(os.path.join(workdir, COMMAND_FILE), 'w') as f:
+    json.dump(cmd[1:], f)
   return os.path.join(workdir, 'metrics.jsonl')
+
+
+def _finished(workdir: str, cmd: list[str], steps: int) -> bool:
+  """Whether `workdir` holds a run of exactly `cmd` (as `_train` recorded it) that logged every
+  one of its `steps` steps."""
+  from earl_jax import metrics
+
+  try:
+    with open(os.path.join(workdir, COMMAND_FILE)) as f:
+      recorded = json.load(f)
+    rows = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  except (OSError, ValueError):
+    return False
+  logged = {r['step'] for r in rows if 'ctx/turn_len_mean' in r}
+  return recorded == cmd and logged >= set(range(1, steps + 1))
 
 
 def _series(path: str) -> dict[str, list]:
@@ -228,7 +259,7 @@ def main(argv):
   out = _OUT_DIR.value
   os.makedirs(out, exist_ok=True)
   lengths = ','.join(map(str, buckets))
-  earl = _series(_train('earl', common, out))
+  earl = _series(_train('earl', common, out, reuse=_REUSE_EARL.value, steps=_STEPS.value))
   cache = config.selector.profile.cache
   capped_args = [*common, f'--config.buckets.lengths={lengths}']
   if cache:  # its own profile cache: another bucket table is another profile

@@ -1,7 +1,11 @@
-"""Fig. 1's summary: the capped buckets, and the smoothed return's peak and fall."""
+"""Fig. 1's summary: the capped buckets, the smoothed return's peak and fall, and which EARL
+run a cap sweep keeps."""
+
+import json
 
 import pytest
 
+from earl_jax import metrics
 from earl_jax.errors import UserError
 from experiments import context_cap
 
@@ -67,3 +71,17 @@ def test_summary_reports_the_cap_step_and_each_runs_context_growth():
   assert s['capped']['overflow_rate_after'] == pytest.approx(0.375)
   assert (s['capped']['turn_len_first'], s['capped']['turn_len_last']) == (10.0, 25.0)
   assert s['earl']['thoughts_per_move_last'] == 2.5 and s['earl']['rollout_layouts'] == ['dp8']
+
+
+def test_a_finished_earl_run_is_kept_only_for_the_same_command_and_every_step(tmp_path):
+  cmd = ['-m', 'experiments.train', f'--workdir={tmp_path}', '--config=think', '--config.steps=3']
+  writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2):
+    writer.write(step, {'ctx/turn_len_mean': 9.0, 'return_mean': 0.5})
+  assert not context_cap._finished(str(tmp_path), cmd, 3)  # no recorded command
+  (tmp_path / context_cap.COMMAND_FILE).write_text(json.dumps(cmd))
+  assert not context_cap._finished(str(tmp_path), cmd, 3)  # step 3 is missing
+  writer.write(3, {'ctx/turn_len_mean': 9.0, 'return_mean': 0.5})
+  assert context_cap._finished(str(tmp_path), cmd, 3)
+  assert not context_cap._finished(str(tmp_path), [*cmd[:-1], '--config.steps=4'], 3)
+  assert not context_cap._finished(str(tmp_path / 'missing'), cmd, 3)
