@@ -101,12 +101,13 @@ def capped_buckets(lengths: tuple[int, ...], cap: int, first_turn: int) -> tuple
   return (*[b for b in lengths if b < cap], cap)
 
 
-def _train(name: str, args: list[str], out_dir: str, *, reuse: bool = False, steps: int = 0) -> str:
+def _train(name: str, args: list[str], out_dir: str, *, keep_if_done: int | None = None) -> str:
   """Trains one run into <out_dir>/<name> (an earlier run there is moved aside), and records its
-  command there; with `reuse`, keeps a finished run of the same command instead."""
+  command there. `keep_if_done`: a number of steps; a run there of the same command that logged
+  them all is kept instead of trained again."""
   workdir = os.path.join(out_dir, name)
   cmd = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}', '--move_aside', *args]
-  if reuse and _finished(workdir, cmd[1:], steps):
+  if keep_if_done is not None and _finished(workdir, cmd[1:], keep_if_done):
     print(f'== {name}: kept {workdir} (a finished run of the same command)', flush=True)
     return os.path.join(workdir, 'metrics.jsonl')
   print(f'== {name}: ' + ' '.join(['python', *cmd[1:]]), flush=True)
@@ -259,7 +260,8 @@ def main(argv):
   out = _OUT_DIR.value
   os.makedirs(out, exist_ok=True)
   lengths = ','.join(map(str, buckets))
-  earl = _series(_train('earl', common, out, reuse=_REUSE_EARL.value, steps=_STEPS.value))
+  keep = _STEPS.value if _REUSE_EARL.value else None
+  earl = _series(_train('earl', common, out, keep_if_done=keep))
   cache = config.selector.profile.cache
   capped_args = [*common, f'--config.buckets.lengths={lengths}']
   if cache:  # its own profile cache: another bucket table is another profile
