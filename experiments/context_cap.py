@@ -122,15 +122,12 @@ def _train(name: str, args: list[str], out_dir: str, *, keep_if_done: int | None
 def _finished(workdir: str, cmd: list[str], steps: int) -> bool:
   """Whether `workdir` holds a run of exactly `cmd` (as `_train` recorded it) that logged every
   one of its `steps` steps."""
-  from earl_jax import metrics
-
   try:
     with open(os.path.join(workdir, COMMAND_FILE)) as f:
       recorded = json.load(f)
-    rows = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    logged = set(_series(os.path.join(workdir, 'metrics.jsonl'))['step'])
   except (OSError, ValueError):
     return False
-  logged = {r['step'] for r in rows if 'ctx/turn_len_mean' in r}
   return recorded == cmd and logged >= set(range(1, steps + 1))
 
 
