@@ -581,7 +581,10 @@ class Trainer:
         batch = timer('advantages', self._advantages(d_train.config), batch)
     for _ in range(self.config.update_epochs):
       self.state, m = timer('train', update, self.state, batch)
-    return jax.device_get((m, self.state.skipped))  # replicated scalars: every process has them
+    out = jax.device_get((m, self.state.skipped))  # replicated scalars: every process has them
+    # The batch is spent: recycling dispatches (CPU) land the next step's moves in its buffers.
+    self.dispatcher.release(batch)
+    return out
 
   def step(self) -> dict:
     """One EARL step (see the module docstring); returns its metrics record."""

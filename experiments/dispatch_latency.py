@@ -24,8 +24,10 @@ transfers in and N-1 out through its links, staged in its host memory); allgathe
 all-gather in which every process receives the whole batch; xla is jit with out_shardings;
 layout_aware is ours; layout_aware_fresh is the same kernels with recycling off, so every output is
 a fresh allocation (with --donate on CPU, layout_aware lands its outputs in the source blocks
-spent by its previous call, `DispatchConfig.recycle_buffers`: XLA:CPU has no caching allocator,
-and first-touch page faults on a fresh block cost about as much as moving it over loopback).
+spent by its previous call, or in its previous call's outputs, which the benchmark releases once
+timed as the main job releases each step's train batch, `DispatchConfig.recycle_buffers` and
+`Dispatcher.release`: XLA:CPU has no caching allocator, and first-touch page faults on a fresh
+block cost about as much as moving it over loopback).
 The bytes that cross the controller's links are reported beside them.
 
 Default movement: every row goes to another process (both layouts dp8 with rows on every device,
@@ -299,7 +301,8 @@ def _run_worker() -> None:
     for name in strategies:
       progress(f'{length // 1024}K: warm-up {name}')
       ok = True
-      # A recycling dispatch lands in the buffers its first call spent: verify one of those too.
+      # A recycling dispatch lands in the buffers its first call spent or released: verify one
+      # of those too.
       warm = max(1, FLAGS.warmup, 2 if name == 'layout_aware' and recycles else 1)
       for w in range(warm):
         src_batch = jax.block_until_ready(fresh(batch)) if FLAGS.donate else batch
@@ -309,6 +312,8 @@ def _run_worker() -> None:
           ok &= _verify(out, structs, salts, dst_sh, perm)
         if w == warm - 1 and name == 'layout_aware':
           entry['recycled_mib_per_process'] = report.recycled_bytes / MiB
+        if name == 'layout_aware':
+          dispatcher.release(out)
         del out
       verified[name] = ok
     # Repetitions interleave the strategies (in a rotating order), so that background load on
@@ -328,6 +333,8 @@ def _run_worker() -> None:
         out, _ = run(name, src_batch, dst, perm)
         jax.block_until_ready(out)
         times[name].append(time.perf_counter() - t0)
+        if name == 'layout_aware':
+          dispatcher.release(out)  # as the main job releases each step's train batch
         del out
       if ring is not None:
         multihost_utils.sync_global_devices('dispatch_latency')

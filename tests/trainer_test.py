@@ -304,6 +304,10 @@ def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
   )
   staged = mp_bodies.trainer_run(str(tmp_path / 'staged'), steps=3, resume=False, winners=WINNERS)
   assert all(r['dispatch/experience_train/bytes'] > 0 for r in staged['rows'][1:])
+  # The train blocks (dp2.tp4) are 4x the experience blocks (dp8): only the last step's train
+  # batch, released after its update, can land the move's outputs (recycling, on CPU).
+  recycled = [r['dispatch/experience_train/recycled_bytes'] for r in staged['rows'][1:]]
+  assert recycled[0] == 0 and all(b > 0 for b in recycled[1:]), recycled
   ref = [
     {k: v for k, v in r.items() if not k.startswith(('plan/', 'dispatch/'))} for r in one['rows']
   ]

@@ -10,7 +10,8 @@ Strategies (`Strategy`, or per call with `strategy=`):
                   a zero-copy re-wrap onto the target sharding (only the re-wrap, no kernel,
                   when every target block already is a source block on its device). Device to
                   device; no host. Donating on CPU, the outputs land in the source blocks spent
-                  by earlier dispatches (`DispatchConfig.recycle_buffers`).
+                  by earlier dispatches or in batches the caller released (`release`;
+                  `DispatchConfig.recycle_buffers`), each round written into them as it arrives.
   xla             `jax.jit` with `out_shardings`: device-side, XLA's own choice of collectives.
                   A permutation is applied in the same program: a rotation of the rows as
                   `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as
@@ -251,6 +252,7 @@ class Dispatcher:
       pack_max_bytes=self.config.pack_max_bytes,
       stable=self.config.stable_kernels,
       floor=self._floors.get(floor_key),
+      land=self.recycles(src),
     )
     if floor_key is not None:
       self._floors[floor_key] = stable_floor(plan)
@@ -268,6 +270,28 @@ class Dispatcher:
     if self.config.recycle_buffers is not None:
       return self.config.recycle_buffers
     return self.config.donate and all(d.platform == 'cpu' for d in src.mesh.devices.flat)
+
+  def release(self, batch: Any) -> int:
+    """Hands back a batch the caller is done with (e.g. a step's train batch after its update),
+    so that later recycling dispatches land their outputs in its device buffers.
+
+    Only when recycling (`DispatchConfig.recycle_buffers`): otherwise a no-op. A spent source
+    block lands only outputs of its own shape, and a dispatch whose target blocks are larger
+    than its source blocks (e.g. a sequence split merged) would otherwise land every output in
+    fresh memory. The buffers are donated to a later kernel, so neither the batch nor any array
+    sharing its buffers may be used afterwards (JAX raises if one is: the array is deleted).
+    Deleted arrays are skipped. The pool holds at most two released or spent batches.
+
+    Returns:
+      The bytes the pool took (0 when not recycling).
+    """
+    leaves = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array) and not x.is_deleted()]
+    recycle = self.config.recycle_buffers
+    if recycle is None:
+      recycle = self.config.donate and all(d.platform == 'cpu' for x in leaves for d in x.devices())
+    if not leaves or not recycle:
+      return 0
+    return self._pool.add(leaves)
 
   def _kernel(
     self, plan: Plan, src: Layout, recycle: bool, shared: tuple[tuple[int, int], ...] = ()

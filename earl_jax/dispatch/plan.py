@@ -55,7 +55,10 @@ Vocabulary
              whole local block), and for the output the position of every target unit in the
              "pool" [local units, round 0 section, round 1 section, ...] (or an offset into one
              pool region when the output is one contiguous run of it, or nothing when it is a
-             whole region). These kinds are static; the tables are data.
+             whole region). These kinds are static; the tables are data. A plan for a kernel
+             that writes into landing buffers (`land`) replaces the gather by the inverse table:
+             the slot of every local and every received unit, so each round's buffer is written
+             as it arrives ('scatter').
 
 Accounting: `min_bytes` is what must move (every unit a target device lacks, once);
 `scheduled_bytes` is what the rounds move including padding. For a static plan with uniform
@@ -118,14 +121,18 @@ class SendOp:
 @dataclasses.dataclass(frozen=True)
 class OutOp:
   """How the output block is read from the pool: 'full' (one region, whole), 'slice' (one
-  region at a per-device offset), 'gather' (per-device indices into the whole pool) or 'update'
+  region at a per-device offset), 'gather' (per-device indices into the whole pool), 'update'
   (the local block with `updates` units overwritten from the pool: the units that stay in their
-  slot are not copied when the source is donated)."""
+  slot are not copied when the source is donated) or 'scatter' (a landing buffer the regions
+  are written into as they arrive: first `updates` local units, then each round's received
+  buffer into its slots, so a round's buffer is dead once written and the next round reuses
+  its memory; the kernel holds about one round in flight instead of every received buffer)."""
 
-  kind: Literal['full', 'slice', 'gather', 'update']
+  kind: Literal['full', 'slice', 'gather', 'update', 'scatter']
   region: int = -1  # 0 = local units, r + 1 = this group's section of round r ('update': 1 =
   # the written units come from the received buffers alone, 0 = from the whole pool)
-  updates: int = 0  # 'update': the slots written per device (a capacity bucket, padded)
+  updates: int = 0  # 'update': the slots written per device (a capacity bucket, padded);
+  # 'scatter': the local units written per device (a power of two, or the exact count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +167,10 @@ class GroupPlan:
     out_op: how the output is read from the pool.
     send_tables: per plan round, int32 [n, cap] ('gather') or [n] ('slice') or None.
     out_table: int32 [n, dst_units] ('gather'), [n] ('slice'), [n, 2, updates] ('update':
-      the slots, then their pool indices; padding slots are dst_units, dropped) or None.
+      the slots, then their pool indices; padding slots are dst_units, dropped), [n, 2,
+      updates + received units] ('scatter': row 0 the slot of each local unit, then of each
+      received unit of every round in pool order; row 1 the local units' indices; padding
+      slots are dst_units, dropped) or None.
   """
 
   fields: tuple[FieldPlan, ...]
@@ -661,9 +671,12 @@ def _uniform_rounds(
 
 
 def stable_floor(plan: 'Plan') -> dict[int, tuple[int, ...]]:
-  """The caps of a stable plan per ring shift k, for `make_plan(floor=...)`."""
+  """The caps of a stable plan per ring shift k, for `make_plan(floor=...)`; at k = 0 the local
+  sections of its 'scatter' outputs (0 for a group without one)."""
   n = plan.num_devices
-  return {(r.pairs[0][1] - r.pairs[0][0]) % n: r.caps for r in plan.rounds}
+  floor = {(r.pairs[0][1] - r.pairs[0][0]) % n: r.caps for r in plan.rounds}
+  floor[0] = tuple(g.out_op.updates if g.out_op.kind == 'scatter' else 0 for g in plan.groups)
+  return floor
 
 
 def _all_to_all_rounds(
@@ -726,10 +739,42 @@ def _send_op(lists: dict[int, np.ndarray], cap: int, n: int, n_su: int, stable: 
   return SendOp('gather'), table.astype(np.int32)
 
 
-def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
-  """The output op: one region read whole or as one run, else the local block with the changed
-  slots written, else a gather over the pool (always a gather when `stable`)."""
+def _scatter_out(pool_idx, region_of, offsets, sizes, local_cap):
+  """The 'scatter' output op and its table [n, 2, local_cap + received units] (see OutOp)."""
   n, n_du = pool_idx.shape
+  received = int(sum(sizes[1:]))
+  table = np.zeros((n, 2, local_cap + received), np.int64)
+  table[:, 0, :] = n_du  # padding: out of bounds, dropped by the scatter
+  for d in range(n):
+    local = np.nonzero(region_of[d] == 0)[0]
+    table[d, 0, : len(local)] = local
+    table[d, 1, : len(local)] = pool_idx[d, local]
+    remote = np.nonzero(region_of[d] > 0)[0]
+    # Pool positions past the local region are the received units in pool order.
+    table[d, 0, local_cap + pool_idx[d, remote] - sizes[0]] = remote
+  return OutOp('scatter', updates=local_cap), table.astype(np.int32)
+
+
+def _local_cap(region_of: np.ndarray, bucket: tuple[int, int] | None) -> int:
+  """Width of a 'scatter' table's local section: the most units a device keeps, exact (static
+  plans) or rounded up to a capacity bucket (`bucket` = (per_octave, floor)), so that the
+  kernels of a stream of permutations repeat."""
+  n_du = region_of.shape[1]
+  most = int((region_of == 0).sum(axis=1).max())
+  if bucket is None:
+    return most
+  per_octave, floor = bucket
+  return max(capacity_bucket(most, n_du, per_octave), min(floor, n_du))
+
+
+def _out_op(pool_idx, region_of, offsets, sizes, collective, stable, land=False, bucket=None):
+  """The output op: one region read whole or as one run, else the local block with the changed
+  slots written, else, with `land` (the kernel writes into landing buffers), a scatter of every
+  region into the landing buffer as it arrives (its local section sized by `bucket`, see
+  `_local_cap`), else a gather over the pool. When `stable`: always a scatter or a gather."""
+  n, n_du = pool_idx.shape
+  if land and stable:
+    return _scatter_out(pool_idx, region_of, offsets, sizes, _local_cap(region_of, bucket))
   regions = np.unique(region_of)
   if len(regions) == 1 and not stable:
     region = int(regions[0])
@@ -759,6 +804,8 @@ def _out_op(pool_idx, region_of, offsets, sizes, collective, stable):
         table[d, 1, : len(slots)] = pool_idx[d, slots] - shift
       region = 1 if received_only else 0
       return OutOp('update', region=region, updates=width), table.astype(np.int32)
+  if land:
+    return _scatter_out(pool_idx, region_of, offsets, sizes, _local_cap(region_of, bucket))
   return OutOp('gather'), pool_idx.astype(np.int32)
 
 
@@ -770,9 +817,12 @@ def _build_tables(
   collective: Collective,
   n_su: int,
   stable: bool = False,
+  land: bool = False,
+  bucket: tuple[int, int] | None = None,
 ) -> tuple[tuple[SendOp, ...], tuple[np.ndarray | None, ...], OutOp, np.ndarray | None]:
   """Send ops and tables of group g for every round, and its output op and table (`stable`:
-  row gathers throughout, so that the ops never depend on the permutation)."""
+  row gathers throughout, so that the ops never depend on the permutation; `land` and
+  `bucket`: see `_out_op`)."""
   n, n_du = src_dev.shape
   caps = [r.caps[g] for r in rounds]
   sizes = [n_su, *((n * c) if collective == 'all_to_all' else c for c in caps)]
@@ -815,7 +865,7 @@ def _build_tables(
     send_tables.append(table)
   if (pool_idx < 0).any():
     raise AssertionError('dispatch plan left target units unrouted')
-  out_op, out_table = _out_op(pool_idx, region_of, offsets, sizes, collective, stable)
+  out_op, out_table = _out_op(pool_idx, region_of, offsets, sizes, collective, stable, land, bucket)
   return tuple(send_ops), tuple(send_tables), out_op, out_table
 
 
@@ -944,6 +994,7 @@ def make_plan(
   pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
   stable: bool = False,
   floor: Mapping[int, Sequence[int]] | None = None,
+  land: bool = False,
 ) -> Plan:
   """Computes the routing plan of moving a batch from `src` to `dst`.
 
@@ -967,6 +1018,11 @@ def make_plan(
     floor: stable only: the least caps per ring shift (`stable_floor` of the previous plan for
       the same layouts and shapes). Caps then only grow, so a stream of permutations settles on
       one kernel whose caps fit them all, each shift padded only to what it carried.
+    land: the kernel writes its outputs into landing buffers (`make_kernel(recycle=True)`): an
+      output that would be a gather over the pool of received buffers is instead a 'scatter'
+      (OutOp) into the landing buffer, round by round, so only about one round's buffers are
+      live at a time. Its local section is exact (static), bucketed (a permutation) or a power
+      of two that only grows (stable, floor key 0).
 
   Returns:
     The Plan.
@@ -998,8 +1054,14 @@ def make_plan(
   )
   groups = []
   for g, r in enumerate(routed):
+    if static:
+      bucket = None
+    elif stable:
+      bucket = (1, (floor or {}).get(0, (0,) * len(routed))[g])
+    else:
+      bucket = (buckets_per_octave, 0)
     send_ops, send_tables, out_op, out_table = _build_tables(
-      g, r.src_dev, r.src_unit, rounds, collective, r.src_units, stable
+      g, r.src_dev, r.src_unit, rounds, collective, r.src_units, stable, land, bucket
     )
     groups.append(
       GroupPlan(

@@ -22,18 +22,14 @@ def _host():
   }
 
 
+def _plan(src, dst, leaves, perm, collective, **plan_options):
+  shapes, dtypes = [x.shape for x in leaves], [x.dtype for x in leaves]
+  return make_plan(src, dst, shapes, dtypes, perm=perm, collective=collective, **plan_options)
+
+
 def _kernel(host, src_text, dst_text, perm, collective, **plan_options):
   src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
-  leaves = jax.tree.leaves(host)
-  plan = make_plan(
-    src,
-    dst,
-    [x.shape for x in leaves],
-    [x.dtype for x in leaves],
-    perm=perm,
-    collective=collective,
-    **plan_options,
-  )
+  plan = _plan(src, dst, jax.tree.leaves(host), perm, collective, **plan_options)
   tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
   return src, dst, collectives.make_kernel(plan, src), tables
 
@@ -192,6 +188,76 @@ def test_recycling_kernel_lands_outputs_in_the_given_buffers(
     collectives.rewrap(o, x.shape, dst.sharding(i)) for i, (o, x) in enumerate(zip(raw, leaves))
   ]
   assert bodies.check_placed(jax.tree.unflatten(dst.treedef, outs), host, dst, perm) == []
+
+
+def _dirty(struct: jax.ShapeDtypeStruct) -> jax.Array:
+  """A landing buffer full of a value no field holds (an old batch's leftovers)."""
+  fill = True if struct.dtype == np.bool_ else -77
+  # Made on the devices (a device_put of a NumPy array may alias host memory, which XLA:CPU
+  # does not donate).
+  return jax.jit(
+    lambda: jnp.full(struct.shape, fill, struct.dtype), out_shardings=struct.sharding
+  )()
+
+
+@pytest.mark.parametrize(('src_text', 'dst_text', 'perm_kind', 'collective'), CASES)
+@pytest.mark.parametrize('recycle', [True, False])
+def test_landing_kernels_write_every_slot_of_a_dirty_landing_buffer(
+  src_text, dst_text, perm_kind, collective, recycle
+):
+  """A `land` plan's 'scatter' outputs, written region by region into landing buffers that
+  hold another batch's values (recycle) or into zeros (no landing buffer): every slot is
+  overwritten, the values match the dense reference, and a recycled output is its landing
+  buffer's memory."""
+  host, perm = _host(), _perm(perm_kind)
+  src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
+  leaves = bodies.device_copy(jax.tree.leaves(bodies.place(host, src)))
+  plan = _plan(src, dst, leaves, perm, collective, land=True)
+  tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
+  if recycle:
+    kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
+    fields = collectives.landing_fields(plan)
+    landing = [_dirty(collectives.output_struct(plan, src, i)) for i in fields]
+    at = [bodies.buffers(x) for x in landing]
+    raw, _ = kernel(leaves, tables, landing)
+    for i, where in zip(fields, at):
+      assert bodies.buffers(raw[i]) == where
+  else:
+    raw = collectives.make_kernel(plan, src)(leaves, tables)
+  outs = [
+    collectives.rewrap(o, x.shape, dst.sharding(i)) for i, (o, x) in enumerate(zip(raw, leaves))
+  ]
+  assert bodies.check_placed(jax.tree.unflatten(dst.treedef, outs), host, dst, perm) == []
+
+
+def test_landing_kernel_holds_about_one_round_of_temporaries():
+  """dp8 -> dp8 with random rows: 7 rounds of row gathers. The gather output keeps every
+  received buffer live until its final gather; the landing kernel writes each round's buffer
+  as it arrives, and each round's sends wait for the last round's writes (`_after`), so its
+  temporaries are about one round's send and receive buffers, whatever the number of rounds."""
+  rows, length = 512, 256
+  structs = {'logprobs': jax.ShapeDtypeStruct((rows, length), np.float32)}
+  src = Layout.parse('dp8', structs)
+  perm = np.random.default_rng(2).permutation(rows)
+  temps, rounds = {}, None
+  for land in (False, True):
+    plan = make_plan(src, src, [(rows, length)], [np.dtype(np.float32)], perm=perm, land=land)
+    rounds = plan.rounds
+    kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
+    leaves = [jax.ShapeDtypeStruct((rows, length), np.float32, sharding=src.sharding(0))]
+    tables = [
+      jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.NamedSharding(src.mesh, jax.P(('data',))))
+      for t in collectives.plan_tables(plan)
+    ]
+    landing = [collectives.output_struct(plan, src, i) for i in collectives.landing_fields(plan)]
+    compiled = kernel.lower(leaves, tables, landing).compile()
+    temps[land] = compiled.memory_analysis().temp_size_in_bytes
+  row_bytes = length * 4
+  assert len(rounds) == 7
+  assert temps[False] >= sum(r.caps[0] for r in rounds) * row_bytes  # every received buffer
+  # About one round's send and receive buffers (and a local piece), not seven.
+  assert temps[True] <= 3 * max(r.caps[0] for r in rounds) * row_bytes
+  assert temps[True] < temps[False] / 2, temps
 
 
 def test_buffer_pool_reuses_matching_blocks_and_keeps_two_calls():

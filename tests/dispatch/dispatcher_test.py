@@ -375,3 +375,31 @@ def test_a_buffer_held_by_two_fields_is_donated_and_recycled_once():
     batch['ref_logprobs'] = batch['logprobs']
     out, _ = d.dispatch(batch, dst, src=src)
     assert bodies.check_placed(out, host, dst) == []
+
+
+def test_released_batches_land_outputs_larger_than_the_spent_sources():
+  """dp8 -> dp4.tp2: every target block is twice a source block, so spent sources cannot land
+  the outputs. A released batch (the last step's, done with) can: the next dispatch writes
+  into its very buffers, reports those bytes and arrives bit for bit; the released arrays are
+  deleted (donated). Without recycling, release is a no-op."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
+  perm = np.random.default_rng(4).permutation(ROWS)
+  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+  assert report.recycled_bytes == 0
+  out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+  assert report.recycled_bytes == 0  # the spent source blocks are half the size
+  assert bodies.check_placed(out, host, dst, perm) == []
+  released_at = _pointers(out)
+  out_bytes = sum(s.data.nbytes for x in jax.tree.leaves(out) for s in x.addressable_shards)
+  assert d.release(out) == out_bytes
+  released = out
+  out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+  assert report.recycled_bytes == out_bytes and _pointers(out) == released_at
+  assert bodies.check_placed(out, host, dst, perm) == []
+  assert all(x.is_deleted() for x in jax.tree.leaves(released))
+  assert d.release(released) == 0  # deleted arrays are skipped
+  plain = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  assert plain.release(out) == 0 and plain._pool.nbytes == 0
+  assert bodies.check_placed(out, host, dst, perm) == []  # untouched

@@ -169,3 +169,63 @@ def test_even_pairs_keep_the_ring_shifts():
 def test_bad_permutation_shapes():
   with pytest.raises(ValueError, match='outside'):
     plan_lib.check_permutation(np.arange(1, ROWS + 1), ROWS)
+
+
+@pytest.mark.parametrize(
+  ('src_text', 'dst_text', 'perm_kind', 'options'),
+  [
+    ('dp4.tp2:seq', 'dp2.tp4', 'none', {}),  # static
+    ('dp8', 'dp8', 'random', {}),  # bucketed
+    ('dp8', 'dp4.tp2', 'random', {'stable': True}),
+    ('dp2.tp4', 'dp8:perm', 'random', {'collective': 'all_to_all'}),
+  ],
+)
+def test_landing_plans_scatter_every_target_unit_from_where_the_gather_reads_it(
+  src_text, dst_text, perm_kind, options
+):
+  """With `land`, an output that would gather from the pool of received buffers is a 'scatter':
+  the local section's slots and source units, then every round's received units in pool order,
+  each written to the slot the gather would have filled with it; padding slots are dst_units."""
+  perm = None if perm_kind == 'none' else np.random.default_rng(5).permutation(ROWS)
+  gathered = _plan(src_text, dst_text, perm=perm, **options)
+  landed = _plan(src_text, dst_text, perm=perm, land=True, **options)
+  assert landed.rounds == gathered.rounds
+  pairs = [(g, h) for g, h in zip(gathered.groups, landed.groups) if g.out_op.kind == 'gather']
+  assert pairs  # every case has a gathered output
+  for g, h in pairs:
+    assert h.out_op.kind == 'scatter'
+    width, table = h.out_op.updates, h.out_table
+    for d in range(g.num_devices):
+      slots, units = table[d, 0], table[d, 1]
+      written = slots[slots < g.dst_units]
+      np.testing.assert_array_equal(np.sort(written), np.arange(g.dst_units))  # each slot once
+      for j, at in enumerate(g.out_table[d]):
+        if at < g.src_units:  # a local unit: in the local section, with its source unit
+          [pos] = np.nonzero(slots[:width] == j)[0]
+          assert units[pos] == at
+        else:  # a received unit: at its pool position past the local section
+          assert slots[width + at - g.src_units] == j
+    local = int(max((g.out_table[d] < g.src_units).sum() for d in range(g.num_devices)))
+    if perm is None:
+      assert width == local  # static: exact
+    elif options.get('stable'):
+      assert width >= local and width & (width - 1) == 0  # a power of two
+    else:
+      assert width == capacity_bucket(local, g.dst_units, 4)
+
+
+def test_stable_landing_plans_keep_their_local_section_in_the_floor():
+  """Stable plans record the scatter's local width at ring shift 0 of their floor; a later
+  permutation that keeps fewer rows local keeps that width (the same kernel structure)."""
+  perm = np.random.default_rng(6).permutation(ROWS)
+  first = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True)
+  floor = plan_lib.stable_floor(first)
+  assert floor[0] == tuple(g.out_op.updates for g in first.groups) and max(floor[0]) > 0
+  again = _plan('dp8', 'dp4.tp2', perm=np.arange(ROWS)[::-1].copy(), stable=True, land=True,
+                floor=floor)  # fmt: skip
+  assert all(a >= f for a, f in zip(plan_lib.stable_floor(again)[0], floor[0]))
+  grown = {k: tuple(2 * c for c in caps) for k, caps in floor.items()}
+  wider = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, floor=grown)
+  assert [g.out_op.updates for g in wider.groups] == [
+    min(2 * c, g.dst_units) for c, g in zip(floor[0], wider.groups)
+  ]
