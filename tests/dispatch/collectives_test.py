@@ -212,7 +212,7 @@ def test_landing_kernels_write_every_slot_of_a_dirty_landing_buffer(
   host, perm = _host(), _perm(perm_kind)
   src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
   leaves = bodies.device_copy(jax.tree.leaves(bodies.place(host, src)))
-  plan = _plan(src, dst, leaves, perm, collective, land=True)
+  plan = _plan(src, dst, leaves, perm, collective, land=True, land_min_bytes=0)
   tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
   if recycle:
     kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
@@ -241,7 +241,9 @@ def test_landing_kernel_holds_about_one_round_of_temporaries():
   perm = np.random.default_rng(2).permutation(rows)
   temps, rounds = {}, None
   for land in (False, True):
-    plan = make_plan(src, src, [(rows, length)], [np.dtype(np.float32)], perm=perm, land=land)
+    plan = make_plan(
+      src, src, [(rows, length)], [np.dtype(np.float32)], perm=perm, land=land, land_min_bytes=0
+    )
     rounds = plan.rounds
     kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
     leaves = [jax.ShapeDtypeStruct((rows, length), np.float32, sharding=src.sharding(0))]

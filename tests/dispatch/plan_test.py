@@ -188,7 +188,7 @@ def test_landing_plans_scatter_every_target_unit_from_where_the_gather_reads_it(
   each written to the slot the gather would have filled with it; padding slots are dst_units."""
   perm = None if perm_kind == 'none' else np.random.default_rng(5).permutation(ROWS)
   gathered = _plan(src_text, dst_text, perm=perm, **options)
-  landed = _plan(src_text, dst_text, perm=perm, land=True, **options)
+  landed = _plan(src_text, dst_text, perm=perm, land=True, land_min_bytes=0, **options)
   assert landed.rounds == gathered.rounds
   pairs = [(g, h) for g, h in zip(gathered.groups, landed.groups) if g.out_op.kind == 'gather']
   assert pairs  # every case has a gathered output
@@ -218,14 +218,29 @@ def test_stable_landing_plans_keep_their_local_section_in_the_floor():
   """Stable plans record the scatter's local width at ring shift 0 of their floor; a later
   permutation that keeps fewer rows local keeps that width (the same kernel structure)."""
   perm = np.random.default_rng(6).permutation(ROWS)
-  first = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True)
+  first = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, land_min_bytes=0)
   floor = plan_lib.stable_floor(first)
   assert floor[0] == tuple(g.out_op.updates for g in first.groups) and max(floor[0]) > 0
-  again = _plan('dp8', 'dp4.tp2', perm=np.arange(ROWS)[::-1].copy(), stable=True, land=True,
+  again = _plan('dp8', 'dp4.tp2', perm=np.arange(ROWS)[::-1].copy(), stable=True, land=True, land_min_bytes=0,
                 floor=floor)  # fmt: skip
   assert all(a >= f for a, f in zip(plan_lib.stable_floor(again)[0], floor[0]))
   grown = {k: tuple(2 * c for c in caps) for k, caps in floor.items()}
-  wider = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, floor=grown)
+  wider = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, land_min_bytes=0, floor=grown)
   assert [g.out_op.updates for g in wider.groups] == [
     min(2 * c, g.dst_units) for c, g in zip(floor[0], wider.groups)
   ]
+
+
+def test_landing_scatters_only_when_the_rounds_carry_enough_bytes():
+  """Below LAND_MIN_BYTES received per device a landing plan keeps the gather (its buffers stay
+  small; the scatter chain only compiles slower); a Fig. 4-sized batch scatters."""
+  perm = np.random.default_rng(7).permutation(ROWS)
+  assert _plan('dp8', 'dp8', perm=perm, land=True).groups[0].out_op.kind == 'gather'
+  assert _plan('dp8', 'dp8', perm=perm, land=True, land_min_bytes=0).groups[0].out_op.kind == (
+    'scatter'
+  )
+  perm = np.random.default_rng(7).permutation(4096)  # 16 MiB per device
+  big = _large_plan('dp8', 'dp8', perm, rows=4096, land=True)
+  received = sum(r.caps[0] * big.groups[0].unit_bytes for r in big.rounds)
+  assert received >= plan_lib.LAND_MIN_BYTES
+  assert {g.out_op.kind for g in big.groups} == {'scatter'}
