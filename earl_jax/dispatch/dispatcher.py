@@ -11,7 +11,8 @@ Strategies (`Strategy`, or per call with `strategy=`):
                   when every target block already is a source block on its device). Device to
                   device; no host. Donating on CPU, the outputs land in the source blocks spent
                   by earlier dispatches or in batches the caller released (`release`;
-                  `DispatchConfig.recycle_buffers`), each round written into them as it arrives.
+                  `DispatchConfig.recycle_buffers`), a large move's rounds written into them as they
+                  arrive.
   xla             `jax.jit` with `out_shardings`: device-side, XLA's own choice of collectives.
                   A permutation is applied in the same program: a rotation of the rows as
                   `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as

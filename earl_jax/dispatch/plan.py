@@ -745,7 +745,7 @@ def _send_op(lists: dict[int, np.ndarray], cap: int, n: int, n_su: int, stable: 
   return SendOp('gather'), table.astype(np.int32)
 
 
-def _scatter_out(pool_idx, region_of, offsets, sizes, local_cap):
+def _scatter_out(pool_idx, region_of, sizes, local_cap):
   """The 'scatter' output op and its table [n, 2, local_cap + received units] (see OutOp)."""
   n, n_du = pool_idx.shape
   received = int(sum(sizes[1:]))
@@ -780,7 +780,7 @@ def _out_op(pool_idx, region_of, offsets, sizes, collective, stable, land=False,
   `_local_cap`), else a gather over the pool. When `stable`: always a scatter or a gather."""
   n, n_du = pool_idx.shape
   if land and stable:
-    return _scatter_out(pool_idx, region_of, offsets, sizes, _local_cap(region_of, bucket))
+    return _scatter_out(pool_idx, region_of, sizes, _local_cap(region_of, bucket))
   regions = np.unique(region_of)
   if len(regions) == 1 and not stable:
     region = int(regions[0])
@@ -811,7 +811,7 @@ def _out_op(pool_idx, region_of, offsets, sizes, collective, stable, land=False,
       region = 1 if received_only else 0
       return OutOp('update', region=region, updates=width), table.astype(np.int32)
   if land:
-    return _scatter_out(pool_idx, region_of, offsets, sizes, _local_cap(region_of, bucket))
+    return _scatter_out(pool_idx, region_of, sizes, _local_cap(region_of, bucket))
   return OutOp('gather'), pool_idx.astype(np.int32)
 
 
