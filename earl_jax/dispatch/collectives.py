@@ -280,16 +280,15 @@ def make_kernel(
       if g.out_op.kind != 'scatter':
         continue
       table, width = out_idx[gi], g.out_op.updates
+      # The local units in pieces of at most a round's buffer, each after the last, so the local
+      # copy's temporary memory is no larger than a round's (one piece when nothing is received).
+      piece = max([rnd.caps[gi] * per_round for rnd in plan.rounds] + [0]) or max(width, 1)
       for f in g.fields:
         base = (bases or {}).get(f.index)
         if base is None:
           y = jnp.zeros((g.dst_units, *f.unit_shape), f.dtype)
         else:
           y = base.reshape(g.dst_units, *f.unit_shape)
-        # In pieces of at most a round's buffer, each after the last, so the local copy's
-        # temporary memory is no larger than a round's (one piece when nothing is received).
-        piece = max(rnd.caps[gi] * per_round for rnd in plan.rounds) if plan.rounds else 0
-        piece = piece or max(width, 1)
         for start in range(0, width, piece):
           take = table[1, start : start + piece]
           if start:

@@ -268,9 +268,12 @@ class Dispatcher:
 
   def recycles(self, src: Layout) -> bool:
     """Whether layout_aware dispatches from `src` land in recycled buffers (see the config)."""
+    return self._recycles_on(src.mesh.devices.flat)
+
+  def _recycles_on(self, devices) -> bool:
     if self.config.recycle_buffers is not None:
       return self.config.recycle_buffers
-    return self.config.donate and all(d.platform == 'cpu' for d in src.mesh.devices.flat)
+    return self.config.donate and all(d.platform == 'cpu' for d in devices)
 
   def release(self, batch: Any) -> int:
     """Hands back a batch the caller is done with (e.g. a step's train batch after its update),
@@ -287,10 +290,7 @@ class Dispatcher:
       The bytes the pool took (0 when not recycling).
     """
     leaves = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array) and not x.is_deleted()]
-    recycle = self.config.recycle_buffers
-    if recycle is None:
-      recycle = self.config.donate and all(d.platform == 'cpu' for x in leaves for d in x.devices())
-    if not leaves or not recycle:
+    if not leaves or not self._recycles_on(d for x in leaves for d in x.devices()):
       return 0
     return self._pool.add(leaves)
 
