@@ -53,6 +53,12 @@ class ExperimentConfig:
     balance: permute rows inside a dispatch so that every data-parallel rank gets the same
       number of real (unpadded) tokens: the rollout -> experience move with packing (the rank
       with the most tokens sets the packed rows), the experience -> train move without.
+    overlong_filter: keep the episodes truncated at the largest bucket (the context cap, outcome
+      'overflow') out of the update, as DAPO's overlong filtering and the `overlong_filter`
+      options of ROLL, rLLM and SkyRL do: they still count in the logged return and win rate,
+      but add nothing to the loss or to the advantage baseline. Off (the default), they are
+      trained on like any other episode, with the forfeit's reward (`env.invalid_penalty`) on
+      their last turn, which teaches the policy to stay under the cap.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
     max_skipped_in_a_row: the run stops with an error after this many consecutive steps were
@@ -88,6 +94,7 @@ class ExperimentConfig:
   update_epochs: int = 1
   pack: bool = True
   balance: bool = True
+  overlong_filter: bool = False
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000

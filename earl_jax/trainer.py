@@ -492,6 +492,7 @@ class Trainer:
       bucket=T,
       shardings=roll_layout.shardings(),
       gamma=cfg.advantages.gamma,
+      exclude=('overflow',) if cfg.overlong_filter else (),
     )
     layout = self._layout(d_exp.config)
     batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves, perm)

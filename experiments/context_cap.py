@@ -11,7 +11,12 @@ Trains the main job (`experiments/train.py`) twice from the same seed, one after
   earl    the preset as it is: buckets up to its largest, the selector choosing each stage's
           layout per bucket.
 A forfeited turn costs what an invalid reply costs (`--invalid_penalty`; the presets' is -1, as
-much as a lost game).
+much as a lost game): it counts in the logged return and win rate. By default both runs keep the
+truncated episodes out of the update (`ExperimentConfig.overlong_filter`), as the overlong
+filters of DAPO, ROLL, rLLM and SkyRL do, so nothing teaches the capped policy that the
+cap exists: it goes on thinking longer, more and more of its episodes are truncated, and its
+return falls, as the paper's does. With `--nooverlong_filter` the capped run trains on the
+forfeits, and its policy learns to stay under the cap: its return stalls instead of falling.
 
 The task must make contexts grow as the policy learns, as the paper's reasoning does. The
 `think` preset (the default here) does it inside each move: before a move the policy thinks up to
@@ -19,14 +24,14 @@ The task must make contexts grow as the policy learns, as the paper's reasoning 
 thoughts win more against the 2-ply minimax opponent, so the tokens per move and the episodes
 grow as it learns to think. In the `default` preset contexts grow only with survival (whole-board
 observations, a reward per legal move; against `--opponent=greedy` episodes last longer once the
-policy plays legal moves): there the capped policy learns to keep its games under the cap, and
-its return stalls instead of falling.
+policy plays legal moves): there, trained on its forfeits (stop 22's runs), the capped policy
+learned to keep its games under the cap, and its return stalled instead of falling.
 
 Writes fig1.json and fig1.png with the paper's three panels for both runs (turn-level context as
 tokens per move, thoughts included; episode-level context against the cap; return) and prints
 the key numbers: the step at which the capped run's episodes reach the cap, the share truncated,
-each run's return before and after that step, and the peak of its return over 5 steps and how
-far it falls after it.
+each run's return before and after that step, and the largest fall of its return and win rate
+over 5 steps from that step on (the peak before it and the low it reaches).
 
 Extra `--config.*` overrides go to both runs through `--override`, e.g.
 `--override=--config.rollout.num_episodes=32`. The EARL run does not depend on `--cap`: with
@@ -62,6 +67,12 @@ _THINK = flags.DEFINE_integer(
   None,
   "Both runs' EnvConfig.think_depth: how deep a policy may think before a move, a turn per ply "
   "(unset: the preset's, no thinking).",
+)
+_FILTER = flags.DEFINE_bool(
+  'overlong_filter',
+  True,
+  "Both runs' ExperimentConfig.overlong_filter: keep the episodes truncated at the cap out of "
+  'the update (overlong filtering); --nooverlong_filter trains on their forfeit instead.',
 )
 _OUT_DIR = flags.DEFINE_string('out_dir', 'runs/fig1', 'Where both runs and the figure go.')
 _REUSE_EARL = flags.DEFINE_bool(
@@ -157,23 +168,32 @@ def smoothed(xs: list[float], window: int = SMOOTH) -> list[float]:
   return [_mean(xs[max(0, i + 1 - window) : i + 1]) for i in range(len(xs))]
 
 
-def peak_and_fall(steps: list[int], returns: list[float]) -> dict:
-  """The best smoothed return, its step, and how far the smoothed return falls after it (the
-  least value after the peak, and the last)."""
-  s = smoothed(returns)
-  i = max(range(len(s)), key=s.__getitem__)
-  low = min(s[i:])
-  return {'window': SMOOTH, 'peak': s[i], 'peak_step': steps[i], 'low_after_peak': low,
-          'fall': s[i] - low, 'last': s[-1]}  # fmt: skip
+def peak_and_fall(steps: list[int], values: list[float], start: int | None = None) -> dict:
+  """The largest fall of the smoothed `values` (a return or a win rate) from step `start` on
+  (None: the first): the peak before it, the low it falls to (and their steps), and the last
+  value. A series that never falls reports its best value as both peak and low, and a fall of 0."""
+  s = smoothed(values)
+  first = next((j for j, step in enumerate(steps) if step >= start), 0) if start else 0
+  peak = low = best = first  # best: the best value from `first` up to step j
+  for j in range(first, len(s)):
+    best = j if s[j] > s[best] else best
+    if s[best] - s[j] > s[peak] - s[low]:
+      peak, low = best, j
+  if s[peak] == s[low]:
+    peak = low = max(range(first, len(s)), key=s.__getitem__)
+  return {'window': SMOOTH, 'peak': s[peak], 'peak_step': steps[peak], 'low_after_peak': s[low],
+          'low_step': steps[low], 'fall': s[peak] - s[low], 'last': s[-1]}  # fmt: skip
 
 
 def summarize(capped: dict, earl: dict, cap: int) -> dict:
   """The step at which the capped run's episodes reach the cap (the first truncated one), each
-  run's return before and after it, and each run's smoothed return: its peak and its fall."""
+  run's return before and after it, the largest fall of each run's smoothed return and win rate,
+  and its largest share of truncated episodes."""
   # The first step in which an episode of the capped run was truncated at the cap.
   reach = next((s for s, o in zip(capped['step'], capped['overflow_rate']) if o), None)
   out = {'cap': cap, 'capped_reaches_cap_at_step': reach}
   for name, run in (('capped', capped), ('earl', earl)):
+    most = max(range(len(run['step'])), key=run['overflow_rate'].__getitem__)
     before = [r for s, r in zip(run['step'], run['return_mean']) if reach is None or s < reach]
     after = [r for s, r in zip(run['step'], run['return_mean']) if reach is not None and s >= reach]
     last = run['return_mean'][-max(1, len(run['step']) // 4) :]
@@ -184,7 +204,11 @@ def summarize(capped: dict, earl: dict, cap: int) -> dict:
       'overflow_rate_after': _mean(
         [o for s, o in zip(run['step'], run['overflow_rate']) if reach is not None and s >= reach]
       ),
-      'smoothed': peak_and_fall(run['step'], run['return_mean']),
+      'overflow_rate_max': run['overflow_rate'][most],
+      'overflow_rate_max_step': run['step'][most],
+      # Falls from the step the cap is reached (the smoothing window reaches back before it).
+      'smoothed': peak_and_fall(run['step'], run['return_mean'], start=reach),
+      'smoothed_win_rate': peak_and_fall(run['step'], run['win_rate'], start=reach),
       'episode_len_mean_last': run['ctx/episode_len_mean'][-1],
       'turn_len_first': turn_level(run)[0],
       'turn_len_last': turn_level(run)[-1],
@@ -210,6 +234,11 @@ def plot(capped: dict, earl: dict, cap: int, out: str) -> None:
     axes[2].plot(run['step'], run['return_mean'], color=color, alpha=0.3, lw=1)
     axes[2].plot(run['step'], smoothed(run['return_mean']), color=color, label=label)
   axes[1].axhline(cap, color='red', lw=1, ls='--', label='cap')
+  share = axes[1].twinx()  # what the cap truncates: the capped run's truncated episodes
+  share.fill_between(capped['step'], capped['overflow_rate'], color='#555555', alpha=0.12, lw=0)
+  share.set_ylim(0, 4)  # the shading stays in the lower quarter of the panel
+  share.set_yticks([0, 0.5, 1])
+  share.set_ylabel('capped run: share truncated (shaded)', fontsize=8)
   titles = (
     '(a) turn-level context length (tokens per move)',
     '(b) episode-level context length',
@@ -245,6 +274,8 @@ def main(argv):
     overrides += [f'--config.{e}.opponent={_OPPONENT.value}' for e in ('env', 'eval_env')]
   if not math.isnan(_INVALID.value):
     overrides += [f'--config.{e}.invalid_penalty={_INVALID.value}' for e in ('env', 'eval_env')]
+  if _FILTER.value:
+    overrides.append('--config.overlong_filter=true')
   if _THINK.value is not None:
     overrides += [f'--config.{e}.think_depth={_THINK.value}' for e in ('env', 'eval_env')]
   for text in overrides:  # checked here, in one line, before either run starts
@@ -291,16 +322,28 @@ def main(argv):
       f'the end {x["episode_len_mean_last"]:.0f} tokens; rollout layouts '
       f'{", ".join(x["rollout_layouts"])}'
     )
-    pf = x['smoothed']
     thoughts = x['thoughts_per_move_last']
     print(
       f'         tokens per move {x["turn_len_first"]:.1f} at the start, {x["turn_len_last"]:.1f} '
       f'at the end' + ('' if thoughts is None else f' ({thoughts:.2f} thoughts per move)')
     )
-    print(
-      f'         return over the last {pf["window"]} steps: peak {pf["peak"]:+.3f} at step '
-      f'{pf["peak_step"]}, then falls by {pf["fall"]:.3f} (last {pf["last"]:+.3f})'
-    )
+    if x['overflow_rate_max']:
+      print(
+        f'         truncated: {x["overflow_rate_max"]:.0%} of the episodes at most (step '
+        f'{x["overflow_rate_max_step"]})'
+      )
+    for label, key, fmt in (
+      ('return', 'smoothed', '+.3f'),
+      ('win rate', 'smoothed_win_rate', '.3f'),
+    ):
+      pf = x[key]
+      fall = (
+        f'its largest fall: from {pf["peak"]:{fmt}} at step {pf["peak_step"]} to '
+        f'{pf["low_after_peak"]:{fmt}} at step {pf["low_step"]}'
+        if pf['fall'] > 0
+        else f'never falls; peak {pf["peak"]:{fmt}} at step {pf["peak_step"]}'
+      )
+      print(f'         {label} over the last {pf["window"]} steps: {fall}; last {pf["last"]:{fmt}}')
   print(f'wrote {os.path.join(out, "fig1.json")} and fig1.png')
 
 

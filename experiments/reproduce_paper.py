@@ -120,6 +120,15 @@ def _check(name: str, out: str) -> list[str]:
   return problems
 
 
+def _fall(pf: dict, fmt: str) -> str:
+  """A Fig. 1 table cell: a smoothed series' largest fall, as `context_cap.peak_and_fall` gives it."""
+  if not pf['fall'] > 0:
+    return f'none (peak {pf["peak"]:{fmt}} at {pf["peak_step"]})'
+  return (
+    f'{pf["peak"]:{fmt}} ({pf["peak_step"]}) -> {pf["low_after_peak"]:{fmt}} ({pf["low_step"]})'
+  )
+
+
 def _summary(name: str, out: str) -> list[str]:
   """Markdown lines: ours next to the paper's."""
   j = os.path.join(out, f'{name}.json')
@@ -176,25 +185,28 @@ def _summary(name: str, out: str) -> list[str]:
     s = r['summary']
     lines.append(
       f'Preset `{r["preset"]}`, cap {s["cap"]} tokens (buckets {r["capped_buckets"]}; EARL '
-      f"{r['earl_buckets']}). The capped run's longest episodes reach the cap at step "
+      f"{r['earl_buckets']}; both runs' overrides: {' '.join(r['overrides']) or 'none'}). "
+      "The capped run's longest episodes reach the cap at step "
       f'{s["capped_reaches_cap_at_step"]}. Paper: episodes reach the 8K cap by step 13 and the '
       'return collapses after step 15.'
     )
     window = s['capped']['smoothed']['window']
     lines += ['', '| run | tokens per move, first -> last | episode mean at the end | '
-              'return before | after | last quarter | truncated after | '
-              f'{window}-step peak (step) | fall after it |',
+              'return before | after | last quarter | truncated after (most) | '
+              f'{window}-step return: largest fall, peak (step) -> low (step) | '
+              f'{window}-step win rate: largest fall |',
               '|---|---|---|---|---|---|---|---|---|']  # fmt: skip
     for run in ('capped', 'earl'):
       x = s[run]
       f = lambda v: '-' if v is None else f'{v:+.3f}'  # noqa: E731
       share = '-' if x['overflow_rate_after'] is None else f'{x["overflow_rate_after"]:.0%}'
-      pf = x['smoothed']
+      share += f' ({x["overflow_rate_max"]:.0%})' if x.get('overflow_rate_max') else ''
+
       lines.append(
         f'| {run} | {x["turn_len_first"]:.1f} -> {x["turn_len_last"]:.1f} | '
         f'{x["episode_len_mean_last"]:.0f} | {f(x["return_before"])} | '
         f'{f(x["return_after"])} | {f(x["return_last_quarter"])} | {share} | '
-        f'{f(pf["peak"])} ({pf["peak_step"]}) | {pf["fall"]:.3f} |'
+        f'{_fall(x["smoothed"], "+.3f")} | {_fall(x["smoothed_win_rate"], ".3f")} |'
       )
   elif name == 'fig3':
     c = r['counts']

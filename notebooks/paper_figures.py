@@ -93,9 +93,10 @@ def show(name: str) -> dict:
 # The paper (Fig. 1): episode-level contexts reach the 8K cap by step 13, and the return collapses
 # after step 15. Here the main job runs twice from the same seed, its buckets cut at the cap in
 # one run (an episode that would outgrow it is truncated and its turn forfeited), up to the
-# largest bucket in the other. The full run uses the `think` preset, in which the policy learns
-# to think before its moves, so its tokens per move grow as the paper's reasoning does; the quick
-# run uses the `smoke` preset.
+# largest bucket in the other; both keep the truncated episodes out of the update (overlong
+# filtering). The full run uses the `think` preset, in which the policy learns to think before
+# its moves, so its tokens per move grow as the paper's reasoning does, and the capped run's
+# return falls once most of its episodes are truncated; the quick run uses the `smoke` preset.
 
 # %%
 fig1 = show('fig1')
@@ -108,8 +109,8 @@ for name in ('capped', 'earl'):
   print(f'  {name:6s} mean return over the last quarter {x["return_last_quarter"]:+.3f}, '
         f'tokens per move {x["turn_len_first"]:.1f} -> {x["turn_len_last"]:.1f}, '
         f'episodes at the end {x["episode_len_mean_last"]:.0f} tokens; {pf["window"]}-step '
-        f'return peaks at {pf["peak"]:+.3f} (step {pf["peak_step"]}), then falls by '
-        f'{pf["fall"]:.3f}')  # fmt: skip
+        f'return: largest fall {pf["fall"]:.3f}, from {pf["peak"]:+.3f} (step {pf["peak_step"]}) '
+        f'to {pf["low_after_peak"]:+.3f} (step {pf["low_step"]})')  # fmt: skip
 
 # %% [markdown]
 # ## Fig. 3: decode throughput per layout, and the selector's choice

@@ -75,6 +75,30 @@ def test_update_epochs_reuse_each_batch(tmp_path):
     smoke_experiment(update_epochs=0)
 
 
+def test_overlong_filter_keeps_truncated_episodes_out_of_the_update(tmp_path):
+  """A 32-token cap truncates some Tic-Tac-Toe episodes at their third turn. With the same seed
+  both runs roll out the same episodes; the filtered update leaves out the truncated ones, so its
+  loss terms differ (they are the same when the flag is not passed through)."""
+  base = smoke_experiment()
+  rows = {}
+  for flag in (False, True):
+    config = smoke_experiment(
+      steps=1,
+      eval_every=0,
+      checkpoint_every=0,
+      buckets=BucketConfig(lengths=(32,)),
+      rollout=dataclasses.replace(base.rollout, reply_tokens=tuple('123456789')),
+      overlong_filter=flag,
+    )
+    workdir = str(tmp_path / str(flag))
+    trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None).run(progress=False)
+    (rows[flag],) = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  assert 0 < rows[True]['overflow_rate'] == rows[False]['overflow_rate'] < 1
+  assert rows[True]['tokens'] == rows[False]['tokens']
+  for key in ('loss/entropy_proxy', 'loss/grad_norm'):
+    assert rows[True][key] != pytest.approx(rows[False][key], rel=1e-3), key
+
+
 def _params(t):
   return [np.asarray(x) for x in jax.tree.leaves(t.state.params)]
 

@@ -116,12 +116,20 @@ class Trajectories:
         out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], g, 0.0)
     return out
 
-  def to_batch(self, *, bucket: int, rows: int, gamma: float = 1.0) -> Batch:
+  def to_batch(
+    self, *, bucket: int, rows: int, gamma: float = 1.0, exclude: tuple[str, ...] = ()
+  ) -> Batch:
     """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
 
-    `gamma` discounts the per-token reward-to-go (`Batch.returns`). The episodes' rows: this is
-    the whole batch only in a single process (see `to_device_batch`).
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`). `exclude`: outcomes whose
+    episodes stay out of the update (e.g. ('overflow',), overlong filtering): their rows keep
+    their tokens but are invalid with an all-False loss mask, like padding rows, so they add
+    nothing to the loss or to the advantages' statistics. The episodes' rows: this is the whole
+    batch only in a single process (see `to_device_batch`).
     """
+    unknown = sorted(set(exclude) - set(OUTCOMES))
+    if unknown:
+      raise ValueError(f'to_batch: unknown outcomes {unknown} in exclude; known: {list(OUTCOMES)}.')
     B, T = self.tokens.shape
     if bucket < T:
       raise ValueError(f'to_batch: bucket {bucket} is shorter than the longest episode ({T}).')
@@ -129,9 +137,10 @@ class Trajectories:
       raise ValueError(f'to_batch: rows={rows} is fewer than the {B} episodes.')
     out = Batch.zeros(rows, bucket)
     pad = lambda x, v=0: np.pad(x, ((0, rows - B), (0, bucket - T)), constant_values=v)  # noqa: E731
+    kept = np.array([o not in exclude for o in self.outcomes], bool)
     return out.replace(
       tokens=pad(self.tokens).astype(np.int32),
-      loss_mask=pad(self.loss_mask, False),
+      loss_mask=pad(self.loss_mask & kept[:, None], False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
       returns=pad(self.token_returns(gamma)),
       segment_ids=(
@@ -140,14 +149,17 @@ class Trajectories:
       rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
       lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
       group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
-      valid=np.arange(rows) < B,
+      valid=np.pad(kept, (0, rows - B)),
     )
 
-  def to_device_batch(self, *, bucket: int, shardings: Batch, gamma: float = 1.0) -> Batch:
+  def to_device_batch(
+    self, *, bucket: int, shardings: Batch, gamma: float = 1.0, exclude: tuple[str, ...] = ()
+  ) -> Batch:
     """The whole batch (`batch_rows` rows, tokens padded to `bucket`) as device arrays on
     `shardings`, built from this process's episodes: every process calls it with its own, and
-    each puts only the rows its devices hold (which must be among them)."""
-    host = self.to_batch(bucket=bucket, rows=self.num_episodes, gamma=gamma)
+    each puts only the rows its devices hold (which must be among them). `exclude` as in
+    `to_batch`."""
+    host = self.to_batch(bucket=bucket, rows=self.num_episodes, gamma=gamma, exclude=exclude)
     return jax.tree.map(
       lambda x, sh: mesh_lib.put_rows(x, self.row_ids, (self.batch_rows, *x.shape[1:]), sh),
       host,

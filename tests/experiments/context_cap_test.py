@@ -34,10 +34,18 @@ def test_peak_and_fall_of_a_return_that_rises_then_collapses():
   i = max(range(12), key=ref.__getitem__)
   assert r['peak_step'] == steps[i] == 6 and r['peak'] == pytest.approx(-0.4)
   assert r['low_after_peak'] == pytest.approx(-1.0) and r['last'] == pytest.approx(-1.0)
-  assert r['fall'] == pytest.approx(0.6)
+  assert r['fall'] == pytest.approx(0.6) and r['low_step'] == 11  # the first 5-step mean of -1
+  # The largest fall, not the one after the best value: a dip, then a rise above the old peak.
+  dip = [1.0] * 5 + [0.0] * 5 + [3.0] * 10
+  d = context_cap.peak_and_fall(list(range(1, 21)), dip)
+  assert (d['peak'], d['peak_step'], d['low_after_peak'], d['low_step']) == (1.0, 1, 0.0, 10)
+  assert d['fall'] == 1.0 and d['last'] == 3.0
+  # From step 11 on (once the cap is reached, say) the series only rises: no fall.
+  late = context_cap.peak_and_fall(list(range(1, 21)), dip, start=11)
+  assert late['fall'] == 0.0 and late['peak_step'] == late['low_step'] == 15  # first 5-step 3.0
   # A return that only rises does not fall.
   rising = context_cap.peak_and_fall(steps, [0.1 * s for s in steps])
-  assert rising['peak_step'] == 12 and rising['fall'] == 0.0
+  assert rising['peak_step'] == rising['low_step'] == 12 and rising['fall'] == 0.0
 
 
 def test_turn_level_is_tokens_per_move_with_a_fallback_for_older_runs():
@@ -53,6 +61,7 @@ def test_summary_reports_the_cap_step_and_each_runs_context_growth():
     return {
       'step': list(range(1, n + 1)),
       'return_mean': returns,
+      'win_rate': [r / 4 for r in returns],
       'overflow_rate': overflow,
       'ctx/turn_len_mean': [8.0] * n,
       'ctx/move_len_mean': move_len,
@@ -69,6 +78,10 @@ def test_summary_reports_the_cap_step_and_each_runs_context_growth():
   assert s['capped']['return_before'] == pytest.approx(0.5)
   assert s['capped']['return_after'] == pytest.approx(1.25)
   assert s['capped']['overflow_rate_after'] == pytest.approx(0.375)
+  assert (s['capped']['overflow_rate_max'], s['capped']['overflow_rate_max_step']) == (0.5, 4)
+  assert s['capped']['smoothed_win_rate']['peak_step'] == 3
+  assert s['capped']['smoothed_win_rate']['fall'] == pytest.approx((3 / 3 - 3.5 / 4) / 4)
+  assert s['earl']['smoothed']['fall'] == 0.0
   assert (s['capped']['turn_len_first'], s['capped']['turn_len_last']) == (10.0, 25.0)
   assert s['earl']['thoughts_per_move_last'] == 2.5 and s['earl']['rollout_layouts'] == ['dp8']
 

@@ -47,6 +47,22 @@ def test_to_batch_pads_rows_and_tokens_and_marks_padding_invalid():
     traj.to_batch(bucket=8, rows=1)
 
 
+def test_excluded_outcomes_stay_out_of_the_update():
+  """Overlong filtering: an excluded episode keeps its tokens, but its row is invalid with an
+  empty loss mask, like a padding row; the other episodes' rows are unchanged."""
+  traj = _trajectories()
+  traj.outcomes = ['overflow', 'loss']
+  kept = traj.to_batch(bucket=8, rows=4)
+  batch = traj.to_batch(bucket=8, rows=4, exclude=('overflow',))
+  assert batch.valid.tolist() == [False, True, False, False]
+  assert not batch.loss_mask[0].any()
+  np.testing.assert_array_equal(batch.tokens, kept.tokens)
+  np.testing.assert_array_equal(batch.loss_mask[1:], kept.loss_mask[1:])
+  assert kept.valid.tolist() == [True, True, False, False] and kept.loss_mask[0].any()
+  with pytest.raises(ValueError, match="unknown outcomes \\['overlong'\\] in exclude"):
+    traj.to_batch(bucket=8, rows=4, exclude=('overlong',))
+
+
 def test_context_and_outcome_statistics():
   traj = _trajectories()
   stats = traj.context_stats()
