@@ -5,7 +5,10 @@ identity whose `out_shardings` are the target layout: XLA turns it into local sl
 collectives, and nothing goes through the host (unlike `jax.device_put` between two shardings
 over the same devices, which in this JAX version gathers to host numpy and scatters again).
 The source is donated: leaves whose per-device shards keep their shape are aliased, the others
-are freed right after the copy, so the old layout does not outlive the switch.
+are freed right after the copy, so the old layout does not outlive the switch. A move whose
+compiled program would hold more temporary memory than its output (XLA rebuilding whole leaves on
+every device, e.g. fsdp rows to tp columns replicated over dp) goes through a fully sharded
+intermediate layout instead, when that holds less (`_spread`).
 
 A `Resharder` owns the compiled moves, keyed by (tree structure, source layout, target layout,
 donation), in a bounded least-recently-used table: the object that owns a run's meshes owns its
@@ -17,11 +20,14 @@ moves too, and nothing outlives it.
   params, ms = resharder.timed(params, targets)
 """
 
+import math
 import time
 import warnings
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from earl_jax.caching import LRUCache
 from earl_jax.sharding import mesh as mesh_lib
@@ -34,6 +40,44 @@ def needs_reshard(tree: Any, target_shardings: Any) -> bool:
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(target_shardings)
   return any(not leaf.sharding.is_equivalent_to(t, leaf.ndim) for leaf, t in zip(leaves, targets))
+
+
+def _spread(target: Any, shape: tuple[int, ...]) -> NamedSharding | None:
+  """The target with its replicated mesh axes sharding one more dimension, or None.
+
+  A target that replicates a leaf over some mesh axes (a tp layout's parameters over dp) can
+  make XLA's partitioner give up on a move from another layout (fsdp rows to tp columns in
+  another device order) and rebuild the whole leaf on every device ("involuntary full
+  rematerialization"): temporary memory of every moved leaf's full size at once. Through this
+  fully sharded intermediate the move is an all-to-all between two fully sharded layouts, then
+  an all-gather over the replicated axes. The axes go after the target's own on the first
+  dimension they divide, preferring a dimension the target already shards.
+  """
+  if not isinstance(target, NamedSharding):
+    return None
+  spec = list(target.spec) + [None] * (len(shape) - len(target.spec))
+  axes = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)  # noqa: E731
+  used = {a for entry in spec for a in axes(entry)}
+  free = tuple(a for a in target.mesh.axis_names if a not in used and target.mesh.shape[a] > 1)
+  if not free:
+    return None
+  size = lambda names: math.prod(target.mesh.shape[a] for a in names)  # noqa: E731
+  order = sorted(range(len(shape)), key=lambda d: spec[d] is None)  # sharded dimensions first
+  for d in order:
+    if shape[d] % (size(axes(spec[d])) * size(free)) == 0:
+      spec[d] = (*axes(spec[d]), *free)
+      return NamedSharding(target.mesh, P(*spec))
+  return None
+
+
+def _temp_bytes(compiled: Any) -> int:
+  memory = compiled.memory_analysis()
+  return 0 if memory is None else memory.temp_size_in_bytes
+
+
+def _output_bytes(compiled: Any) -> int:
+  memory = compiled.memory_analysis()
+  return 0 if memory is None else memory.output_size_in_bytes
 
 
 class Resharder:
@@ -62,10 +106,31 @@ class Resharder:
   def _compile(self, key: Any, tree: Any, targets: tuple[Any, ...], donate: bool) -> Any:
     treedef = key[0]
     out_shardings = jax.tree.unflatten(treedef, targets)
-    fn = jax.jit(lambda t: t, out_shardings=out_shardings, donate_argnums=0 if donate else ())
-    with warnings.catch_warnings():
-      warnings.filterwarnings('ignore', message=_DONATION_WARNING)
-      compiled = fn.lower(mesh_lib.abstract_arrays(tree)).compile()
+    abstract = mesh_lib.abstract_arrays(tree)
+    donated = 0 if donate else ()
+
+    def compile_(fn):
+      with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message=_DONATION_WARNING)
+        return (
+          jax.jit(fn, out_shardings=out_shardings, donate_argnums=donated).lower(abstract).compile()
+        )
+
+    compiled = compile_(lambda t: t)
+    shapes = [x.shape for x in jax.tree.leaves(abstract)]
+    stages = [_spread(t, shape) for t, shape in zip(targets, shapes)]
+    if any(stages) and _temp_bytes(compiled) > _output_bytes(compiled):
+
+      def staged(t):
+        leaves = jax.tree.leaves(t)
+        leaves = [
+          x if m is None else jax.lax.with_sharding_constraint(x, m) for x, m in zip(leaves, stages)
+        ]
+        return jax.tree.unflatten(treedef, leaves)
+
+      alternative = compile_(staged)
+      if _temp_bytes(alternative) < _temp_bytes(compiled):
+        compiled = alternative
     self.compiles += 1
     return self._compiled.put(key, compiled)
 
