@@ -1,5 +1,7 @@
 """Small function bodies that tests run in several processes (see testing.multiprocess)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,20 +9,27 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def global_psum() -> dict:
-  """Every device holds its global index; a jitted sum over the global array adds them."""
+def global_psum(stdout_noise: str = '') -> dict:
+  """Every device holds its global index; a jitted sum over the global array adds them.
+
+  `stdout_noise` is written straight to file descriptor 1 with no newline, as gloo's C++ threads
+  do: the result must come back however the process's stdout is interleaved.
+  """
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
   sharding = NamedSharding(mesh, P('x'))
   index = {d: i for i, d in enumerate(jax.devices())}
   local = [jax.device_put(np.array([float(index[d])], np.float32), d) for d in jax.local_devices()]
   x = jax.make_array_from_single_device_arrays((jax.device_count(),), sharding, local)
   total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
-  return {
+  result = {
     'process_index': jax.process_index(),
     'device_count': jax.device_count(),
     'local_device_count': jax.local_device_count(),
     'psum': float(total.addressable_data(0)),
   }
+  if stdout_noise:  # after the sum has run, so after gloo's own connection messages
+    os.write(1, stdout_noise.encode())
+  return result
 
 
 def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:

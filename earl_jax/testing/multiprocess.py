@@ -5,7 +5,8 @@
 
 The target is `module:function`. Each process calls it with `kwargs` after
 `jax.distributed.initialize`; its return value must be JSON-serialisable and comes back in
-process order. Children share the persistent compilation cache of the parent when
+process order. Each child writes its result to a file of its own, not to stdout: gloo's C++
+code prints to the same stdout from its own threads, and can land in the middle of a line. Children share the persistent compilation cache of the parent when
 JAX_COMPILATION_CACHE_DIR is set.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from earl_jax import distributed
 
-_RESULT_PREFIX = 'EARL_RESULT_JSON='
+_RESULT_FILE = 'result_{}.json'
 
 
 def run(
@@ -40,26 +41,27 @@ def run(
       'PYTHONPATH': os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH')) if p)
     }
     child_env.update(env or {})
-    results = distributed.launch_local(
-      [sys.executable, '-m', 'earl_jax.testing.multiprocess', target, args_path],
+    procs = distributed.launch_local(
+      [sys.executable, '-m', 'earl_jax.testing.multiprocess', target, args_path, tmp],
       num_processes=num_processes,
       devices_per_process=devices_per_process,
       env=child_env,
       timeout=timeout,
     )
-  out = []
-  for r in results:
-    lines = [line for line in r.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-    if not lines:
-      raise distributed.LaunchError(
-        f'process {r.process_id} printed no result; stderr tail:\n'
-        + '\n'.join(r.stderr.splitlines()[-20:])
-      )
-    out.append(json.loads(lines[-1][len(_RESULT_PREFIX) :]))
+    out = []
+    for r in procs:
+      path = os.path.join(tmp, _RESULT_FILE.format(r.process_id))
+      if not os.path.exists(path):
+        raise distributed.LaunchError(
+          f'process {r.process_id} wrote no result; stderr tail:\n'
+          + '\n'.join(r.stderr.splitlines()[-20:])
+        )
+      with open(path) as f:
+        out.append(json.load(f))
   return out
 
 
-def _child_main(target: str, args_path: str) -> None:
+def _child_main(target: str, args_path: str, result_dir: str) -> None:
   import importlib
 
   distributed.initialize_from_env()
@@ -72,9 +74,12 @@ def _child_main(target: str, args_path: str) -> None:
   with open(args_path) as f:
     kwargs = json.load(f)
   result = fn(**kwargs)
-  print(_RESULT_PREFIX + json.dumps(result), flush=True)
+  path = os.path.join(result_dir, _RESULT_FILE.format(jax.process_index()))
+  with open(path + '.tmp', 'w') as f:
+    json.dump(result, f)
+  os.replace(path + '.tmp', path)
   jax.distributed.shutdown()
 
 
 if __name__ == '__main__':
-  _child_main(sys.argv[1], sys.argv[2])
+  _child_main(*sys.argv[1:4])
