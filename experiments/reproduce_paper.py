@@ -201,7 +201,6 @@ def _summary(name: str, out: str) -> list[str]:
       f = lambda v: '-' if v is None else f'{v:+.3f}'  # noqa: E731
       share = '-' if x['overflow_rate_after'] is None else f'{x["overflow_rate_after"]:.0%}'
       share += f' ({x["overflow_rate_max"]:.0%})' if x.get('overflow_rate_max') else ''
-
       lines.append(
         f'| {run} | {x["turn_len_first"]:.1f} -> {x["turn_len_last"]:.1f} | '
         f'{x["episode_len_mean_last"]:.0f} | {f(x["return_before"])} | '

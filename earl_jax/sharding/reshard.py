@@ -70,6 +70,8 @@ def _spread(target: Any, shape: tuple[int, ...]) -> NamedSharding | None:
   return None
 
 
+# XLA's temporaries and outputs of a compiled move; 0 where the backend gives no analysis (then
+# no move is staged). Not `programs.memory.xla_memory`: `earl_jax.programs` imports this module.
 def _temp_bytes(compiled: Any) -> int:
   memory = compiled.memory_analysis()
   return 0 if memory is None else memory.temp_size_in_bytes

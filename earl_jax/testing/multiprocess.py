@@ -6,8 +6,9 @@
 The target is `module:function`. Each process calls it with `kwargs` after
 `jax.distributed.initialize`; its return value must be JSON-serialisable and comes back in
 process order. Each child writes its result to a file of its own, not to stdout: gloo's C++
-code prints to the same stdout from its own threads, and can land in the middle of a line. Children share the persistent compilation cache of the parent when
-JAX_COMPILATION_CACHE_DIR is set.
+code prints to the same stdout from its own threads, and can land in the middle of a line.
+Children share the persistent compilation cache of the parent when JAX_COMPILATION_CACHE_DIR is
+set.
 """
 
 import json
