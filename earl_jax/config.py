@@ -12,7 +12,7 @@ meaning:
   B   rows of a batch: episodes, responses (a stage's load)
   G   groups of episodes that share their randomness (GRPO); G divides B
   T   tokens of a row or a chunk: a bucketed sequence length, or the longest episode
-  S   KV-cache capacity (a context bucket)
+  S   KV-cache capacity (a context bucket); in an attention einsum, the key positions
   P   prompt tokens one rollout call prefills (a prompt bucket)
   N   tokens one rollout call decodes at most (the per-turn limit)
   C   positions of one log-prob chunk (`ModelConfig.logprob_chunk`)
@@ -20,7 +20,11 @@ meaning:
   D   model width        F   MLP width          V   vocabulary
   H   query heads        K   KV heads           Dh  head dim (d in einsum strings)
   Q   query heads per KV head (H / K, grouped-query attention)
+  J   queries of one KV head in the cache attention: Q x T flattened (`qwen2.Attention`)
   L   decoder layers
+
+Lower-case letters are per-module: each module that uses one declares it in its docstring
+(e.g. b = one attention block in `models.attention`, b and r = rows per rank in `rl.packing`).
 """
 
 import dataclasses
@@ -33,12 +37,49 @@ DType = Literal['float32', 'bfloat16']
 _DTYPES = ('float32', 'bfloat16')
 
 
+# The largest finite float32: rewards, coefficients and budgets reach the device as float32, where
+# a larger finite Python float becomes inf.
+F32_MAX = 3.4028234663852886e38
+# Seeds: the step seed is `(seed * 1_000_003 + step) % (2**31 - 1)`, so seeds that differ by a
+# multiple of the prime 2**31 - 1 replay the same run (2147483647 is seed 0), and JAX's keys keep
+# the low 32 bits of a seed; [0, 2**31 - 2] holds distinct runs only.
+MAX_SEED = 2**31 - 2
+
+
 def check_positive(obj: Any, *names: str) -> None:
-  """Raises ValueError naming `type(obj).name` when one of the fields is not a positive int."""
+  """Raises ConfigError naming `type(obj).name` when one of the fields is not a positive int."""
   for name in names:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
       raise ConfigError(f'{type(obj).__name__}.{name} must be a positive int, got {value!r}.')
+
+
+def check_float32(obj: Any, *names: str) -> None:
+  """Raises ConfigError naming the field when one of them is not a finite number that float32
+  holds: NaN, inf and |x| > 3.4e38 all become NaN or inf on the device."""
+  for name in names:
+    value = getattr(obj, name)
+    if (
+      not isinstance(value, int | float)
+      or isinstance(value, bool)
+      or not math.isfinite(value)
+      or abs(value) > F32_MAX
+    ):
+      raise ConfigError(
+        f'{type(obj).__name__}.{name} must be a finite number (float32 holds up to 3.4e38), got '
+        f'{value!r}.'
+      )
+
+
+def check_seed(obj: Any, *names: str) -> None:
+  """Raises ConfigError naming the field when one of them is not an int in [0, MAX_SEED]."""
+  for name in names:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
+      raise ConfigError(
+        f'{type(obj).__name__}.{name}={value!r}: expected an int in [0, {MAX_SEED}] (2**31 - 2; '
+        'a larger seed replays a smaller one).'
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,6 +278,12 @@ class ParallelConfig:
   The mesh axes are always ('data', 'fsdp', 'tensor') with sizes (dp, fsdp, tp); tensor is the
   fastest-varying axis, so a tensor-parallel group is a run of consecutive devices of the
   canonical device list (one NVLink island on a GPU host).
+
+  Attributes:
+    dp: data-parallel ways: the batch is split over them, the weights are replicated.
+    fsdp: fully sharded data-parallel ways: the batch and the weights' model dimension (with
+      the optimizer moments) are split over them.
+    tp: tensor-parallel ways: heads, MLP columns and the vocabulary are split over them.
   """
 
   dp: int = 1
@@ -306,6 +353,10 @@ class BucketConfig:
 
   Every length that reaches a jitted program is padded up to one of these, so that a program
   is compiled once per (stage, parallel config, bucket).
+
+  Attributes:
+    lengths: the bucket lengths in tokens, strictly increasing; the last is the longest context
+      a run can hold (the context cap).
   """
 
   lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)

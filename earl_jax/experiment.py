@@ -13,9 +13,10 @@ import hashlib
 import json
 
 from earl_jax import dispatch as dispatch_lib
-from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive
+from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
 from earl_jax.envs import base as envs
 from earl_jax.errors import ConfigError
+from earl_jax.models.tokenizer import Tokenizer
 from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import losses, train_step
 from earl_jax.rollout import engine
@@ -27,13 +28,17 @@ class ExperimentConfig:
   """Everything one training run needs; presets live in experiments/configs/train.py.
 
   Attributes:
-    name: a label for logs.
+    name: a label for logs, and the folder of the default workdir (runs/<name>): a non-empty
+      folder name.
     model: a ModelConfig preset (ignored when model_dir is set).
     model_dir: a HF Qwen2 checkpoint directory (weights + tokenizer), e.g. for GPU runs.
     param_dtype: parameter and compute dtype.
-    tokenizer: 'game' (the built-in character tokenizer) or a directory with tokenizer.json.
-    env: the training environment.
-    eval_env: the evaluation environment (fixed seeds, greedy decoding).
+    tokenizer: 'game' (the built-in character tokenizer of the board games), 'code' (the
+      character tokenizer of the code tasks: printable ASCII, tab, newline) or a directory with
+      tokenizer.json.
+    env: the training environment: a board game (`EnvConfig`) or a code task
+      (`CodeEnvConfig`).
+    eval_env: the evaluation environment (fixed seeds, greedy decoding), of either family.
     rollout: episodes per step, group size, sampling.
     advantages, loss, optim: the RL algorithm.
     buckets: the context-length bucket table (cache capacities and train lengths).
@@ -60,10 +65,12 @@ class ExperimentConfig:
       trained on like any other episode, with the forfeit's reward (`env.invalid_penalty`) on
       their last turn, which teaches the policy to stay under the cap.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
-    checkpoint_every / keep_checkpoints: Orbax checkpoints (0 disables).
+    checkpoint_every: save an Orbax checkpoint every this many steps (0: never).
+    keep_checkpoints: the newest checkpoints kept (>= 1).
     max_skipped_in_a_row: the run stops with an error after this many consecutive steps were
       skipped as not finite (the parameters are those of the last kept step); 0 never stops.
-    seed: seeds the environment and the sampler of every step.
+    seed: seeds the environment and the sampler of every step: an int in [0, 2**31 - 2]
+      (`config.MAX_SEED`), as are `init_seed` and `eval_seed`.
     init_seed: seeds the random initialisation (ignored with model_dir).
   """
 
@@ -72,8 +79,8 @@ class ExperimentConfig:
   model_dir: str | None = None
   param_dtype: DType = 'float32'
   tokenizer: str = 'game'
-  env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
-  eval_env: envs.EnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
+  env: envs.EnvConfig | envs.CodeEnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
+  eval_env: envs.EnvConfig | envs.CodeEnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
   rollout: engine.RolloutConfig = dataclasses.field(default_factory=engine.RolloutConfig)
   advantages: advantages_lib.AdvantageConfig = dataclasses.field(
     default_factory=advantages_lib.AdvantageConfig
@@ -85,9 +92,7 @@ class ExperimentConfig:
     default_factory=selector_lib.SelectorConfig
   )
   dispatch: dispatch_lib.DispatchConfig = dataclasses.field(
-    default_factory=lambda: dispatch_lib.DispatchConfig(
-      strategy='layout_aware', stable_kernels=True, donate=True
-    )
+    default_factory=dispatch_lib.DispatchConfig
   )
   steps: int = 20
   micro_batches: int = 1
@@ -105,17 +110,21 @@ class ExperimentConfig:
   init_seed: int = 0
 
   def __post_init__(self):
-    check_positive(self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes')
-    for field in (
-      'eval_every',
-      'checkpoint_every',
-      'max_skipped_in_a_row',
-      'seed',
-      'init_seed',
-      'eval_seed',
-    ):
-      if getattr(self, field) < 0:
-        raise ConfigError(f'ExperimentConfig.{field} must be >= 0, got {getattr(self, field)}.')
+    _check_name(self.name)
+    check_positive(
+      self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes', 'keep_checkpoints'
+    )
+    for field in ('eval_every', 'checkpoint_every', 'max_skipped_in_a_row'):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f'ExperimentConfig.{field} must be an int >= 0, got {value!r}.')
+    check_seed(self, 'seed', 'init_seed', 'eval_seed')
+    for field in ('env', 'eval_env'):
+      if not isinstance(getattr(self, field), envs.EnvConfig | envs.CodeEnvConfig):
+        raise ConfigError(
+          f'ExperimentConfig.{field} must be an EnvConfig or a CodeEnvConfig, got '
+          f'{type(getattr(self, field)).__name__}.'
+        )
     if self.model_dir is None:
       ModelConfig.preset(self.model)  # raises for an unknown preset
     if self.rollout.num_episodes % self.micro_batches:
@@ -137,6 +146,33 @@ class ExperimentConfig:
         f'{self.buckets.max_length}; raise buckets.lengths or lower the limit.'
       )
 
+  def check_tokenizer(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Checks what only the tokenizer can tell, before anything is written or compiled: every
+    `rollout.reply_tokens` entry is one token of it, and the largest prompt bucket holds the first
+    turn's prompt of `env` and `eval_env` (from a reset of up to 16 episodes at `seed`).
+
+    Raises:
+      ConfigError: naming the value and what was expected.
+    """
+    from earl_jax.envs import registry  # the environments, only where a run starts
+
+    try:
+      engine.reply_token_ids(tokenizer, self.rollout.reply_tokens, vocab_size)
+    except ValueError as e:
+      raise ConfigError(f'rollout.reply_tokens={self.rollout.reply_tokens!r}: {e}') from None
+    largest = self.rollout.prompt_buckets[-1]
+    for field in ('env', 'eval_env'):
+      observations = registry.make_env(getattr(self, field)).reset(
+        min(self.rollout.num_episodes, 16), self.seed
+      )
+      longest = max(len(tokenizer.turn_prompt_ids(obs, first=True)) for obs in observations)
+      if longest > largest:
+        raise ConfigError(
+          f'rollout.prompt_buckets={self.rollout.prompt_buckets}: the largest, {largest}, is '
+          f'shorter than the first turn prompt of {field} ({longest} tokens with {tokenizer!r}); '
+          f'expected a largest prompt bucket >= {longest}.'
+        )
+
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
@@ -148,3 +184,14 @@ class ExperimentConfig:
     for key in (*cadence, 'max_skipped_in_a_row'):
       d.pop(key, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_name(name: str) -> None:
+  """Raises ConfigError unless `name` can be one folder's name (runs/<name>)."""
+  if not isinstance(name, str) or not name.strip():
+    raise ConfigError(f'ExperimentConfig.name={name!r}: expected a non-empty name.')
+  if name in ('.', '..') or '/' in name or '\0' in name or len(name.encode()) > 255:
+    raise ConfigError(
+      f'ExperimentConfig.name={name!r}: expected one folder name (no /, not . or .., at most '
+      '255 bytes); it names the default workdir runs/<name>.'
+    )

@@ -1,7 +1,10 @@
-"""Metrics: one JSON line per record, TensorBoard event files, and a readable one-line summary.
+"""Metrics: the step record, one JSON line per record, TensorBoard events, the one-line summary.
 
+record = step_record(episodes=stats, ...)        # what one step of the trainer logs
 writer = MetricsWriter(workdir)                 # workdir/metrics.jsonl + workdir/tb/
-writer.write(step, {'win_rate': 0.5, 'time/rollout_s': 1.2})
+writer.write(step, record)
+print(format_line({**record, 'step': step}))    # 'step    1 | win 0.250 | ret -0.125 | ...'
+move_summary(history)                           # per stage move over the run (summary.json)
 writer.close()
 """
 
@@ -13,6 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from earl_jax.rollout.trajectories import EpisodeStats
+from earl_jax.stage import STAGES
 
 
 def _scalar(value: Any) -> float | int | str | None:
@@ -95,3 +101,158 @@ def read_jsonl(path: str) -> list[dict]:
       if i < len(lines) - 1:
         raise
   return out
+
+
+def step_record(
+  *,
+  episodes: EpisodeStats,
+  bucket: int,
+  train_metrics: Mapping[str, Any],
+  skipped_steps: int,
+  moves: Mapping[str, Mapping[str, Any]],
+  kernels: int,
+  switch_ms: float,
+  plans: Mapping[str, str],
+  times: Mapping[str, float],
+  step_s: float,
+  rss_bytes: int | None,
+  programs: int,
+  rollout: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+  """The record of one train step, in the order metrics.jsonl holds its keys.
+
+  Args:
+    episodes: the step's episodes (the whole batch).
+    bucket: the experience and train bucket.
+    train_metrics: the last update's loss terms (`loss/...`).
+    skipped_steps: steps skipped so far (a non-finite loss, gradient or update).
+    moves: per stage move, what `Trainer._move` measured (`dispatch/<move>/...`).
+    kernels: layout-aware kernels the dispatcher compiled so far.
+    switch_ms: the train layout switch's stall (0 without one).
+    plans: per stage name, 'layout@bucket' of its decision.
+    times: seconds per stage (`time/<name>_s`), in the order they ran.
+    step_s: the step's wall time so far.
+    rss_bytes: this process's resident memory (None where unknown).
+    programs: compiled programs held.
+    rollout: the rollout schedule's statistics (`Trajectories.rollout_stats`: slots, padded
+      fractions of decode and prefill, slot occupancy and the drain; `rollout/...`).
+  """
+  rates = episodes.outcome_rates()
+  return {
+    'win_rate': episodes.win_rate(),
+    'return_mean': float(np.mean(episodes.returns)),
+    'invalid_rate': rates.get('invalid', 0.0),
+    # Episodes that would have outgrown the largest bucket (the context cap): truncated there.
+    'overflow_rate': rates.get('overflow', 0.0),
+    **{f'ctx/{k}': v for k, v in episodes.context_stats().items()},
+    'bucket': bucket,
+    'tokens': episodes.tokens,
+    'generated_tokens': episodes.generated_tokens,
+    'tokens_per_s': episodes.tokens / step_s,
+    'rollout_tokens_per_s': episodes.generated_tokens / max(times['rollout'], 1e-9),
+    **{f'rollout/{k}': v for k, v in (rollout or {}).items()},
+    **{f'loss/{k}': float(v) for k, v in train_metrics.items()},
+    'skipped_steps': skipped_steps,
+    **{f'dispatch/{name}/{k}': v for name, move in moves.items() for k, v in move.items()},
+    'dispatch/bytes_moved': float(sum(move['bytes'] for move in moves.values())),
+    'dispatch/kernels': kernels,
+    'switch_ms': switch_ms,
+    **{f'plan/{stage}': plans[stage] for stage in STAGES},
+    **{f'time/{k}_s': v for k, v in times.items()},
+    'time/step_s': step_s,
+    'host/rss_mib': (rss_bytes or 0) / (1 << 20),
+    'host/programs': programs,
+  }
+
+
+def summary_fields(record: Mapping[str, Any]) -> dict[str, Any]:
+  """What the run's summary reads from a step's record (the full record is on disk)."""
+  return {
+    k: v
+    for k, v in record.items()
+    if k in ('step', 'eval/win_rate') or k.startswith(('plan/', 'dispatch/'))
+  }
+
+
+# The stage-to-stage moves of a step: name -> (source stage, target stage), and the step line's
+# short name.
+MOVES = {
+  'rollout_experience': ('rollout', 'experience'),
+  'experience_train': ('experience', 'train'),
+}
+_MOVE_SHORT = {'rollout_experience': 'r>e', 'experience_train': 'e>t'}
+
+
+def move_summary(history: list[dict]) -> dict[str, Any]:
+  """Per stage move, over the train steps of `history`: how many steps ran it, on how many
+  the stages' layouts differed and bytes really moved, the bytes (moved, put on the wire by the
+  layout-aware rounds with their padding, and this process's outputs landed in recycled
+  buffers), the wire's share of the moved bytes (None when none moved) and milliseconds in
+  all."""
+  steps = [r for r in history if 'plan/train' in r]
+  return {name: _one_move(steps, name, src, dst) for name, (src, dst) in MOVES.items()}
+
+
+def _one_move(steps: list[dict], name: str, src: str, dst: str) -> dict[str, Any]:
+  rows = [r for r in steps if f'dispatch/{name}/bytes' in r]
+  layout = lambda r, s: r[f'plan/{s}'].split('@')[0]  # noqa: E731
+  moved = int(sum(r[f'dispatch/{name}/bytes'] for r in rows))
+  wire = int(sum(r.get(f'dispatch/{name}/wire_bytes', 0) for r in rows))
+  return {
+    'steps': len(rows),
+    'layouts_differ': sum(layout(r, src) != layout(r, dst) for r in rows),
+    'bytes_moved_steps': sum(r[f'dispatch/{name}/bytes'] > 0 for r in rows),
+    'bytes': moved,
+    'wire_bytes': wire,
+    'wire_ratio': wire / moved if moved else None,
+    'recycled_bytes': int(sum(r.get(f'dispatch/{name}/recycled_bytes', 0) for r in rows)),
+    'ms': float(sum(r[f'dispatch/{name}/ms'] for r in rows)),
+    'strategies': sorted({r[f'dispatch/{name}/strategy'] for r in rows}),
+  }
+
+
+def _size(n: float) -> str:
+  for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+    if n >= scale:
+      return f'{n / scale:.1f}{unit}'
+  return f'{n:.0f}B'
+
+
+def _move_text(record: Mapping[str, Any], name: str) -> str:
+  """'r>e 4.5MB wire 1.21x 60ms': a move's bytes, its wire bytes over them (when both are
+  known and bytes moved) and its time."""
+  moved = record[f'dispatch/{name}/bytes']
+  wire = record.get(f'dispatch/{name}/wire_bytes')
+  ratio = f' wire {wire / moved:.2f}x' if wire is not None and moved else ''
+  return f'{_MOVE_SHORT[name]} {_size(moved)}{ratio} {record[f"dispatch/{name}/ms"]:.0f}ms'
+
+
+def format_line(record: Mapping[str, Any]) -> str:
+  """The one-line summary of a step."""
+  r = record
+  parts = [
+    f'step {r["step"]:4d}',
+    f'win {r.get("win_rate", float("nan")):.3f}',
+    f'ret {r.get("return_mean", float("nan")):+.3f}',
+  ]
+  if 'eval/win_rate' in r:
+    parts.append(f'eval {r["eval/win_rate"]:.3f}')
+  parts.append(
+    f'ctx turn {r.get("ctx/turn_len_mean", 0):.0f} ep {r.get("ctx/episode_len_mean", 0):.0f}'
+    f'/{r.get("ctx/episode_len_max", 0):.0f}'
+  )
+  parts.append(f'{r.get("tokens_per_s", 0):,.0f} tok/s')
+  if 'rollout/slots' in r:
+    parts.append(
+      f'slots {r["rollout/slots"]:.0f} occ {r["rollout/slot_occupancy"]:.2f} pad dec '
+      f'{r["rollout/decode_padded"]:.2f} pre {r["rollout/prefill_padded"]:.2f}'
+    )
+  parts.append('plan ' + ' '.join(f'{s[0]}={r.get(f"plan/{s}", "?")}' for s in STAGES))
+  moves = [_move_text(r, name) for name in MOVES if f'dispatch/{name}/bytes' in r]
+  if moves:
+    parts.append('moved ' + ' '.join(moves))
+  times = ' '.join(
+    f'{k[5:-2]} {v:.2f}s' for k, v in r.items() if k.startswith('time/') and k != 'time/step_s'
+  )
+  parts.append(times)
+  return ' | '.join(parts)

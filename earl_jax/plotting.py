@@ -23,12 +23,27 @@ def plot_training(metrics_path: str, out_dir: str) -> list[str]:
   rows = metrics.read_jsonl(metrics_path)
   plt = _pyplot()
   os.makedirs(out_dir, exist_ok=True)
-  paths = []
+  paths = [
+    _plot_learning_curve(plt, rows, os.path.join(out_dir, 'learning_curve.png')),
+    _plot_context_lengths(plt, rows, os.path.join(out_dir, 'context_lengths.png')),
+  ]
+  path = plot_stage_layouts(rows, os.path.join(out_dir, 'stage_layouts.png'))
+  if path:
+    paths.append(path)
+  return paths
 
+
+def _series(rows: list[dict], key: str) -> list[tuple]:
+  """(step, value) of every row that has a value for `key`."""
+  return [(r['step'], r[key]) for r in rows if r.get(key) is not None]
+
+
+def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
+  """Win rate of the train rollouts and of the evaluations, and the invalid-reply rate."""
   fig, ax = plt.subplots(figsize=(7, 4))
-  train = [(r['step'], r['win_rate']) for r in rows if r.get('win_rate') is not None]
-  evals = [(r['step'], r['eval/win_rate']) for r in rows if r.get('eval/win_rate') is not None]
-  invalid = [(r['step'], r['invalid_rate']) for r in rows if r.get('invalid_rate') is not None]
+  train = _series(rows, 'win_rate')
+  evals = _series(rows, 'eval/win_rate')
+  invalid = _series(rows, 'invalid_rate')
   if train:
     ax.plot(*zip(*train), label='train rollouts (sampled)', alpha=0.6)
   if evals:
@@ -41,39 +56,32 @@ def plot_training(metrics_path: str, out_dir: str) -> list[str]:
   ax.set_title('Win rate against the opponent')
   ax.grid(alpha=0.3)
   ax.legend()
-  path = os.path.join(out_dir, 'learning_curve.png')
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
-  paths.append(path)
+  return path
 
-  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-  steps = [r['step'] for r in rows if 'ctx/turn_len_mean' in r]
-  if steps:
-    a1.plot(steps, [r['ctx/turn_len_mean'] for r in rows if 'ctx/turn_len_mean' in r])
-    a2.plot(
-      steps, [r['ctx/episode_len_mean'] for r in rows if 'ctx/turn_len_mean' in r], label='mean'
-    )
-    a2.plot(
-      steps, [r['ctx/episode_len_max'] for r in rows if 'ctx/turn_len_mean' in r], label='max'
-    )
-    a2.plot(steps, [r['bucket'] for r in rows if 'ctx/turn_len_mean' in r], '--', label='bucket')
-  a1.set_title('Turn-level context length (tokens)')
-  a2.set_title('Episode-level context length (tokens)')
-  for a in (a1, a2):
-    a.set_xlabel('step')
-    a.grid(alpha=0.3)
-  a2.legend()
-  path = os.path.join(out_dir, 'context_lengths.png')
+
+def _plot_context_lengths(plt, rows: list[dict], path: str) -> str:
+  """Turn-level and episode-level context lengths (mean, max and the cache bucket) per step."""
+  fig, (turn_ax, episode_ax) = plt.subplots(1, 2, figsize=(10, 4))
+  with_ctx = [r for r in rows if 'ctx/turn_len_mean' in r]
+  if with_ctx:
+    steps = [r['step'] for r in with_ctx]
+    turn_ax.plot(steps, [r['ctx/turn_len_mean'] for r in with_ctx])
+    episode_ax.plot(steps, [r['ctx/episode_len_mean'] for r in with_ctx], label='mean')
+    episode_ax.plot(steps, [r['ctx/episode_len_max'] for r in with_ctx], label='max')
+    episode_ax.plot(steps, [r['bucket'] for r in with_ctx], '--', label='bucket')
+  turn_ax.set_title('Turn-level context length (tokens)')
+  episode_ax.set_title('Episode-level context length (tokens)')
+  for ax in (turn_ax, episode_ax):
+    ax.set_xlabel('step')
+    ax.grid(alpha=0.3)
+  episode_ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
-  paths.append(path)
-
-  path = plot_stage_layouts(rows, os.path.join(out_dir, 'stage_layouts.png'))
-  if path:
-    paths.append(path)
-  return paths
+  return path
 
 
 STAGE_KEYS = (
@@ -92,7 +100,9 @@ def stage_layouts(rows: list[dict]) -> dict[str, dict[str, list]]:
     steps = [r['step'] for r in plans]
     layouts = [r[key].split('@')[0] for r in plans]
     buckets = [int(r[key].split('@')[1]) for r in plans]
-    switches = [s for s, a, b in zip(steps[1:], layouts, layouts[1:]) if a != b]
+    switches = [
+      step for step, before, after in zip(steps[1:], layouts, layouts[1:]) if before != after
+    ]
     out[stage] = {'steps': steps, 'layouts': layouts, 'buckets': buckets, 'switches': switches}
   return out
 
@@ -104,25 +114,26 @@ def plot_stage_layouts(rows: list[dict], path: str) -> str | None:
   if not series['rollout']['steps']:
     return None
   plt = _pyplot()
-  buckets = sorted({b for x in series.values() for b in x['buckets']})
+  buckets = sorted({b for stage in series.values() for b in stage['buckets']})
   cmap = plt.get_cmap('viridis', max(2, len(buckets)))
   fig, axes = plt.subplots(
     len(STAGE_KEYS), 1, figsize=(9, 1.6 + 1.3 * len(STAGE_KEYS)), sharex=True
   )
   for ax, (stage, _) in zip(axes, STAGE_KEYS):
-    x = series[stage]
-    names = sorted(set(x['layouts']))
-    ys = [names.index(name) for name in x['layouts']]
-    colors = [cmap(buckets.index(b)) for b in x['buckets']]
-    ax.step(x['steps'], ys, where='post', color='#bbbbbb', lw=1, zorder=1)
-    ax.scatter(x['steps'], ys, c=colors, s=14, zorder=2)
-    for s in x['switches']:
-      ax.axvline(s, color='#d94801', lw=0.8, alpha=0.5)
+    history = series[stage]
+    names = sorted(set(history['layouts']))
+    ys = [names.index(name) for name in history['layouts']]
+    colors = [cmap(buckets.index(b)) for b in history['buckets']]
+    ax.step(history['steps'], ys, where='post', color='#bbbbbb', lw=1, zorder=1)
+    ax.scatter(history['steps'], ys, c=colors, s=14, zorder=2)
+    for step in history['switches']:
+      ax.axvline(step, color='#d94801', lw=0.8, alpha=0.5)
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(-0.5, len(names) - 0.5)
     ax.set_ylabel(stage)
-    n = len(x['switches'])
-    ax.set_title(f'{stage}: {n} layout switch{"" if n == 1 else "es"}', fontsize=9, loc='left')
+    switches = len(history['switches'])
+    plural = '' if switches == 1 else 'es'
+    ax.set_title(f'{stage}: {switches} layout switch{plural}', fontsize=9, loc='left')
     ax.grid(alpha=0.3, axis='x')
   axes[-1].set_xlabel('step')
   handles = [

@@ -15,6 +15,8 @@ the known stages when the text is not one of them.
 
 import enum
 
+from earl_jax.errors import ConfigError
+
 
 class Stage(enum.StrEnum):
   ROLLOUT = 'rollout'
@@ -23,11 +25,11 @@ class Stage(enum.StrEnum):
 
   @classmethod
   def parse(cls, value: 'str | Stage') -> 'Stage':
-    """The member named `value`; ValueError naming the known stages otherwise."""
+    """The member named `value`; ConfigError (a ValueError) naming the known stages otherwise."""
     try:
       return cls(value)
     except ValueError:
-      raise ValueError(
+      raise ConfigError(
         f'Unknown stage {value!r}; stages are {tuple(s.value for s in cls)}.'
       ) from None
 

@@ -18,7 +18,7 @@ loss mask, sampling / reference log-probs, advantages, rewards, lengths, group i
 bytes per worker. --scale multiplies the payload. Rows are rounded down to what the layouts
 split evenly.
 
-Strategies (`earl_jax.dispatch.dispatcher`): gather_scatter is the paper's single-controller
+Strategies (`earl_jax.dispatch.dispatcher`, `earl_jax.dispatch.baselines`): gather_scatter is the paper's single-controller
 baseline (every worker's rows to process 0, which scatters each worker's target rows back: N-1
 transfers in and N-1 out through its links, staged in its host memory); allgather is a host
 all-gather in which every process receives the whole batch; xla is jit with out_shardings;
@@ -213,13 +213,16 @@ def _run_worker() -> None:
     hlo_received_bytes,
     row_multiple,
   )
-  from earl_jax.dispatch.controller import link_bytes
+  from earl_jax.dispatch.baselines import link_bytes
 
   n_dev = jax.device_count()
   n_proc = jax.process_count()
   lengths = [int(x) for x in FLAGS.lengths]
   payloads = [float(x) for x in FLAGS.payload_mib]
+  # Per-permutation kernels (no stable capacities), as this benchmark has always measured them.
   config = DispatchConfig(
+    strategy='auto',
+    stable_kernels=False,
     collective=FLAGS.collective,
     gather_chunk_bytes=FLAGS.gather_chunk_mib * MiB,
     pack_max_bytes=int(FLAGS.pack_max_mib * MiB),
@@ -244,7 +247,7 @@ def _run_worker() -> None:
 
   ring = pairs = None
   if FLAGS.socket_floor and n_proc > 1:
-    from earl_jax.dispatch.sockets import SocketMesh, SocketRing
+    from experiments.floors import SocketMesh, SocketRing
 
     ring, pairs = SocketRing(), SocketMesh()
   results = []

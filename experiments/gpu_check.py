@@ -279,10 +279,10 @@ def _train(plan: Plan, impl: str, repeats: int) -> dict:
 
 def _selector(plan: Plan, impl: str) -> dict:
   from earl_jax.config import BucketConfig
-  from earl_jax.programs import Executables, builders, memory
+  from earl_jax.programs import Executables, builders, memory, profiling
+  from earl_jax.programs.profiling import ProfileConfig
   from earl_jax.rollout.sampler import SamplingConfig
-  from earl_jax.selector import ProfileConfig, profiler
-  from earl_jax.selector.profiler import MeasureConfig
+  from earl_jax.selector.profile import MeasureConfig
   from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
   from earl_jax.stage import Stage
 
@@ -302,7 +302,7 @@ def _selector(plan: Plan, impl: str) -> dict:
     spec=spec,
   )
   with Executables(cfg, spec=spec) as exe:
-    profile = profiler.run(cfg, pconfig, executables=exe)
+    profile = profiling.run(cfg, pconfig, executables=exe)
   names = [c.name for c in profile.candidates(Stage.ROLLOUT)]
   sel_cfg = SelectorConfig(
     budget_mib=budget / memory.MiB, profile=ProfileSettings(stages=(Stage.ROLLOUT,))

@@ -100,8 +100,9 @@ def main(argv):
   import jax
 
   from earl_jax.config import ParallelConfig
-  from earl_jax.programs import Executables, memory
-  from earl_jax.selector import ProfileConfig, profiler
+  from earl_jax.programs import Executables, memory, profiling
+  from earl_jax.programs.profiling import ProfileConfig
+  from earl_jax.selector import profile as profile_lib
   from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
   from earl_jax.stage import Stage
   from experiments.configs import selector as presets
@@ -135,14 +136,14 @@ def main(argv):
   t0 = time.perf_counter()
   with Executables(model, spec=spec) as exe:
     reused = (
-      profiler.load_cached(
-        cache, profiler.profile_key(model, pconfig, profiler.default_candidates(model, pconfig))
+      profile_lib.load_cached(
+        cache, profiling.profile_key(model, pconfig, profiling.default_candidates(model, pconfig))
       )
       is not None
     )
-    profile = profiler.run(model, pconfig, executables=exe, cache_path=cache)
+    profile = profiling.run(model, pconfig, executables=exe, cache_path=cache)
     t1 = time.perf_counter()
-    heat = profiler.run(model, pconfig, executables=exe)
+    heat = profiling.run(model, pconfig, executables=exe)
     t2 = time.perf_counter()
     compile_log = list(exe.log)
   names = [c.name for c in profile.candidates(Stage.ROLLOUT)]

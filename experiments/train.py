@@ -14,7 +14,6 @@ and finishes with PNG plots of the learning curve and the context lengths.
 
 import json
 import os
-import time
 
 from absl import flags, logging
 
@@ -25,6 +24,11 @@ _CPU_DEVICES = flags.DEFINE_integer(
   'cpu_devices', 8, 'Fake CPU devices when there is no GPU.', lower_bound=1
 )
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<preset>).')
+flags.register_validator(
+  'workdir',
+  lambda workdir: workdir is None or bool(workdir.strip()),
+  message='--workdir is empty: expected a folder (or no --workdir, for runs/<config.name>).',
+)
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
 _MOVE_ASIDE = flags.DEFINE_bool(
   'move_aside', False, 'Rename a --workdir that holds a run to <workdir>.<time>, then start afresh.'
@@ -38,12 +42,14 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
   env = distributed.initialize_from_env()
   runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
-  from earl_jax import plotting, trainer  # after the runtime is set up
+  from earl_jax import plotting, rundir, trainer  # after the runtime is set up
 
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join('runs', config.name)
   if _MOVE_ASIDE.value and not _RESUME.value:
-    _move_aside(workdir)
+    aside = rundir.move_aside(workdir)
+    if aside is not None:
+      print(f'earl_jax: moved the run in {workdir} to {aside}', flush=True)
   print(f'earl_jax: {config.name} -> {workdir}', flush=True)
   # Checks the workdir (and the checkpoint to resume) before anything compiles.
   t = trainer.Trainer(config, workdir=workdir, resume=_RESUME.value, log_fn=logging.info)
@@ -69,19 +75,6 @@ def main(argv):
       f'{moved["bytes_moved_steps"]}; plots: {", ".join(paths)}',
       flush=True,
     )
-
-
-def _move_aside(workdir: str) -> None:
-  """Renames a used `workdir` to `<workdir>.<UTC time>` (process 0; the others wait)."""
-  import jax
-  from jax.experimental import multihost_utils
-
-  if jax.process_index() == 0 and os.path.isdir(workdir) and os.listdir(workdir):
-    aside = f'{workdir.rstrip(os.sep)}.{time.strftime("%Y%m%d-%H%M%S", time.gmtime())}'
-    os.rename(workdir, aside)
-    print(f'earl_jax: moved the run in {workdir} to {aside}', flush=True)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices('move_aside')
 
 
 if __name__ == '__main__':

@@ -194,7 +194,10 @@ src = dispatch.Layout.parse('dp2.tp4:rep', fields)
 dst = dispatch.Layout.parse('dp8', fields)
 perm = dispatch.balanced_permutation(real, src, dst, like=fields)
 placed = {k: jax.device_put(v, src.shardings()[k]) for k, v in fields.items()}
-dispatcher = dispatch.Dispatcher(dispatch.DispatchConfig(timed=True))
+# Timed, and without donation: `placed` is dispatched again below (the main job donates).
+dispatcher = dispatch.Dispatcher(
+  dispatch.DispatchConfig(timed=True, donate=False, stable_kernels=False)
+)
 plan = dispatcher.plan(placed, src, dst, perm=perm)
 total = sum(v.nbytes for v in fields.values())
 print(f'batch {total / 1024:.0f} KiB; the plan moves {plan.min_bytes / 1024:.0f} KiB in all, per '

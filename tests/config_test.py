@@ -66,3 +66,95 @@ def test_bucket_table():
   with pytest.raises(ValueError, match='strictly increasing'):
     BucketConfig(lengths=(64, 64))
   assert BucketConfig.powers_of_two(100, 1000).lengths == (128, 256, 512, 1000)
+
+
+# Config-level bad inputs, as `--config.<path>=<text>` sets them on the smoke preset: each raises
+# a UserError (one line, exit code 2 from an entry point) naming the value.
+BAD_FIELDS = [
+  (
+    'loss.kl_coef',
+    'nan',
+    'LossConfig.kl_coef must be a finite number (float32 holds up to 3.4e38), got nan',
+  ),
+  ('loss.entropy_coef', 'inf', 'LossConfig.entropy_coef must be a finite number'),
+  ('loss.clip_eps_high', '1e39', 'LossConfig.clip_eps_high must be a finite'),
+  ('optim.b1', '1.5', 'OptimConfig.b1 must be in [0, 1), got 1.5'),
+  ('optim.b1', '-0.1', 'OptimConfig.b1 must be in [0, 1), got -0.1'),
+  ('optim.b2', '1', 'OptimConfig.b2 must be in [0, 1), got 1.0'),
+  ('optim.eps', '-1', 'OptimConfig.eps must be > 0, got -1.0'),
+  ('optim.eps', '0', 'OptimConfig.eps must be > 0, got 0.0'),
+  (
+    'env.win_reward',
+    '1e39',
+    'EnvConfig.win_reward must be a finite number (float32 holds up to 3.4e38), got 1e+39',
+  ),
+  ('eval_env.loss_reward', '-inf', 'EnvConfig.loss_reward must be a finite number'),
+  ('env.legal_move_reward', 'nan', 'EnvConfig.legal_move_reward must be a finite'),
+  ('keep_checkpoints', '-1', 'keep_checkpoints must be a positive int, got -1'),
+  ('keep_checkpoints', '0', 'keep_checkpoints must be a positive int, got 0'),
+  ('seed', '2147483647', 'ExperimentConfig.seed=2147483647: expected an int in [0, 2147483646]'),
+  ('seed', '-1', 'ExperimentConfig.seed=-1'),
+  ('init_seed', '4294967296', 'ExperimentConfig.init_seed=4294967296'),
+  ('eval_seed', '2147483648', 'ExperimentConfig.eval_seed=2147483648'),
+  ('name', '', "ExperimentConfig.name='': expected a non-empty name"),
+  ('name', '   ', "ExperimentConfig.name='   '"),
+  ('name', '..', "ExperimentConfig.name='..': expected one folder name"),
+  ('name', 'a/b', "ExperimentConfig.name='a/b'"),
+  ('name', 'n' * 256, 'at most 255 bytes'),
+  ('selector.with_fsdp', 'train,nope', "Unknown stage 'nope'"),
+]
+
+
+@pytest.mark.parametrize('path, text, fragment', BAD_FIELDS)
+def test_bad_fields_raise_a_user_error_naming_the_value(path, text, fragment):
+  from earl_jax import config_cli
+  from earl_jax.errors import UserError
+  from earl_jax.testing import configs
+
+  with pytest.raises(UserError) as info:
+    config_cli.apply_override(configs.smoke_experiment(), path, text)
+  assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+  'path, text',
+  [
+    ('optim.b1', '0'),
+    ('optim.b2', '0.999'),
+    ('optim.eps', '1e-12'),
+    ('env.win_reward', '3e38'),
+    ('keep_checkpoints', '1'),
+    ('seed', '2147483646'),
+    ('init_seed', '0'),
+    ('name', 'run-1.b'),
+    ('loss.kl_coef', '0'),
+  ],
+)
+def test_the_edges_of_the_valid_ranges_are_accepted(path, text):
+  from earl_jax import config_cli
+  from earl_jax.testing import configs
+
+  value = config_cli.apply_override(configs.smoke_experiment(), path, text)
+  for part in path.split('.'):
+    value = getattr(value, part)
+  assert value == (text if isinstance(value, str) else type(value)(text))
+
+
+def test_check_float32_and_check_seed():
+  import dataclasses
+
+  from earl_jax.config import MAX_SEED, check_float32, check_seed
+
+  @dataclasses.dataclass
+  class C:
+    x: object = 1.0
+    seed: object = 0
+
+  check_float32(C(x=-3.4e38), 'x')
+  for bad in (float('nan'), float('inf'), 3.5e38, True, '1', None):
+    with pytest.raises(ValueError, match=r'C\.x must be a finite number'):
+      check_float32(C(x=bad), 'x')
+  check_seed(C(seed=MAX_SEED), 'seed')
+  for bad in (MAX_SEED + 1, -1, 1.0, True):
+    with pytest.raises(ValueError, match=r'C\.seed='):
+      check_seed(C(seed=bad), 'seed')

@@ -1,5 +1,7 @@
 """The local multi-process launcher: processes join one JAX group over loopback."""
 
+import sys
+
 import jax
 import pytest
 
@@ -37,6 +39,37 @@ def test_launch_reports_failures_with_stderr():
       num_processes=2,
       devices_per_process=1,
       timeout=60,
+    )
+
+
+def test_launch_gives_each_child_its_id_devices_and_environment_in_process_order():
+  show = 'import os; e = os.environ; print(e["EARL_PROCESS_ID"], e["EARL_NUM_PROCESSES"], '
+  show += 'e["EARL_LOCAL_DEVICES"], e["EARL_COORDINATOR"], e["XLA_FLAGS"], e["EXTRA"])'
+  results = distributed.launch_local(
+    [sys.executable, '-c', show],
+    num_processes=3,
+    devices_per_process=2,
+    env={'EXTRA': 'x', 'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --other'},
+    timeout=60,
+  )
+  assert [r.process_id for r in results] == [0, 1, 2]
+  coordinators = set()
+  for r in results:
+    pid, count, devices, coordinator, *flags, extra = r.stdout.split()
+    assert (pid, count, devices, extra) == (str(r.process_id), '3', '2', 'x')
+    # The child's own device count replaces any earlier one; other flags stay.
+    assert flags == ['--other', '--xla_force_host_platform_device_count=2']
+    coordinators.add(coordinator)
+  assert len(coordinators) == 1 and coordinators.pop().startswith('127.0.0.1:')
+
+
+def test_launch_times_out_and_kills_every_child():
+  with pytest.raises(distributed.LaunchError, match=r'2 of 2 processes failed \(timed out after 2'):
+    distributed.launch_local(
+      [sys.executable, '-c', 'import time; time.sleep(120)'],
+      num_processes=2,
+      devices_per_process=1,
+      timeout=2.0,
     )
 
 

@@ -28,7 +28,7 @@ def test_fingerprint_ignores_the_schedule_but_not_the_run():
   ('changes', 'match'),
   [
     ({'steps': 0}, 'ExperimentConfig.steps must be a positive int, got 0'),
-    ({'seed': -1}, 'ExperimentConfig.seed must be >= 0, got -1'),
+    ({'seed': -1}, r'ExperimentConfig.seed=-1: expected an int in \[0, 2147483646\]'),
     ({'micro_batches': 3}, 'micro_batches=3 must divide rollout.num_episodes=8'),
     ({'model': 'huge'}, "Unknown model preset 'huge'"),
     ({'buckets': BucketConfig(lengths=(8,))}, 'does not fit the largest context bucket 8'),
@@ -41,3 +41,21 @@ def test_bad_values_are_refused_where_they_are_written(changes, match):
 
 def test_the_default_is_a_valid_config():
   assert ExperimentConfig().rollout.num_episodes == 64
+
+
+@pytest.mark.parametrize(
+  ('rollout', 'match'),
+  [
+    ({'reply_tokens': ('A', 'B')}, r"rollout.reply_tokens=\('A', 'B'\): .*character 'A'"),
+    ({'reply_tokens': ('12',)}, "entry '12' encodes to 2 tokens"),
+    ({'prompt_buckets': (4,)}, r'the largest, 4, is shorter than the first turn prompt of env'),
+  ],
+)
+def test_what_needs_the_tokenizer_is_checked_before_a_run_starts(rollout, match):
+  from earl_jax.models.tokenizer import load_tokenizer
+
+  base = smoke_experiment()
+  config = smoke_experiment(rollout=dataclasses.replace(base.rollout, **rollout))
+  with pytest.raises(ValueError, match=match):
+    config.check_tokenizer(load_tokenizer('game'), 64)
+  base.check_tokenizer(load_tokenizer('game'), 64)  # the smoke preset itself passes

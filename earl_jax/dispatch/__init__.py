@@ -8,9 +8,12 @@
   mean_B, std_B, count_B = dispatch.group_stats(batch_t['rewards'], batch_t['group_ids'],
                                                 batch_t['valid'], num_groups=G, mesh=train_mesh)
 
-Modules: layout (Layout, pad_rows), plan (routing plans, pure numpy), collectives (shard_map
-kernels), dispatcher (strategies), balance (token balancing), group_stats (per-group reward
-statistics with collectives), accounting (reports, HLO collective bytes).
+The main job's path: layout (Layout, pad_rows) -> plan (make_plan, PlanOptions; pure numpy,
+built from routing, schedule and tables) -> collectives (the shard_map kernels) -> dispatcher
+(Dispatcher, DispatchConfig). Beside it: landing (XLA:CPU landing buffers), baselines (xla,
+allgather and the single-controller gather_scatter, for Fig. 4), balance (token balancing),
+group_stats (per-group reward statistics with collectives), accounting (reports, HLO collective
+bytes).
 """
 
 from earl_jax.dispatch.accounting import (
@@ -27,12 +30,8 @@ from earl_jax.dispatch.balance import (
   rank_loads,
   target_ranks,
 )
-from earl_jax.dispatch.dispatcher import (
-  DispatchConfig,
-  Dispatcher,
-  Strategy,
-  rotation_shift,
-)
+from earl_jax.dispatch.baselines import rotation_shift
+from earl_jax.dispatch.dispatcher import DispatchConfig, Dispatcher, Strategy
 from earl_jax.dispatch.group_stats import group_stats
 from earl_jax.dispatch.layout import (
   FieldLayout,
@@ -42,16 +41,25 @@ from earl_jax.dispatch.layout import (
   pad_rows,
   row_multiple,
 )
-from earl_jax.dispatch.plan import Plan, capacity_bucket, check_permutation, make_plan
+from earl_jax.dispatch.plan import (
+  Floor,
+  Plan,
+  PlanOptions,
+  capacity_bucket,
+  check_permutation,
+  make_plan,
+)
 
 __all__ = [
   'DispatchConfig',
   'DispatchReport',
   'Dispatcher',
   'FieldLayout',
+  'Floor',
   'Layout',
   'LayoutError',
   'Plan',
+  'PlanOptions',
   'Strategy',
   'balanced_permutation',
   'capacity_bucket',

@@ -1,6 +1,6 @@
-"""The Data Dispatcher: move an RL batch from one stage layout to another, five ways.
+"""The Data Dispatcher: move an RL batch from one stage layout to another.
 
-  dispatcher = Dispatcher(DispatchConfig(strategy='auto'))
+  dispatcher = Dispatcher(DispatchConfig())       # the main job's settings
   batch_t, report = dispatcher.dispatch(batch, dst=train_layout, perm=perm)   # src from the batch
 
 Strategies (`Strategy`, or per call with `strategy=`):
@@ -11,26 +11,15 @@ Strategies (`Strategy`, or per call with `strategy=`):
                   when every target block already is a source block on its device). Device to
                   device; no host. Donating on CPU, the outputs land in the source blocks spent
                   by earlier dispatches or in batches the caller released (`release`;
-                  `DispatchConfig.recycle_buffers`), a large move's rounds written into them as they
-                  arrive.
-  xla             `jax.jit` with `out_shardings`: device-side, XLA's own choice of collectives.
-                  A permutation is applied in the same program: a rotation of the rows as
-                  `jnp.roll` (XLA lowers it to collective-permutes, its best case), any other as
-                  `jnp.take` (XLA lowers it to an all-gather of the batch). For comparison.
-  gather_scatter  the single-controller baseline (the paper's, `dispatch.controller`): every
-                  worker sends its blocks to one controller process, which holds the whole
-                  batch in its host memory, permutes the rows there and sends every worker its
-                  target blocks: N-1 transfers in, N-1 out, all through the controller's links.
-  allgather       a host all-gather (no controller): every process `process_allgather`s each
-                  field to host (in column chunks of at most `gather_chunk_bytes`, each a local
-                  slice of every source shard, so host and device memory stay bounded),
-                  permutes rows on the host and builds only its own target shards with
-                  explicit per-device `device_put`s. In one process, `device_get` replaces the
-                  allgather. Every process receives the whole batch.
+                  `DispatchConfig.recycle_buffers`, landing.py), a large move's rounds written
+                  into them as they arrive.
   auto            no-op when the layouts are the same sharding and there is no permutation; a
                   zero-copy re-wrap when every target block is exactly a source block on the same
                   device; otherwise layout_aware (which is a purely local slice when every target
                   block is already local, e.g. a replicated rollout layout).
+  xla, gather_scatter, allgather
+                  the baselines of Fig. 4 (baselines.py): XLA's own resharding, the paper's
+                  single-controller baseline, and a host all-gather. For comparison.
 
 `jax.device_put` between shardings over the same devices is never used as a device path: in
 this JAX version it gathers through the host (jax-notes §2).
@@ -38,6 +27,28 @@ this JAX version it gathers through the host (jax-notes §2).
 Caching: plans without a permutation are cached with their device tables; kernels are cached by
 the plan's static structure (`Plan.structure()`), so a new balancing permutation with the same
 capacity buckets reuses the compiled kernel (`Dispatcher.traces` counts kernel traces).
+
+Stable kernels (`DispatchConfig.stable_kernels`, the main job's): the permuted plans of one
+(layouts, shapes) get capacities per (source, target) pair that only grow (`Plan.floor`), so the
+loop's permutations settle on a kernel whose capacities fit them all, and a pair that carries
+nothing sends nothing. The first plan, and each growth, also provision the pairs a later
+permutation may use (`schedule.stable_capacities`) while that keeps the wire within part of the
+padding budget, so the kernel settles in one or two compiles.
+
+The bound: padding beyond `max_padding` (1.5) times the bytes that must move does not last.
+After `_SHED_AFTER` such moves in a row the floor is rebuilt from their own needs (one compile,
+or a kernel still cached), which pad each pair by at most a capacity bucket
+(1/buckets_per_octave) and merged rounds by at most `schedule.FIT_SLACK`. Where the layouts
+move rows and the balancing a few more (the main job's rollout -> experience moves), every move
+after the first few stays within the bound (tests/dispatch/dispatcher_test.py, over random
+balanced permutations). Where a few rows move over pairs that change every move (a permutation
+between layouts that alone move nothing, or move little), no stable kernel is tight: such a
+(layouts, shapes) fits per ring shift instead (the earlier policy: every pair of a shift sends
+its one power-of-two capacity), from the first move where the layouts move nothing, else after
+`_FLOORS_BEFORE_SETTLING` floors that still left reachable pairs without capacity, and then
+neither sheds nor compiles per move. An identity permutation (balancing that moved no row) takes
+the stable kernel of its (layouts, shapes) once there is one, instead of compiling its own.
+
 Multi-process: every process calls `dispatch` with the same arguments (the permutation must be
 identical everywhere, e.g. computed from lengths every process knows); plans are computed locally
 and identically.
@@ -47,36 +58,45 @@ import collections
 import dataclasses
 import enum
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from earl_jax.caching import LRUCache
-from earl_jax.dispatch import collectives
-from earl_jax.dispatch import controller as controller_lib
+from earl_jax.dispatch import baselines, collectives, landing
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
+from earl_jax.dispatch.baselines import rotation_shift
 from earl_jax.dispatch.layout import Layout, check_compatible
 from earl_jax.dispatch.plan import (
   DEFAULT_PACK_MAX_BYTES,
+  Floor,
   Plan,
+  PlanOptions,
   check_permutation,
   make_plan,
-  stable_floor,
 )
+from earl_jax.dispatch.schedule import pair_needs
 from earl_jax.errors import ConfigError
+
+__all__ = ['DispatchConfig', 'Dispatcher', 'Strategy', 'rotation_shift']
 
 # Permuted plans are cached by the permutation's digest (a step that re-dispatches with the same
 # permutation, e.g. several fields or a retry, reuses it); only a few are kept.
 _PERMUTED_PLANS_KEPT = 4
 # Kernels, xla programs and gather slices kept per dispatcher (least recently used go first).
 _PROGRAMS_KEPT = 64
+# Stable kernels: after this many moves in a row over `max_padding`, the floor is rebuilt from
+# what those moves needed (fewer would compile on every dip; more would pay the padding longer).
+_SHED_AFTER = 3
+# Stable kernels: after this many floors (kernels) for one (layouts, shapes), its floor no longer
+# sheds, and if it still leaves pairs that a permutation may use without capacity, its plans fit
+# per ring shift (fit 'shifts'): moves too small for a tight stable kernel (a few rows over pairs
+# that change every move) settle on a few padded kernels instead of compiling one per move.
+_FLOORS_BEFORE_SETTLING = 4
 
 
 class Strategy(enum.Enum):
@@ -91,39 +111,50 @@ class Strategy(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatchConfig:
-  """Dispatcher settings.
+  """Dispatcher settings; the defaults are the main job's.
 
   Attributes:
     strategy: the default strategy (a Strategy or its value string).
-    collective: 'ppermute' rounds (fastest measured with gloo on CPU) or one 'all_to_all'.
+    collective: 'ppermute' rounds (faster than all_to_all with gloo on CPU, docs/results.md) or
+      one 'all_to_all'.
     buckets_per_octave: capacity buckets per power of two for permuted dispatches; fewer buckets
       mean fewer compiles and more padding (at most 1/buckets_per_octave).
     pack_max_bytes: rounds whose buffer is at most this many bytes per device carry all their
       fields in one collective (latency-bound: fewer collectives); larger rounds send one
       collective per field and skip the packing copies (bandwidth-bound).
     gather_chunk_bytes: the largest global chunk the allgather strategy gathers at once.
-    donate: donate the source batch to the layout_aware / xla programs.
+    donate: donate the source batch to the layout_aware / xla programs (the caller must not use
+      it afterwards).
     timed: block until the result is ready and report the wall time.
     recycle_buffers: land layout_aware outputs in the spent source blocks of earlier dispatches
-      (needs `donate`; `collectives.BufferPool`, at most two batches held) instead of fresh
+      (needs `donate`; `landing.BufferPool`, at most two batches held) instead of fresh
       allocations. None (default): on when donating on CPU, where every fresh output costs a
       page fault and a page clear per 4 KiB (XLA:CPU has no caching allocator); off on GPU and
       TPU, whose allocators already reuse device memory.
     stable_kernels: layout_aware with a permutation that changes every call (token balancing
-      in a training loop): the ring shifts with a power-of-two capacity each, which only grow
-      for the same (layouts, shapes) (`make_plan(stable=True, floor=...)`), so the loop's
-      permutations settle on one kernel; more padding on the wire, no compile per step.
+      in a training loop): capacities per (source, target) pair that only grow for the same
+      (layouts, shapes) (`PlanOptions(stable=True, floor=...)`), so the loop's permutations
+      settle on one kernel: some padding on the wire, no compile per step.
+    stable_fit: how stable kernels size their rounds (`PlanOptions.fit`): 'pairs' (each pair
+      its own capacity bucket) or 'shifts' (one power-of-two capacity per ring shift, sent by
+      all of its pairs: the earlier policy, kept for comparison).
+    max_padding: stable kernels: the padding bound (see dispatch/dispatcher.py): when more than
+      this many times the bytes that must move go on the wire in several moves in a row, the
+      capacities are rebuilt from those moves (a compile); growth provisions pairs for later
+      moves only within part of it. inf: capacities only grow.
   """
 
-  strategy: Strategy | str = Strategy.AUTO
+  strategy: Strategy | str = Strategy.LAYOUT_AWARE
   collective: Literal['ppermute', 'all_to_all'] = 'ppermute'
   buckets_per_octave: int = 4
   pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES
   gather_chunk_bytes: int = 64 << 20
-  donate: bool = False
+  donate: bool = True
   timed: bool = False
   recycle_buffers: bool | None = None
-  stable_kernels: bool = False
+  stable_kernels: bool = True
+  stable_fit: Literal['pairs', 'shifts'] = 'pairs'
+  max_padding: float = 1.5
 
   def __post_init__(self):
     try:
@@ -150,28 +181,40 @@ class DispatchConfig:
         'DispatchConfig.recycle_buffers=True needs donate=True (the buffers it recycles are the '
         'donated source blocks).'
       )
+    if self.stable_fit not in ('pairs', 'shifts'):
+      raise ConfigError(
+        f"DispatchConfig.stable_fit must be 'pairs' or 'shifts', got {self.stable_fit!r}."
+      )
+    if (
+      isinstance(self.max_padding, bool)
+      or not isinstance(self.max_padding, (int, float))
+      or math.isnan(self.max_padding)
+      or self.max_padding < 1
+    ):
+      raise ConfigError(
+        f'DispatchConfig.max_padding must be a number >= 1 (inf: never shed capacity), got '
+        f'{self.max_padding!r}.'
+      )
     if not isinstance(self.gather_chunk_bytes, int) or self.gather_chunk_bytes < 1:
       raise ConfigError(
         f'DispatchConfig.gather_chunk_bytes must be a positive int, got {self.gather_chunk_bytes}.'
       )
 
 
-def rotation_shift(perm: np.ndarray) -> int | None:
-  """s when perm[i] == (i + s) % B for every row (a rotation), else None."""
-  rows = len(perm)
-  if rows == 0:
-    return None
-  shift = int(perm[0]) % rows
-  return shift if np.array_equal(perm, (np.arange(rows) + shift) % rows) else None
+@dataclasses.dataclass
+class _Capacities:
+  """The stable capacities of one (layouts, shapes): the last plan's floor, what each of the
+  last moves needed alone, how many moves in a row padded more than `max_padding`, how many
+  floors were made, whether it no longer sheds, and whether its plans now fit per ring shift."""
 
-
-def _replicated(value: np.ndarray, mesh: Mesh) -> jax.Array:
-  """A host array replicated on every device of `mesh` (explicit per-device transfers)."""
-  sharding = NamedSharding(mesh, P())
-  arrays = [
-    jax.device_put(value, d) for d in mesh.devices.flat if d.process_index == jax.process_index()
-  ]
-  return jax.make_array_from_single_device_arrays(value.shape, sharding, arrays)
+  floor: Floor
+  needs: collections.deque[Floor] = dataclasses.field(
+    default_factory=lambda: collections.deque(maxlen=_SHED_AFTER)
+  )
+  over: int = 0
+  floors: int = 1
+  settled: bool = False
+  shifts: bool = False
 
 
 def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
@@ -187,13 +230,6 @@ def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-  """The whole array on this host: process_allgather across processes, device_get in one."""
-  if jax.process_count() > 1:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(jax.device_get(x))
-
-
 class Dispatcher:
   """Moves batches between layouts; holds the plan and kernel caches (see module docstring)."""
 
@@ -204,13 +240,19 @@ class Dispatcher:
     )
     # Compiled programs, bounded and owned by this dispatcher (the caller keeps one per run).
     self._kernels: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
-    self._xla: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
-    self._slices: LRUCache[tuple, Any] = LRUCache(_PROGRAMS_KEPT)
     self.traces = 0
-    # Stable kernels: the caps per ring shift so far, per (layouts, shapes, dtypes).
-    self._floors: dict[tuple, dict[int, tuple[int, ...]]] = {}
-    self._pool = collectives.BufferPool()
-    self.controller = controller_lib.Controller(max_programs=_PROGRAMS_KEPT)
+    # Stable kernels: the capacities so far, per (layouts, shapes, dtypes).
+    self._capacities: dict[tuple, _Capacities] = {}
+    self._pool = landing.BufferPool()
+    self.controller = baselines.Controller(max_programs=_PROGRAMS_KEPT)
+    self._xla = baselines.XlaBaseline(self.config.donate, max_programs=_PROGRAMS_KEPT)
+    self._baselines: dict[Strategy, baselines.Baseline] = {
+      Strategy.XLA: self._xla,
+      Strategy.GATHER_SCATTER: self.controller,
+      Strategy.ALLGATHER: baselines.AllgatherBaseline(
+        self.config.gather_chunk_bytes, max_programs=_PROGRAMS_KEPT
+      ),
+    }
 
   # --------------------------------------------------------------------------- planning
 
@@ -226,37 +268,95 @@ class Dispatcher:
     leaves = src.check(batch)
     return self._plan(leaves, src, dst, perm)[0]
 
-  def _plan(
-    self, leaves: Sequence[Any], src: Layout, dst: Layout, perm: np.ndarray | None
-  ) -> tuple[Plan, list[jax.Array], float]:
-    shapes = tuple(tuple(x.shape) for x in leaves)
-    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
-    t0 = time.perf_counter()
-    digest = None if perm is None else hashlib.blake2b(perm.tobytes(), digest_size=16).digest()
-    key = (src.key(), dst.key(), shapes, tuple(d.str for d in dtypes), digest)
-    hit = self._plans.get(key)
-    if hit is not None:
-      self._plans.move_to_end(key)
-      return hit[0], hit[1], time.perf_counter() - t0
-    # Stable kernels: caps per ring shift only grow for the same layouts and shapes, so the
-    # permutations of a training loop settle on one kernel (every process keeps the same floor:
-    # they plan the same dispatches in the same order).
-    floor_key = key[:-1] if self.config.stable_kernels and perm is not None else None
-    plan = make_plan(
-      src,
-      dst,
-      shapes,
-      dtypes,
-      perm=perm,
+  def _plan_options(self, src: Layout, floor: Floor | None, shifts: bool = False) -> PlanOptions:
+    return PlanOptions(
       collective=self.config.collective,
       buckets_per_octave=self.config.buckets_per_octave,
       pack_max_bytes=self.config.pack_max_bytes,
       stable=self.config.stable_kernels,
-      floor=self._floors.get(floor_key),
+      fit='shifts' if shifts else self.config.stable_fit,
+      floor=floor,
+      max_padding=self.config.max_padding,
       land=self.recycles(src),
     )
-    if floor_key is not None:
-      self._floors[floor_key] = stable_floor(plan)
+
+  def _stable_plan(
+    self,
+    key: tuple,
+    src: Layout,
+    dst: Layout,
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[np.dtype],
+    perm: np.ndarray,
+  ) -> Plan:
+    """A permuted plan with stable capacities: at least the floor of the last plan for the same
+    (layouts, shapes) (so a permutation that fits reuses its kernel), rebuilt from the recent
+    moves' own needs after `_SHED_AFTER` moves in a row over `max_padding`, fitted per ring shift
+    after `_FLOORS_BEFORE_SETTLING` floors (see the module docstring). Every process keeps the
+    same floors: they plan the same dispatches in the same order."""
+    state = self._capacities.get(key)
+    if state is None:
+      # Where the layouts alone move nothing, only the permutation's few rows move, over pairs
+      # that change every time: no stable kernel is tight, so fit per ring shift at once.
+      shifts = self.config.stable_fit == 'shifts' or make_plan(src, dst, shapes, dtypes).is_local
+    else:
+      shifts = state.shifts
+    options = self._plan_options(src, state and state.floor, shifts)
+    plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=options)
+    if plan.floor is None:  # not a stable plan (e.g. all_to_all)
+      return plan
+    if state is None:
+      state = _Capacities(floor=plan.floor, settled=shifts, shifts=shifts)
+      self._capacities[key] = state
+    limits = [min(g.src_units, g.dst_units) for g in plan.groups]
+    counts = [g.counts for g in plan.groups]
+    need = pair_needs(counts, limits, self.config.stable_fit, self.config.buckets_per_octave)
+    state.needs.append(Floor(pairs=tuple(need), local=plan.floor.local))
+    padded = plan.scheduled_bytes > self.config.max_padding * plan.min_bytes
+    state.over = state.over + 1 if padded and not state.settled else 0
+    if state.over >= _SHED_AFTER:
+      state.over = 0
+      rebuilt = state.needs[0]
+      for need_floor in list(state.needs)[1:]:
+        rebuilt = rebuilt.merged(need_floor)
+      options = self._plan_options(src, rebuilt)
+      plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=options)
+    assert plan.floor is not None
+    if not (plan.floor.fits(state.floor) and state.floor.fits(plan.floor)):
+      state.floors += 1
+      open_pairs = any(
+        g.reach is not None and bool((g.reach & (f == 0)).any())
+        for g, f in zip(plan.groups, plan.floor.pairs)
+      )
+      state.settled = state.settled or state.floors >= _FLOORS_BEFORE_SETTLING
+      state.shifts = state.shifts or (state.settled and open_pairs)
+    state.floor = plan.floor
+    return plan
+
+  @staticmethod
+  def _floor_key(leaves: Sequence[Any], src: Layout, dst: Layout) -> tuple:
+    """(layouts, shapes, dtypes): what stable capacities are kept per."""
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    return (src.key(), dst.key(), shapes, tuple(np.dtype(x.dtype).str for x in leaves))
+
+  def _plan(
+    self, leaves: Sequence[Any], src: Layout, dst: Layout, perm: np.ndarray | None
+  ) -> tuple[Plan, list[jax.Array], float]:
+    """The plan, its device tables and the seconds spent planning (cached)."""
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+    t0 = time.perf_counter()
+    digest = None if perm is None else hashlib.blake2b(perm.tobytes(), digest_size=16).digest()
+    key = (*self._floor_key(leaves, src, dst), digest)
+    hit = self._plans.get(key)
+    if hit is not None:
+      self._plans.move_to_end(key)
+      return hit[0], hit[1], time.perf_counter() - t0
+    if self.config.stable_kernels and perm is not None:
+      plan = self._stable_plan(key[:-1], src, dst, shapes, dtypes, perm)
+    else:
+      options = self._plan_options(src, None)
+      plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=options)
     tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
     plan_s = time.perf_counter() - t0
     self._plans[key] = (plan, tables)
@@ -294,6 +394,8 @@ class Dispatcher:
       return 0
     return self._pool.add(leaves)
 
+  # --------------------------------------------------------------------------- layout_aware
+
   def _kernel(
     self, plan: Plan, src: Layout, recycle: bool, shared: tuple[tuple[int, int], ...] = ()
   ) -> tuple[Any, list[jax.ShapeDtypeStruct], bool]:
@@ -315,9 +417,7 @@ class Dispatcher:
       on_trace=count_trace,
     )
     structs = (
-      [collectives.output_struct(plan, src, i) for i in collectives.landing_fields(plan)]
-      if recycle
-      else []
+      [landing.output_struct(plan, src, i) for i in landing.landing_fields(plan)] if recycle else []
     )
     self._kernels.put(key, (kernel, structs))
     return kernel, structs, True
@@ -326,21 +426,42 @@ class Dispatcher:
     self, plan: Plan, src: Layout, leaves: Sequence[Any], tables: list[jax.Array]
   ) -> tuple[list[jax.Array], bool, int]:
     """The layout_aware kernel's raw outputs, whether it was new, and the recycled bytes."""
-    recycle = self.recycles(src)
-    if not recycle:
+    if not self.recycles(src):
       kernel, _, compiled = self._kernel(plan, src, False)
       return kernel(list(leaves), tables), compiled, 0
     kernel, structs, compiled = self._kernel(plan, src, True, _shared(leaves))
-    landing, recycled = [], 0
-    for struct in structs:
-      buf, reused = self._pool.landing(struct)
-      landing.append(buf)
-      recycled += reused
-    raw, spent = kernel(list(leaves), tables, landing)
+    buffers, recycled = self._pool.landing_buffers(structs)
+    raw, spent = kernel(list(leaves), tables, buffers)
     self._pool.add(spent)
     return raw, compiled, recycled
 
+  def _layout_aware(
+    self, plan: Plan, tables: list[jax.Array], leaves: Sequence[Any], src: Layout, dst: Layout
+  ) -> tuple[list[jax.Array], bool, int]:
+    """The batch on `dst` by the plan: a zero-copy re-wrap when every target block already is a
+    source block on its device, else the kernel. Returns (outputs, compiled, recycled bytes)."""
+    if plan.is_zero_copy:  # every target block already is a source block on its device
+      raw, compiled, recycled = list(leaves), False, 0
+    else:
+      raw, compiled, recycled = self._run_kernel(plan, src, leaves, tables)
+    shapes = [tuple(x.shape) for x in leaves]
+    outs = [collectives.rewrap(o, shapes[i], dst.sharding(i)) for i, o in enumerate(raw)]
+    return outs, compiled, recycled
+
   # --------------------------------------------------------------------------- dispatch
+
+  def _check(
+    self, batch: Any, src: Layout, dst: Layout, perm: np.ndarray | Sequence[int] | None
+  ) -> tuple[list[Any], np.ndarray | None]:
+    """The batch's leaves, checked against both layouts, and the permutation (None for none or
+    the identity). Raises LayoutError."""
+    leaves = src.check(batch, placed=True, what='source batch')
+    check_compatible(src, dst)
+    dst.check(batch, what='batch (target layout)')
+    p = None if perm is None else check_permutation(perm, leaves[0].shape[0])
+    if p is not None and np.array_equal(p, np.arange(len(p))):
+      p = None
+    return leaves, p
 
   def dispatch(
     self,
@@ -375,59 +496,38 @@ class Dispatcher:
     t_start = time.perf_counter()
     requested = Strategy(strategy) if strategy is not None else self.config.strategy
     assert isinstance(requested, Strategy)
+    # Check.
     src = Layout.of(batch) if src is None else src
-    leaves = src.check(batch, placed=True, what='source batch')
-    check_compatible(src, dst)
-    dst.check(batch, what='batch (target layout)')
-    shapes = [tuple(x.shape) for x in leaves]
-    p = None if perm is None else check_permutation(perm, shapes[0][0])
-    if p is not None and np.array_equal(p, np.arange(len(p))):
-      p = None
-
-    plan = tables = None
-    plan_s = accounting_s = 0.0
-    run = requested
-    if requested == Strategy.AUTO:
-      if p is None and all(src.sharding(i) == dst.sharding(i) for i in range(len(leaves))):
-        return batch, self._report('noop', requested)
+    leaves, p = self._check(batch, src, dst, perm)
+    # Choose: nothing to do, the plan's kernel (or a zero-copy re-wrap), or a baseline.
+    if requested == Strategy.AUTO and p is None and self._same_shardings(src, dst, len(leaves)):
+      return batch, self._report('noop', requested)
+    plan, plan_s, accounting_s = None, 0.0, 0.0
+    if requested in (Strategy.AUTO, Strategy.LAYOUT_AWARE):
+      if p is None and perm is not None and self._floor_key(leaves, src, dst) in self._capacities:
+        p = np.arange(leaves[0].shape[0])  # the identity takes the stable kernel (no compile)
       plan, tables, plan_s = self._plan(leaves, src, dst, p)
-      if plan.is_zero_copy:
-        run = 'rewrap'
-      else:
-        run = Strategy.LAYOUT_AWARE
-    elif requested == Strategy.LAYOUT_AWARE:
-      plan, tables, plan_s = self._plan(leaves, src, dst, p)
-    elif account:
-      plan, tables, accounting_s = self._plan(leaves, src, dst, p)
-
-    compiled, recycled = False, 0
-    if run == 'rewrap':
-      outs = [collectives.rewrap(x, shapes[i], dst.sharding(i)) for i, x in enumerate(leaves)]
-      name = 'rewrap'
-    elif run == Strategy.LAYOUT_AWARE and plan is not None and plan.is_zero_copy:
-      # Every target block already is a source block on its device: the local slice is free.
-      outs = [collectives.rewrap(x, shapes[i], dst.sharding(i)) for i, x in enumerate(leaves)]
-      name = Strategy.LAYOUT_AWARE.value
-    elif run == Strategy.LAYOUT_AWARE:
-      assert plan is not None and tables is not None
-      raw, compiled, recycled = self._run_kernel(plan, src, leaves, tables)
-      outs = [collectives.rewrap(o, shapes[i], dst.sharding(i)) for i, o in enumerate(raw)]
-      name = Strategy.LAYOUT_AWARE.value
-    elif run == Strategy.XLA:
-      outs, compiled = self._run_xla(leaves, src, dst, p)
-      name = Strategy.XLA.value
-    elif run == Strategy.GATHER_SCATTER:
-      outs = [self.controller.move(x, dst.sharding(i), p) for i, x in enumerate(leaves)]
-      name = Strategy.GATHER_SCATTER.value
+      # Move.
+      outs, compiled, recycled = self._layout_aware(plan, tables, leaves, src, dst)
+      rewrapped = requested == Strategy.AUTO and plan.is_zero_copy
+      name = 'rewrap' if rewrapped else Strategy.LAYOUT_AWARE.value
     else:
-      outs = self._run_allgather(leaves, src, dst, p)
-      name = Strategy.ALLGATHER.value
+      if account:  # the plan's byte counts for the report, not timed
+        plan, _, accounting_s = self._plan(leaves, src, dst, p)
+      # Move.
+      outs, compiled = self._baselines[requested].move(leaves, src, dst, p)
+      recycled, name = 0, requested.value
+    # Report.
     wall = None
     if self.config.timed:
       jax.block_until_ready(outs)
       wall = time.perf_counter() - t_start - accounting_s
     result = jax.tree.unflatten(dst.treedef, outs)
     return result, self._report(name, requested, plan, wall, plan_s, compiled, recycled)
+
+  @staticmethod
+  def _same_shardings(src: Layout, dst: Layout, num_fields: int) -> bool:
+    return all(src.sharding(i) == dst.sharding(i) for i in range(num_fields))
 
   def _report(
     self,
@@ -460,122 +560,6 @@ class Dispatcher:
       recycled_bytes=recycled,
     )
 
-  # --------------------------------------------------------------------------- xla
-
-  def _xla_fn(
-    self, leaves: Sequence[Any], src: Layout, dst: Layout, permuted: bool | int
-  ) -> tuple[Any, bool]:
-    """The xla program; `permuted` is False, True (a gather) or the shift of a rotation."""
-    key = (
-      src.key(),
-      dst.key(),
-      tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves),
-      permuted,
-      self.config.donate,
-    )
-    fn = self._xla.get(key)
-    if fn is None:
-      out_shardings = [dst.sharding(i) for i in range(len(leaves))]
-      donate = (0,) if self.config.donate else ()
-      if isinstance(permuted, int) and not isinstance(permuted, bool):
-        shift = permuted  # a rotation: XLA lowers jnp.roll of a sharded dim to collective-permutes
-        fn = jax.jit(
-          lambda xs: [jnp.roll(x, -shift, axis=0) for x in xs],
-          out_shardings=out_shardings,
-          donate_argnums=donate,
-        )
-      elif permuted:
-        fn = jax.jit(
-          lambda xs, p: [jnp.take(x, p, axis=0) for x in xs],
-          out_shardings=out_shardings,
-          donate_argnums=donate,
-        )
-      else:
-        fn = jax.jit(lambda xs: list(xs), out_shardings=out_shardings, donate_argnums=donate)
-      self._xla.put(key, fn)
-      return fn, True
-    return fn, False
-
-  def _run_xla(
-    self, leaves: Sequence[Any], src: Layout, dst: Layout, perm: np.ndarray | None
-  ) -> tuple[list[jax.Array], bool]:
-    shift = None if perm is None else rotation_shift(perm)
-    if perm is None or shift is not None:
-      fn, new = self._xla_fn(leaves, src, dst, False if perm is None else shift)
-      return fn(list(leaves)), new
-    fn, new = self._xla_fn(leaves, src, dst, True)
-    return fn(list(leaves), _replicated(perm.astype(np.int32), src.mesh)), new
-
-  # --------------------------------------------------------------------------- allgather
-
-  def _column_chunk(self, x: jax.Array, shards: int, start: int, width: int) -> jax.Array:
-    """Columns [start, start + width) of every one of the `shards` column shards of x, as a
-    [B, shards * width, ...] array sharded like x (a local slice on every device)."""
-    key = (tuple(x.shape), np.dtype(x.dtype).str, x.sharding, shards, start, width)
-    fn = self._slices.get(key)
-    if fn is None:
-      rows, cols, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
-
-      def chunk(a):
-        a = a.reshape(rows, shards, cols // shards, *rest)
-        a = jax.lax.slice_in_dim(a, start, start + width, axis=2)
-        return a.reshape(rows, shards * width, *rest)
-
-      fn = jax.jit(chunk, out_shardings=x.sharding)
-      self._slices.put(key, fn)
-    return fn(x)
-
-  def _allgather_field(
-    self, x: jax.Array, src_sharding: NamedSharding, dst_sharding: NamedSharding, perm: Any
-  ) -> jax.Array:
-    shape = tuple(x.shape)
-    targets = dst_sharding.addressable_devices_indices_map(shape)
-    chunk = self.config.gather_chunk_bytes
-    if x.ndim < 2 or x.nbytes <= chunk:
-      host = _fetch(x)
-      arrays = []
-      for d, idx in targets.items():
-        if perm is not None:  # only this device's rows are permuted, not the whole batch
-          r0, r1, _ = idx[0].indices(shape[0])
-          idx = (perm[r0:r1], *idx[1:])
-        arrays.append(jax.device_put(np.ascontiguousarray(host[idx]), d))
-      return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays)
-    # Column chunks: each process gathers [B, shards * w, ...] at a time (w columns of each of
-    # the source's column shards, so the chunk is a local slice everywhere) and keeps only its
-    # own target blocks; host and device memory stay bounded by `gather_chunk_bytes`.
-    cols = shape[1]
-    shard_cols = src_sharding.shard_shape(shape)[1]
-    shards = cols // shard_cols
-    width = max(1, min(shard_cols, chunk // max(1, x.nbytes // cols) // shards))
-    blocks: dict[tuple, np.ndarray] = {}
-    key_of = {}
-    for d, idx in targets.items():
-      key = tuple(s.indices(n) for s, n in zip(idx, shape))
-      key_of[d] = key
-      if key not in blocks:
-        blocks[key] = np.empty([stop - start for start, stop, _ in key], x.dtype)
-    for c0 in range(0, shard_cols, width):
-      w = min(width, shard_cols - c0)
-      host = _fetch(self._column_chunk(x, shards, c0, w))  # [B, shards * w, ...]
-      for key, block in blocks.items():
-        (r0, r1, _), (b0, b1, _) = key[0], key[1]
-        rows = slice(r0, r1) if perm is None else perm[r0:r1]
-        for s in range(shards):
-          g0 = s * shard_cols + c0  # global column of host[:, s * w]
-          lo, hi = max(b0, g0), min(b1, g0 + w)
-          if lo < hi:
-            block[:, lo - b0 : hi - b0] = host[rows, s * w + lo - g0 : s * w + hi - g0]
-      del host
-    arrays = [jax.device_put(blocks[key_of[d]], d) for d in targets]
-    return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays)
-
-  def _run_allgather(
-    self, leaves: Sequence[Any], src: Layout, dst: Layout, perm: np.ndarray | None
-  ) -> list[jax.Array]:
-    return [
-      self._allgather_field(x, src.sharding(i), dst.sharding(i), perm) for i, x in enumerate(leaves)
-    ]
-
   # --------------------------------------------------------------------------- inspection
 
   def compiled_text(
@@ -594,12 +578,7 @@ class Dispatcher:
     check_compatible(src, dst)
     p = None if perm is None else check_permutation(perm, leaves[0].shape[0])
     if strategy == Strategy.XLA:
-      shift = None if p is None else rotation_shift(p)
-      if p is None or shift is not None:
-        fn, _ = self._xla_fn(leaves, src, dst, False if p is None else shift)
-        return fn.lower(list(leaves)).compile().as_text()
-      fn, _ = self._xla_fn(leaves, src, dst, True)
-      return fn.lower(list(leaves), _replicated(p.astype(np.int32), src.mesh)).compile().as_text()
+      return self._xla.compiled_text(leaves, src, dst, p)
     if strategy != Strategy.LAYOUT_AWARE:
       raise ValueError(f'compiled_text: no device program for strategy {strategy.value!r}.')
     plan, tables, _ = self._plan(leaves, src, dst, p)

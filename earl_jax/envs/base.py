@@ -11,13 +11,17 @@ episode and takes one reply text per episode::
 Episodes end at different times. Stepping an episode that has already ended is allowed: its reply
 is ignored and it returns reward 0, done True and the observation ''.
 
-Board games (the only kind so far) are played by the agent against a built-in opponent. Boards are
-int8 arrays seen from the agent: `AGENT` (+1, rendered 'X') for its stones, `OPPONENT` (-1, 'O')
-for the opponent's, `EMPTY` (0, '.') for free cells. Actions are 0-based indices (a column or a
-cell) in the Python API and the digits '1'..'9' (index + 1) in text.
+Two families share this API. The code tasks (`CodeEnvConfig`; `code_env`, `repo_repair`) take
+free-text replies: a function to write, or commands for a small repository; they have no finite
+action set (`TextEnv.num_actions` is None). The board games (`EnvConfig`) are played by the agent
+against a built-in opponent. Boards are int8 arrays seen from the agent: `AGENT` (+1, rendered
+'X') for its stones, `OPPONENT` (-1, 'O') for the opponent's, `EMPTY` (0, '.') for free cells.
+Actions are 0-based indices (a column or a cell) in the Python API and the digits '1'..'9'
+(index + 1) in text.
 
-Every observation uses only the characters of `ALPHABET`, the vocabulary of the built-in
-character-level game tokenizer.
+Every board-game observation uses only the characters of `ALPHABET`, the vocabulary of the
+built-in character-level game tokenizer; every code observation is printable ASCII, tab and
+newline (the code tokenizer's alphabet).
 
 Dimension letters (the package alphabet of `earl_jax.config`): B episodes of a batch, M positions
 (any stack of boards; Mc, Mp for the children and parents of a search), R board rows, W board
@@ -27,7 +31,6 @@ columns, A actions.
 import abc
 import dataclasses
 import functools
-import math
 import re
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict, get_args
@@ -35,7 +38,9 @@ from typing import Any, Literal, TypedDict, get_args
 import numpy as np
 from jaxtyping import Bool, Float, Int, Int8, Int64
 
+from earl_jax.config import check_float32
 from earl_jax.errors import ConfigError
+from earl_jax.sandbox import SandboxConfig
 
 # Every character an observation may contain (the built-in tokenizer is character level).
 ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyzXO .\n|:-'
@@ -158,19 +163,121 @@ class EnvConfig:
       raise ConfigError(
         f'EnvConfig.think_depth must be an int in [0, {MAX_THINK_DEPTH}], got {think!r}.'
       )
-    for field in (
-      'win_reward',
-      'draw_reward',
-      'loss_reward',
-      'invalid_penalty',
-      'legal_move_reward',
-    ):
-      value = getattr(self, field)
-      if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise ConfigError(f'EnvConfig.{field} must be a finite number, got {value!r}.')
+    check_float32(
+      self, 'win_reward', 'draw_reward', 'loss_reward', 'invalid_penalty', 'legal_move_reward'
+    )
 
   def replace(self, **changes: Any) -> 'EnvConfig':
     return dataclasses.replace(self, **changes)
+
+
+CodeTaskName = Literal['functions', 'humaneval', 'repo_repair']
+CodeSplit = Literal['train', 'heldout']
+CodeReward = Literal['fraction', 'all']
+
+CODE_TASKS: tuple[str, ...] = get_args(CodeTaskName)
+CODE_SPLITS: tuple[str, ...] = get_args(CodeSplit)
+CODE_REWARDS: tuple[str, ...] = get_args(CodeReward)
+# Agent turns of an episode when `CodeEnvConfig.max_turns` is None.
+DEFAULT_CODE_TURNS = {'functions': 1, 'humaneval': 1, 'repo_repair': 8}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodeEnvConfig:
+  """A code task: what to write, how many turns, how it is rewarded, and the sandbox's limits.
+
+  The board games' `EnvConfig` and this config are the two families of one registry
+  (`registry.make_env` takes either; `ExperimentConfig.env` holds either).
+
+  Attributes:
+    task: 'functions' (the generated one-line functions of `code_tasks`, for the tiny model),
+      'humaneval' (the 164 HumanEval problems) or 'repo_repair' (fix a planted bug in a small
+      generated repository with text tools; `repo_repair`).
+    split: the generated tasks played: 'train' or 'heldout' (disjoint; 'functions' and
+      'repo_repair'; HumanEval has one set of 164 and ignores it).
+    split_seed: the shuffle that splits the generated tasks; the same seed, the same split.
+    heldout_fraction: the share of the generated tasks held out, in (0, 1).
+    max_turns: agent turns per episode. For 'functions' and 'humaneval', attempts: after a
+      failed attempt the next observation shows the failing public tests, until they pass or the
+      turns run out (1: single turn). For 'repo_repair', commands, the last of which submits.
+      None: 1, 1 and 8.
+    reward: 'fraction' of the hidden tests passed by the final attempt, or 'all' (1 when every
+      hidden test passes, else 0). None: 'fraction' for 'functions' and 'humaneval', 'all' for
+      'repo_repair' (whose hidden tests also cover the functions without the bug, so a
+      repository left as it was would keep most of a fraction).
+    invalid_reward: the reward of an episode ended by a reply that does not parse (no code, an
+      unknown command) or is longer than `max_reply_chars`.
+    max_reply_chars: the longest reply read; a longer one ends the episode as invalid.
+    feedback_tests: failing public tests shown after a failed attempt.
+    feedback_chars: each feedback line is cut to this many characters.
+    output_chars: the characters of a command's output kept ('repo_repair': half from the head,
+      half from the tail).
+    sandbox: the limits and workers of the sandbox that runs the programs.
+  """
+
+  task: CodeTaskName = 'functions'
+  split: CodeSplit = 'train'
+  split_seed: int = 0
+  heldout_fraction: float = 0.2
+  max_turns: int | None = None
+  reward: CodeReward | None = None
+  invalid_reward: float = 0.0
+  max_reply_chars: int = 2048
+  feedback_tests: int = 2
+  feedback_chars: int = 200
+  output_chars: int = 1200
+  sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+
+  def __post_init__(self):
+    for field, known in (('task', CODE_TASKS), ('split', CODE_SPLITS), ('reward', CODE_REWARDS)):
+      value = getattr(self, field)
+      if value not in known and not (field == 'reward' and value is None):
+        raise ConfigError(
+          f'CodeEnvConfig.{field}={value!r} is unknown; known values: {list(known)}.'
+        )
+    least = {
+      'split_seed': 0,
+      'max_reply_chars': 1,
+      'feedback_tests': 1,
+      'feedback_chars': 20,
+      'output_chars': 80,
+    }
+    for field, low in least.items():
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f'CodeEnvConfig.{field} must be an int >= {low}, got {value!r}.')
+    turns = self.max_turns
+    low = 2 if self.task == 'repo_repair' else 1
+    if turns is not None and (not isinstance(turns, int) or isinstance(turns, bool) or turns < low):
+      raise ConfigError(
+        f'CodeEnvConfig.max_turns must be None or an int >= {low} for task {self.task!r}, '
+        f'got {turns!r}.'
+      )
+    fraction = self.heldout_fraction
+    if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 < fraction < 1:
+      raise ConfigError(f'CodeEnvConfig.heldout_fraction must be in (0, 1), got {fraction!r}.')
+    check_float32(self, 'invalid_reward')
+    if not isinstance(self.sandbox, SandboxConfig):
+      raise ConfigError(f'CodeEnvConfig.sandbox must be a SandboxConfig, got {self.sandbox!r}.')
+
+  @property
+  def turns(self) -> int:
+    """`max_turns`, or the task's default when it is None."""
+    return DEFAULT_CODE_TURNS[self.task] if self.max_turns is None else self.max_turns
+
+  def reward_of(self, passed: int, total: int) -> float:
+    """The reward of a final attempt that passed `passed` of `total` hidden tests."""
+    mode = self.reward or ('all' if self.task == 'repo_repair' else 'fraction')
+    if not total:
+      return 0.0
+    return passed / total if mode == 'fraction' else float(passed == total)
+
+  def replace(self, **changes: Any) -> 'CodeEnvConfig':
+    return dataclasses.replace(self, **changes)
+
+
+# The configuration of any environment family (`registry.make_env` takes either).
+AnyEnvConfig = EnvConfig | CodeEnvConfig
 
 
 class StepInfo(TypedDict):
@@ -199,6 +306,34 @@ class StepInfo(TypedDict):
   hint: int | None
 
 
+class CodeStepInfo(TypedDict):
+  """Per-episode facts about one step of a code environment.
+
+  Keys:
+    outcome: None while the episode runs; at its end 'win' (every hidden test passed), 'loss'
+      (some failed; the reward is their fraction or 0, `CodeEnvConfig.reward`) or 'invalid' (the
+      reply did not parse or was too long). An episode that had already ended keeps it.
+    turn: the 0-based index of the agent turn this step played (for an ignored step: the number
+      of turns the episode took).
+    ignored: True when the episode had ended before this step (its reply was ignored).
+    task_id: the episode's task.
+    status: the sandbox's verdict of the program this step ran ('pass', 'fail', 'timeout',
+      'memory', 'crash', 'error'), or None if it ran none.
+    passed / total: hidden tests passed and run (0 / 0 until a program is judged on them).
+    public_passed / public_total: the same for the public tests.
+  """
+
+  outcome: Outcome | None
+  turn: int
+  ignored: bool
+  task_id: str
+  status: str | None
+  passed: int
+  total: int
+  public_passed: int
+  public_total: int
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepResult:
   """What `TextEnv.step` returns for a batch of B episodes.
@@ -208,13 +343,13 @@ class StepResult:
       with a line naming its outcome, and an episode that had already finished gets ''.
     rewards: float32 [B]; nonzero only on the step that ends an episode.
     dones: bool [B]; True once an episode has ended, and from then on.
-    infos: one `StepInfo` per episode.
+    infos: one `StepInfo` (board games) or `CodeStepInfo` (code tasks) per episode.
   """
 
   observations: list[str]
   rewards: Float[np.ndarray, ' B']
   dones: Bool[np.ndarray, ' B']
-  infos: list[StepInfo]
+  infos: list[StepInfo] | list[CodeStepInfo]
 
   def __post_init__(self):
     n = len(self.observations)
@@ -231,14 +366,20 @@ class StepResult:
 
 
 class TextEnv(abc.ABC):
-  """A batch of B multi-turn text episodes: `reset`, then `step` until every episode is done."""
+  """A batch of B multi-turn text episodes: `reset`, then `step` until every episode is done.
 
-  config: EnvConfig
+  Environments with a finite action set (the board games) override `num_actions` and
+  `legal_mask`; those whose replies are free text (the code tasks) keep the defaults:
+  `num_actions` is None and the action methods raise TypeError.
+  """
+
+  config: AnyEnvConfig
 
   @property
-  @abc.abstractmethod
-  def num_actions(self) -> int:
-    """A, the number of distinct actions (columns or cells); text '1'..str(A)."""
+  def num_actions(self) -> int | None:
+    """A, the number of distinct actions (columns or cells), text '1'..str(A); None when
+    replies are free text."""
+    return None
 
   @property
   @abc.abstractmethod
@@ -265,21 +406,71 @@ class TextEnv(abc.ABC):
 
   @abc.abstractmethod
   def step(self, actions: Sequence[str]) -> StepResult:
-    """Plays one agent reply per episode (and the opponent's answer); never raises on bad text."""
+    """Plays one agent reply per episode (and a board game's opponent answer); never raises on
+    bad text."""
 
-  @abc.abstractmethod
+  @classmethod
+  def step_many(
+    cls, envs: Sequence['TextEnv'], actions: Sequence[Sequence[str]]
+  ) -> list[StepResult]:
+    """`env.step(replies)` for each environment and its replies, with the same results and
+    states; an environment may batch them (the rollout engine steps its cohorts this way)."""
+    return [env.step(replies) for env, replies in zip(envs, actions)]
+
   def legal_mask(self) -> Bool[np.ndarray, 'B A']:
-    """Which actions are legal now, per episode; all False for a finished episode."""
+    """Which actions are legal now, per episode; all False for a finished episode.
+
+    Raises:
+      TypeError: the environment takes free-text replies (`num_actions` is None).
+    """
+    raise self._no_actions()
 
   def legal_moves(self) -> list[list[int]]:
     """The legal 0-based actions of each episode now ([] for a finished episode)."""
     return [np.flatnonzero(row).tolist() for row in self.legal_mask()]
 
+  def _no_actions(self) -> TypeError:
+    return TypeError(
+      f'{type(self).__name__} takes free-text replies; it has no finite action set '
+      '(num_actions is None).'
+    )
+
   def action_text(self, action: int) -> str:
     """The reply text that plays 0-based `action`."""
+    if self.num_actions is None:
+      raise self._no_actions()
     if not 0 <= action < self.num_actions:
       raise ValueError(f'action {action} is out of range [0, {self.num_actions}).')
     return str(action + 1)
+
+
+def check_reset_args(n: int, seed: int, group_size: int, rows: Sequence[int] | None) -> np.ndarray:
+  """The played rows of `reset(n, seed, group_size=..., rows=...)`, after checking every argument.
+
+  Raises:
+    ValueError: bad n, seed, group_size or rows, each named.
+  """
+  if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+    raise ValueError(f'reset needs a positive number of episodes, got n={n!r}.')
+  if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    raise ValueError(f'reset needs a non-negative int seed, got {seed!r}.')
+  if not isinstance(group_size, int) or group_size <= 0 or n % group_size:
+    raise ValueError(f'reset: group_size={group_size!r} must be a positive divisor of n={n}.')
+  played = np.arange(n) if rows is None else np.asarray(list(rows), np.int64)
+  if (
+    played.size == 0
+    or len(set(played.tolist())) != played.size
+    or not ((played >= 0).all() and (played < n).all())
+  ):
+    raise ValueError(f'reset: rows must be distinct episodes in [0, {n}), got {list(played)}.')
+  return played
+
+
+def check_actions(actions: Sequence[str], num_envs: int) -> None:
+  """Raises ValueError unless `actions` holds one reply per episode (and is not a single str)."""
+  if isinstance(actions, str) or len(actions) != num_envs:
+    got = 'a single str' if isinstance(actions, str) else f'{len(actions)} replies'
+    raise ValueError(f'step needs one reply per episode ({num_envs}), got {got}.')
 
 
 class BoardGame(abc.ABC):

@@ -25,11 +25,22 @@ start alike and face the same opponent randomness, so they differ only by the ag
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from jaxtyping import Bool, Int, Int8
 
 from earl_jax.envs import base, opponents
+
+
+class _Moves(NamedTuple):
+  """One step's moves on the boards (bool [B] masks, and the opponent's answers)."""
+
+  won: np.ndarray  # the agent's move won
+  filled: np.ndarray  # the agent's move filled the board without a win
+  lost: np.ndarray  # the opponent's answer won
+  opponent_filled: np.ndarray  # the opponent's answer filled the board without a win
+  opponent_action: np.ndarray  # int64: the opponent's answer (-1: none)
 
 
 class BoardGameEnv(base.TextEnv):
@@ -130,19 +141,7 @@ class BoardGameEnv(base.TextEnv):
     Returns:
       The first observation of each played episode.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-      raise ValueError(f'reset needs a positive number of episodes, got n={n!r}.')
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-      raise ValueError(f'reset needs a non-negative int seed, got {seed!r}.')
-    if not isinstance(group_size, int) or group_size <= 0 or n % group_size:
-      raise ValueError(f'reset: group_size={group_size!r} must be a positive divisor of n={n}.')
-    played = np.arange(n) if rows is None else np.asarray(list(rows), np.int64)
-    if (
-      played.size == 0
-      or len(set(played.tolist())) != played.size
-      or not ((played >= 0).all() and (played < n).all())
-    ):
-      raise ValueError(f'reset: rows must be distinct episodes in [0, {n}), got {list(played)}.')
+    played = base.check_reset_args(n, seed, group_size, rows)
     game = self.game
     rng = np.random.default_rng(seed)
     self._group_size = group_size
@@ -223,20 +222,100 @@ class BoardGameEnv(base.TextEnv):
       RuntimeError: before `reset`.
       ValueError: `actions` is a single str or does not hold one reply per episode.
     """
-    self._check_reset()
-    game, config = self.game, self.config
-    n = self.num_envs
-    if isinstance(actions, str) or len(actions) != n:
-      got = 'a single str' if isinstance(actions, str) else f'{len(actions)} replies'
-      raise ValueError(f'step needs one reply per episode ({n}), got {got}.')
-    noise = self._draw(self._rng, (self._batch, game.num_actions))  # every step: see the docstring
-    active = ~self._done
-    active_idx = np.flatnonzero(active)
+    self._check_step(actions)
+    # Drawn every step, whatever the replies: see the module docstring.
+    return self._step(actions, self._draw(self._rng, (self._batch, self.game.num_actions)))
 
-    parsed = np.full(n, -1, dtype=np.int64)
-    think = np.zeros(n, dtype=bool)
-    play_hint = np.zeros(n, dtype=bool)
-    for i in active_idx.tolist():
+  # The per-episode state that `step` reads and writes (`step_many` batches it).
+  _STATE = ('_boards', '_done', '_turns', '_last_opponent', '_agent_first', '_thoughts', '_hints')
+
+  @classmethod
+  def step_many(
+    cls, envs: Sequence['BoardGameEnv'], actions: Sequence[Sequence[str]]
+  ) -> list[base.StepResult]:
+    """Steps several environments of one config as one batch; see `base.TextEnv.step_many`.
+
+    Each draws its own noise, as its `step` would, and the game logic runs once on all their
+    boards, so that many small batches (a rollout's cohorts) cost about one step.
+    """
+    if len(envs) < 2 or any(e.config != envs[0].config for e in envs):
+      return super().step_many(envs, actions)
+    for env, replies in zip(envs, actions):
+      env._check_step(replies)
+    first = envs[0]
+    noise = np.concatenate([e._draw(e._rng, (e._batch, e.game.num_actions)) for e in envs])
+    merged = cls(first.config, first.game, first.opponent)
+    for name in cls._STATE:
+      setattr(merged, name, np.concatenate([getattr(e, name) for e in envs]))
+    merged._outcomes = [o for e in envs for o in e._outcomes]
+    result = merged._step([a for replies in actions for a in replies], noise)
+    results, lo = [], 0
+    for env in envs:
+      hi = lo + env.num_envs
+      for name in cls._STATE:
+        setattr(env, name, getattr(merged, name)[lo:hi].copy())
+      env._outcomes = merged._outcomes[lo:hi]
+      results.append(
+        base.StepResult(
+          observations=result.observations[lo:hi],
+          rewards=result.rewards[lo:hi],
+          dones=result.dones[lo:hi],
+          infos=result.infos[lo:hi],
+        )
+      )
+      lo = hi
+    return results
+
+  def _check_step(self, actions: Sequence[str]) -> None:
+    self._check_reset()
+    num_envs = self.num_envs
+    base.check_actions(actions, num_envs)
+
+  def _step(self, actions: Sequence[str], noise: np.ndarray) -> base.StepResult:
+    """`step` with the step's noise already drawn ([B, A], the played episodes' rows)."""
+    num_envs = self.num_envs
+    active = ~self._done
+    parsed, think, hints = self._read_replies(actions, active, noise)
+    legal = active & (parsed >= 0)
+    legal &= self.game.legal_mask(self._boards)[np.arange(num_envs), np.maximum(parsed, 0)]
+    invalid = active & ~legal & ~think
+    moves = self._play_moves(legal, parsed, noise)
+    self._last_opponent[active] = moves.opponent_action[active]
+    drawn = moves.filled | moves.opponent_filled
+    rewards = self._rewards(moves.won, moves.lost, drawn, invalid, legal)
+    for outcome, mask in (
+      ('win', moves.won),
+      ('loss', moves.lost),
+      ('draw', drawn),
+      ('invalid', invalid),
+    ):
+      for i in np.flatnonzero(mask).tolist():
+        self._outcomes[i] = outcome
+    turns = self._turns.tolist()
+    self._turns[active] += 1
+    self._thoughts[think] += 1
+    self._thoughts[legal] = 0
+    self._hints[legal] = -1
+    self._done |= moves.won | moves.lost | drawn | invalid
+    infos = self._step_infos(active, parsed, legal, moves.opponent_action, turns, think, hints)
+    return base.StepResult(
+      observations=self._step_observations(active, think, hints),
+      rewards=rewards,
+      dones=self._done.copy(),
+      infos=infos,
+    )
+
+  def _read_replies(
+    self, actions: Sequence[str], active: Bool[np.ndarray, ' B'], noise: np.ndarray
+  ) -> tuple[Int[np.ndarray, ' B'], Bool[np.ndarray, ' B'], Int[np.ndarray, ' B']]:
+    """Each active episode's reply as a move (-1: none), whether it thinks ('t' within the
+    budget), and the hints those thoughts get (-1 elsewhere); searches for the hints a reply
+    plays ('h', or a thought past the budget) and records every new hint."""
+    game, config = self.game, self.config
+    parsed = np.full(self.num_envs, -1, dtype=np.int64)
+    think = np.zeros(self.num_envs, dtype=bool)
+    play_hint = np.zeros(self.num_envs, dtype=bool)
+    for i in np.flatnonzero(active).tolist():
       reply = actions[i].strip() if config.think_depth and isinstance(actions[i], str) else None
       if reply == base.THINK and self._thoughts[i] < config.think_depth:
         think[i] = True
@@ -252,49 +331,48 @@ class BoardGameEnv(base.TextEnv):
     thinking = np.flatnonzero(think)
     hints = self._search(thinking, self._thoughts[thinking] + 2, noise)
     self._hints[thinking] = hints[thinking]
-    legal = active & (parsed >= 0)
-    legal &= game.legal_mask(self._boards)[np.arange(n), np.maximum(parsed, 0)]
-    invalid = active & ~legal & ~think
+    return parsed, think, hints
 
-    boards = self._boards
-    won = np.zeros(n, dtype=bool)
-    filled = np.zeros(n, dtype=bool)
+  def _play_moves(
+    self, legal: Bool[np.ndarray, ' B'], parsed: Int[np.ndarray, ' B'], noise: np.ndarray
+  ) -> '_Moves':
+    """Plays the legal moves on the boards, then the opponent's answers where the game goes on."""
+    game, boards, num_envs = self.game, self._boards, self.num_envs
+    won = np.zeros(num_envs, dtype=bool)
+    filled = np.zeros(num_envs, dtype=bool)
     moved = np.flatnonzero(legal)
     if moved.size:
       boards[moved] = game.play(boards[moved], parsed[moved], base.AGENT)
       won[moved] = game.winner(boards[moved]) == base.AGENT
       filled[moved] = game.is_full(boards[moved]) & ~won[moved]
 
-    lost = np.zeros(n, dtype=bool)
-    opponent_filled = np.zeros(n, dtype=bool)
-    opponent_action = np.full(n, -1, dtype=np.int64)
+    lost = np.zeros(num_envs, dtype=bool)
+    opponent_filled = np.zeros(num_envs, dtype=bool)
+    opponent_action = np.full(num_envs, -1, dtype=np.int64)
     answer = np.flatnonzero(legal & ~won & ~filled)
     if answer.size:
-      moves = self.opponent.select(boards[answer], base.OPPONENT, noise[answer])
-      boards[answer] = game.play(boards[answer], moves, base.OPPONENT)
-      opponent_action[answer] = moves
+      replies = self.opponent.select(boards[answer], base.OPPONENT, noise[answer])
+      boards[answer] = game.play(boards[answer], replies, base.OPPONENT)
+      opponent_action[answer] = replies
       lost[answer] = game.winner(boards[answer]) == base.OPPONENT
       opponent_filled[answer] = game.is_full(boards[answer]) & ~lost[answer]
-    self._last_opponent[active] = opponent_action[active]
+    return _Moves(won, filled, lost, opponent_filled, opponent_action)
 
-    drawn = filled | opponent_filled
-    rewards = np.zeros(n, dtype=np.float32)
+  def _rewards(self, won, lost, drawn, invalid, legal) -> np.ndarray:
+    """f32 [B]: the step's reward of each episode (all bool [B] masks)."""
+    config = self.config
+    rewards = np.zeros(self.num_envs, dtype=np.float32)
     rewards[won] = config.win_reward
     rewards[lost] = config.loss_reward
     rewards[drawn] = config.draw_reward
     rewards[invalid] = config.invalid_penalty
     rewards[legal] += config.legal_move_reward
-    for outcome, mask in (('win', won), ('loss', lost), ('draw', drawn), ('invalid', invalid)):
-      for i in np.flatnonzero(mask).tolist():
-        self._outcomes[i] = outcome
-    turns = self._turns.tolist()
-    self._turns[active] += 1
-    self._thoughts[think] += 1
-    self._thoughts[legal] = 0
-    self._hints[legal] = -1
-    self._done |= won | lost | drawn | invalid
+    return rewards
 
-    observations = [''] * n
+  def _step_observations(self, active, think, hints) -> list[str]:
+    """The next observation of each episode: the board (with the outcome of a finished one),
+    a thinking reply's hint, or '' for an episode that had already ended."""
+    observations = [''] * self.num_envs
     shown = np.flatnonzero(active & ~think)
     if shown.size:
       texts = self._observe(shown, [self._outcomes[i] for i in shown.tolist()])
@@ -302,8 +380,13 @@ class BoardGameEnv(base.TextEnv):
         observations[i] = text
     for i in np.flatnonzero(think).tolist():
       observations[i] = f'h{self._thoughts[i] + 1}:{hints[i] + 1}\n'
+    return observations
+
+  def _step_infos(
+    self, active, parsed, legal, opponent_action, turns, think, hints
+  ) -> list[base.StepInfo]:
     parsed_list, legal_list, reply_list = parsed.tolist(), legal.tolist(), opponent_action.tolist()
-    infos: list[base.StepInfo] = [
+    return [
       {
         'outcome': self._outcomes[i],
         'parsed_action': parsed_list[i] if parsed_list[i] >= 0 else None,
@@ -315,9 +398,6 @@ class BoardGameEnv(base.TextEnv):
       }
       for i, is_active in enumerate(active.tolist())
     ]
-    return base.StepResult(
-      observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
-    )
 
   def _search(
     self, idx: Int[np.ndarray, ' Mc'], depths: Int[np.ndarray, ' Mc'], noise: np.ndarray

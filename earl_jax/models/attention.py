@@ -11,7 +11,7 @@ its output and one f32 value per query and head, and no pass holds more than one
 Because both passes are loops (`lax.fori_loop`), the compiled program has one loop body whatever
 T / block is: compile time and the program's memory no longer grow with the number of blocks, as
 they did when every block was its own copy of the attention in the program (measured on the main
-job's train program at T = 1536, block 128: see the README).
+job's train program at T = 1536, block 128: see docs/results.md).
 
 Shapes (dimension letters as in `earl_jax.config`; Q = H / K query heads per KV head, b = block):
   q        [B, T, K, Q, Dh]   k, v   [B, T, K, Dh]   segment_ids [B, T] or None
@@ -36,14 +36,14 @@ def _tile(q_i, k_j, seg_q, seg_k, i, j, block, scale):
   q_i [B, b, K, Q, Dh], k_j [B, b, K, Dh], seg_q / seg_k [B, b] or None.
   Returns scores [B, K, Q, b, b] (f32, masked entries _NEG) and mask ([1 or B], 1, 1, b, b).
   """
-  s = jnp.einsum('BTKQd,BSKd->BKQTS', q_i, k_j) * scale
+  scores = jnp.einsum('BTKQd,BSKd->BKQTS', q_i, k_j) * scale
   q_pos = i * block + jnp.arange(block)
   k_pos = j * block + jnp.arange(block)
   mask = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, b, b]
   if seg_q is not None:
     mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])  # [B, b, b]
   mask = mask[:, None, None]
-  return jnp.where(mask, s, _NEG), mask
+  return jnp.where(mask, scores, _NEG), mask
 
 
 def _slice(x, i, block, axis=1):
@@ -63,8 +63,9 @@ def _forward(q, k, v, segment_ids, block):
     seg_q = None if seg is None else _slice(seg, i, block)
 
     def key_block(j, acc):
-      m, total, o = acc  # max, sum of exp, weighted values: [B, K, Q, b], [.., b], [.., b, Dh]
-      s, mask = _tile(
+      # Running max, sum of exp and weighted values: [B, K, Q, b], [.., b], [.., b, Dh].
+      row_max, row_sum, weighted = acc
+      scores, mask = _tile(
         q_i,
         _slice(kf, j, block),
         seg_q,
@@ -74,12 +75,13 @@ def _forward(q, k, v, segment_ids, block):
         block,
         scale,
       )
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-      alpha = jnp.exp(m - m_new)
-      total = total * alpha + jnp.sum(p, axis=-1)
-      o = o * alpha[..., None] + jnp.einsum('BKQTS,BSKd->BKQTd', p, _slice(vf, j, block))
-      return m_new, total, o
+      new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+      probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
+      alpha = jnp.exp(row_max - new_max)
+      row_sum = row_sum * alpha + jnp.sum(probs, axis=-1)
+      values = jnp.einsum('BKQTS,BSKd->BKQTd', probs, _slice(vf, j, block))
+      weighted = weighted * alpha[..., None] + values
+      return new_max, row_sum, weighted
 
     init = (
       jnp.full((B, K, Q, block), _NEG, jnp.float32),
@@ -87,10 +89,10 @@ def _forward(q, k, v, segment_ids, block):
       jnp.zeros((B, K, Q, block, Dh), jnp.float32),
     )
     # Every query sees itself, so total > 0.
-    m, total, o = lax.fori_loop(0, i + 1, key_block, init)
-    o = (o / total[..., None]).transpose(0, 3, 1, 2, 4)  # [B, b, K, Q, Dh]
-    out = lax.dynamic_update_slice_in_dim(out, o, i * block, axis=1)
-    lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), i * block, axis=3)
+    row_max, row_sum, weighted = lax.fori_loop(0, i + 1, key_block, init)
+    out_i = (weighted / row_sum[..., None]).transpose(0, 3, 1, 2, 4)  # [B, b, K, Q, Dh]
+    out = lax.dynamic_update_slice_in_dim(out, out_i, i * block, axis=1)
+    lse = lax.dynamic_update_slice_in_dim(lse, row_max + jnp.log(row_sum), i * block, axis=3)
     return out, lse
 
   init = (jnp.zeros((B, T, K, Q, Dh), jnp.float32), jnp.zeros((B, K, Q, T), jnp.float32))
@@ -115,15 +117,15 @@ def _backward(q, k, v, segment_ids, out, lse, d_out, block):
     def key_block(j, acc):
       dq_i, dk, dv = acc
       k_j, v_j = _slice(kf, j, block), _slice(vf, j, block)
-      s, mask = _tile(
+      scores, mask = _tile(
         q_i, k_j, seg_q, None if seg is None else _slice(seg, j, block), i, j, block, scale
       )
-      p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
-      dp = jnp.einsum('BTKQd,BSKd->BKQTS', do_i, v_j)
-      ds = p * (dp - delta_i[..., None]) * scale
-      dq_i = dq_i + jnp.einsum('BKQTS,BSKd->BTKQd', ds, k_j)
-      dk_j = jnp.einsum('BKQTS,BTKQd->BSKd', ds, q_i)
-      dv_j = jnp.einsum('BKQTS,BTKQd->BSKd', p, do_i)
+      probs = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
+      d_probs = jnp.einsum('BTKQd,BSKd->BKQTS', do_i, v_j)
+      d_scores = probs * (d_probs - delta_i[..., None]) * scale
+      dq_i = dq_i + jnp.einsum('BKQTS,BSKd->BTKQd', d_scores, k_j)
+      dk_j = jnp.einsum('BKQTS,BTKQd->BSKd', d_scores, q_i)
+      dv_j = jnp.einsum('BKQTS,BTKQd->BSKd', probs, do_i)
       dk = lax.dynamic_update_slice_in_dim(dk, _slice(dk, j, block) + dk_j, j * block, axis=1)
       dv = lax.dynamic_update_slice_in_dim(dv, _slice(dv, j, block) + dv_j, j * block, axis=1)
       return dq_i, dk, dv

@@ -52,8 +52,13 @@ def load_config(model_dir: str, **overrides: Any) -> ModelConfig:
     raise CheckpointError(f'Checkpoint directory {model_dir!r} does not exist.')
   if not os.path.isfile(path):
     raise CheckpointError(f'No {CONFIG_FILE} in checkpoint directory {model_dir!r}.')
-  with open(path) as f:
-    hf = json.load(f)
+  try:
+    with open(path, encoding='utf-8') as f:
+      hf = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f'{path} is not valid JSON ({e}): expected a HF config.json.') from None
+  if not isinstance(hf, dict):
+    raise CheckpointError(f'{path} holds a JSON {type(hf).__name__}: expected an object.')
   model_type = hf.get('model_type')
   if model_type != 'qwen2':
     raise CheckpointError(
@@ -87,6 +92,8 @@ def load_config(model_dir: str, **overrides: Any) -> ModelConfig:
     )
   except KeyError as e:
     raise CheckpointError(f'{path}: missing key {e.args[0]!r}.') from None
+  except (TypeError, ValueError) as e:  # a value of the wrong type
+    raise CheckpointError(f'{path}: {e}: expected the numbers of a Qwen2 config.') from None
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -166,61 +173,64 @@ _View = Callable[[np.ndarray], np.ndarray]
 
 
 def _param_map(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], _View]]:
-  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  ident = lambda a: a  # noqa: E731
+  D, V = cfg.hidden_size, cfg.vocab_size
   out = {
-    ('embed_tokens',): ('model.embed_tokens.weight', (V, D), ident),
-    ('norm', 'scale'): ('model.norm.weight', (D,), ident),
+    ('embed_tokens',): ('model.embed_tokens.weight', (V, D), _identity),
+    ('norm', 'scale'): ('model.norm.weight', (D,), _identity),
   }
   if not cfg.tie_word_embeddings:
     out['lm_head',] = ('lm_head.weight', (V, D), lambda a: a.T)
   for i in range(cfg.num_layers):
-    p = f'model.layers.{i}.'
-    layer = ('layers', i)
-    out[(*layer, 'input_layernorm', 'scale')] = (p + 'input_layernorm.weight', (D,), ident)
-    out[(*layer, 'post_attention_layernorm', 'scale')] = (
-      p + 'post_attention_layernorm.weight',
+    out.update(_layer_param_map(cfg, i))
+  return out
+
+
+def _identity(a: np.ndarray) -> np.ndarray:
+  return a
+
+
+def _layer_param_map(cfg: ModelConfig, i: int) -> dict[tuple, tuple[str, tuple[int, ...], _View]]:
+  """`_param_map`'s entries of decoder layer i."""
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  hf_layer = f'model.layers.{i}.'
+  layer = ('layers', i)
+  out = {
+    (*layer, 'input_layernorm', 'scale'): (hf_layer + 'input_layernorm.weight', (D,), _identity),
+    (*layer, 'post_attention_layernorm', 'scale'): (
+      hf_layer + 'post_attention_layernorm.weight',
       (D,),
-      ident,
+      _identity,
+    ),
+  }
+  hf_attn = hf_layer + 'self_attn.'
+  out[(*layer, 'self_attn', 'q_proj')] = (
+    hf_attn + 'q_proj.weight',
+    (H * Dh, D),
+    lambda w: w.reshape(H, Dh, D).transpose(2, 0, 1),
+  )
+  for proj in ('k_proj', 'v_proj'):
+    out[(*layer, 'self_attn', proj)] = (
+      hf_attn + proj + '.weight',
+      (K * Dh, D),
+      lambda w: w.reshape(K, Dh, D).transpose(2, 0, 1),
     )
-    a = p + 'self_attn.'
-    out[(*layer, 'self_attn', 'q_proj')] = (
-      a + 'q_proj.weight',
-      (H * Dh, D),
-      lambda w, H=H: w.reshape(H, Dh, D).transpose(2, 0, 1),
-    )
-    for proj in ('k_proj', 'v_proj'):
-      out[(*layer, 'self_attn', proj)] = (
-        a + proj + '.weight',
-        (K * Dh, D),
-        lambda w: w.reshape(K, Dh, D).transpose(2, 0, 1),
+  out[(*layer, 'self_attn', 'o_proj')] = (
+    hf_attn + 'o_proj.weight',
+    (D, H * Dh),
+    lambda w: w.reshape(D, H, Dh).transpose(1, 2, 0),
+  )
+  if cfg.qkv_bias:
+    for name, heads in (('q', H), ('k', K), ('v', K)):
+      out[(*layer, 'self_attn', f'{name}_bias')] = (
+        hf_attn + f'{name}_proj.bias',
+        (heads * Dh,),
+        lambda b, heads=heads: b.reshape(heads, Dh),
       )
-    out[(*layer, 'self_attn', 'o_proj')] = (
-      a + 'o_proj.weight',
-      (D, H * Dh),
-      lambda w: w.reshape(D, H, Dh).transpose(1, 2, 0),
-    )
-    if cfg.qkv_bias:
-      out[(*layer, 'self_attn', 'q_bias')] = (
-        a + 'q_proj.bias',
-        (H * Dh,),
-        lambda b: b.reshape(H, Dh),
-      )
-      out[(*layer, 'self_attn', 'k_bias')] = (
-        a + 'k_proj.bias',
-        (K * Dh,),
-        lambda b: b.reshape(K, Dh),
-      )
-      out[(*layer, 'self_attn', 'v_bias')] = (
-        a + 'v_proj.bias',
-        (K * Dh,),
-        lambda b: b.reshape(K, Dh),
-      )
-    m = p + 'mlp.'
-    out[(*layer, 'mlp', 'gate_proj')] = (m + 'gate_proj.weight', (F, D), lambda w: w.T)
-    out[(*layer, 'mlp', 'up_proj')] = (m + 'up_proj.weight', (F, D), lambda w: w.T)
-    out[(*layer, 'mlp', 'down_proj')] = (m + 'down_proj.weight', (D, F), lambda w: w.T)
+  hf_mlp = hf_layer + 'mlp.'
+  out[(*layer, 'mlp', 'gate_proj')] = (hf_mlp + 'gate_proj.weight', (F, D), lambda w: w.T)
+  out[(*layer, 'mlp', 'up_proj')] = (hf_mlp + 'up_proj.weight', (F, D), lambda w: w.T)
+  out[(*layer, 'mlp', 'down_proj')] = (hf_mlp + 'down_proj.weight', (D, F), lambda w: w.T)
   return out
 
 

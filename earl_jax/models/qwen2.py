@@ -235,9 +235,11 @@ class Attention(nnx.Module):
       self.k_bias = _param(rngs, _zeros, (K, Dh), ('kv_heads', 'head_dim'), pd)
       self.v_bias = _param(rngs, _zeros, (K, Dh), ('kv_heads', 'head_dim'), pd)
 
-  def _project(self, x, w, b, logical):
+  def _project(self, x, w, b, heads: str, logical):
+    """x [B, T, D] -> [B, T, heads, Dh] by the weights w [D, heads, Dh] (and bias b); `heads` is
+    the projection's head letter: 'H' (queries) or 'K' (keys, values)."""
     dtype = x.dtype
-    y = jnp.einsum('BTD,DNd->BTNd', x, w[...].astype(dtype))
+    y = jnp.einsum(f'BTD,D{heads}d->BT{heads}d', x, w[...].astype(dtype))
     if self.cfg.qkv_bias:
       y = y + b[...].astype(dtype)[None, None]
     return rules.constrain(y, logical)
@@ -249,19 +251,16 @@ class Attention(nnx.Module):
     kv: tuple[Float[Array, 'B K S Dh'], Float[Array, 'B K S Dh']] | None,
     segment_ids: Int[Array, 'B T'] | None = None,
   ) -> tuple[Float[Array, 'B T D'], tuple | None]:
+    """Self-attention of x at `positions`: without `kv` (training, experience) the chunk
+    attends to itself causally; with `kv` (generation) its K/V are written into the cache at
+    `positions` and it attends to the cache. Returns the output and the updated (k, v) cache."""
     cfg = self.cfg
-    B, T, _ = x.shape
-    H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    Q = H // K
     q = self._project(
-      x, self.q_proj, getattr(self, 'q_bias', None), ('batch', 'seq', 'act_heads', 'head_dim')
+      x, self.q_proj, getattr(self, 'q_bias', None), 'H', ('batch', 'seq', 'act_heads', 'head_dim')
     )
-    k = self._project(
-      x, self.k_proj, getattr(self, 'k_bias', None), ('batch', 'seq', 'act_kv_heads', 'head_dim')
-    )
-    v = self._project(
-      x, self.v_proj, getattr(self, 'v_bias', None), ('batch', 'seq', 'act_kv_heads', 'head_dim')
-    )
+    kv_logical = ('batch', 'seq', 'act_kv_heads', 'head_dim')
+    k = self._project(x, self.k_proj, getattr(self, 'k_bias', None), 'K', kv_logical)
+    v = self._project(x, self.v_proj, getattr(self, 'v_bias', None), 'K', kv_logical)
     q = rope(q, positions, cfg.rope_theta)
     k = rope(k, positions, cfg.rope_theta)
 
@@ -272,34 +271,49 @@ class Attention(nnx.Module):
       )
       new_kv = None
     else:
-      k_cache, v_cache = kv
-      S = k_cache.shape[2]
-      # Positions past the capacity are dropped (padding of a chunk that ends near the end).
-      k_cache = _write_rows(k_cache, positions, k)
-      v_cache = _write_rows(v_cache, positions, v)
-      k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
-      v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
-      new_kv = (k_cache, v_cache)
-      # Queries as [B, K, Q * T, Dh]: both matmuls batch over (B, K) and contract over Dh, then
-      # over S, with the cache's S and Dh contiguous (no copy of the cache at any step).
-      # The matmuls take the cache in its own dtype and accumulate in f32 (a bf16 cache is never
-      # converted whole at each step).
-      qg = q.reshape(B, T, K, Q, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, Q * T, Dh)
-      scores = jnp.einsum(
-        'BKMd,BKSd->BKMS', qg.astype(k_cache.dtype), k_cache, preferred_element_type=jnp.float32
-      ) / jnp.sqrt(Dh)
-      visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-      visible = jnp.broadcast_to(visible[:, None], (B, Q, T, S)).reshape(B, 1, Q * T, S)
-      scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-      probs = jax.nn.softmax(scores, axis=-1)
-      out = jnp.einsum(
-        'BKMS,BKSd->BKMd', probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
-      )
-      out = out.reshape(B, K, Q, T, Dh).transpose(0, 3, 1, 2, 4)
-      out = out.reshape(B, T, H, Dh).astype(x.dtype)
+      out, new_kv = self._attend_cache(q, k, v, positions, kv)
+      out = out.astype(x.dtype)
     out = rules.constrain(out, ('batch', 'seq', 'act_heads', 'head_dim'))
     y = jnp.einsum('BTHd,HdD->BTD', out, self.o_proj[...].astype(x.dtype))
     return rules.constrain(y, ('batch', 'seq', 'act_embed')), new_kv
+
+  def _attend_cache(
+    self,
+    q: Float[Array, 'B T H Dh'],
+    k: Float[Array, 'B T K Dh'],
+    v: Float[Array, 'B T K Dh'],
+    positions: Int[Array, 'B T'],
+    kv: tuple[Float[Array, 'B K S Dh'], Float[Array, 'B K S Dh']],
+  ) -> tuple[Float[Array, 'B T H Dh'], tuple[Float[Array, 'B K S Dh'], Float[Array, 'B K S Dh']]]:
+    """Generation: writes k, v into the cache at `positions`, then attends each query to the
+    cache slots at or before its position. Returns the output in f32 and the updated cache."""
+    B, T, H, Dh = q.shape
+    K = self.cfg.num_kv_heads
+    Q = H // K
+    k_cache, v_cache = kv
+    S = k_cache.shape[2]
+    # Positions past the capacity are dropped (padding of a chunk that ends near the end).
+    k_cache = _write_rows(k_cache, positions, k)
+    v_cache = _write_rows(v_cache, positions, v)
+    k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
+    v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
+    # Queries as [B, K, J, Dh] with J = Q * T: both matmuls batch over (B, K) and contract over
+    # Dh, then over S, with the cache's S and Dh contiguous (no copy of the cache at any step).
+    # The matmuls take the cache in its own dtype and accumulate in f32 (a bf16 cache is never
+    # converted whole at each step).
+    qg = q.reshape(B, T, K, Q, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, Q * T, Dh)
+    scores = jnp.einsum(
+      'BKJd,BKSd->BKJS', qg.astype(k_cache.dtype), k_cache, preferred_element_type=jnp.float32
+    ) / jnp.sqrt(Dh)
+    visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    visible = jnp.broadcast_to(visible[:, None], (B, Q, T, S)).reshape(B, 1, Q * T, S)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum(
+      'BKJS,BKSd->BKJd', probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+    )
+    out = out.reshape(B, K, Q, T, Dh).transpose(0, 3, 1, 2, 4)
+    return out.reshape(B, T, H, Dh), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -470,6 +484,8 @@ def _next_token_stats(
   *,
   entropy: bool,
 ) -> tuple[Float[Array, 'B T'], Float[Array, 'B T'] | None]:
+  """Log-probs (and entropies) of `token_logprobs[_and_entropy]`: one forward, then the LM head
+  over chunks of C positions (`_chunk_stats`), shifted so column t holds token t's value."""
   B, T = tokens.shape
   if segments is None:
     segment_ids = None
@@ -482,43 +498,64 @@ def _next_token_stats(
   C = min(model.cfg.logprob_chunk, T)
   if T % C:
     C = T  # T is a bucket length; a bucket that the chunk does not divide is done in one piece.
-  n = T // C
-  V = model.cfg.vocab_size
-  h_chunks = h.reshape(B, n, C, h.shape[-1]).swapaxes(0, 1)  # [n, B, C, D]
-  t_chunks = targets.reshape(B, n, C).swapaxes(0, 1)  # [n, B, C]
+  num_chunks = T // C
+  h_chunks = h.reshape(B, num_chunks, C, h.shape[-1]).swapaxes(0, 1)  # [num_chunks, B, C, D]
+  target_chunks = targets.reshape(B, num_chunks, C).swapaxes(0, 1)  # [num_chunks, B, C]
 
   @jax.checkpoint
-  def chunk_stats(h_BxCxD, t_BxC):
-    logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
-    if temperature != 1.0:
-      logits = logits / temperature
-    if token_ids is not None:
-      logits = restrict_logits(logits, token_ids)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.sum(logits * jax.nn.one_hot(t_BxC, V, dtype=logits.dtype), axis=-1)
-    logp = picked - lse
-    if token_ids is not None:  # targets the restricted policy cannot produce (prompt tokens)
-      logp = jnp.where(jnp.asarray(_allowed(V, token_ids))[t_BxC], logp, 0.0)
-    if not entropy:
-      return logp, None
-    # H = lse - E_p[logits], with p = exp(logits - lse).
-    mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
-    return logp, lse - mean_logit
+  def chunk_stats(h_BxCxD, targets_BxC):
+    return _chunk_stats(model, h_BxCxD, targets_BxC, temperature, token_ids, entropy=entropy)
 
-  # [n, B, C] each.
-  lp, ent = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, t_chunks))
+  # [num_chunks, B, C] each.
+  logp, ent = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, target_chunks))
+  logp = _shift_to_tokens(logp, segment_ids)
+  return logp, None if ent is None else _shift_to_tokens(ent, segment_ids)
 
-  def shift(x):  # [n, B, C] -> [B, T], moved one position right (the value for token t + 1)
-    x = x.swapaxes(0, 1).reshape(B, T)
-    x = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), x[:, :-1]], axis=1)
-    if segment_ids is None:
-      return x
-    first = jnp.concatenate(  # a segment's first token: its prefix is another sequence
-      [jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
-    return jnp.where(first, 0.0, x)
 
-  return shift(lp), None if ent is None else shift(ent)
+def _chunk_stats(
+  model: Qwen2,
+  h_BxCxD: Float[Array, 'B C D'],
+  targets_BxC: Int[Array, 'B C'],
+  temperature: float,
+  token_ids: tuple[int, ...] | None,
+  *,
+  entropy: bool,
+) -> tuple[Float[Array, 'B C'], Float[Array, 'B C'] | None]:
+  """Log-prob of each target under softmax(logits / temperature) (restricted to `token_ids`),
+  and with `entropy` the entropy of that distribution, for one chunk of C positions."""
+  V = model.cfg.vocab_size
+  logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
+  if temperature != 1.0:
+    logits = logits / temperature
+  if token_ids is not None:
+    logits = restrict_logits(logits, token_ids)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.sum(logits * jax.nn.one_hot(targets_BxC, V, dtype=logits.dtype), axis=-1)
+  logp = picked - lse
+  if token_ids is not None:  # targets the restricted policy cannot produce (prompt tokens)
+    logp = jnp.where(jnp.asarray(_allowed(V, token_ids))[targets_BxC], logp, 0.0)
+  if not entropy:
+    return logp, None
+  # H = lse - E_p[logits], with p = exp(logits - lse).
+  mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+  return logp, lse - mean_logit
+
+
+def _shift_to_tokens(
+  per_chunk: Float[Array, 'chunks B C'], segment_ids: Int[Array, 'B T'] | None
+) -> Float[Array, 'B T']:
+  """[chunks, B, C] chunk values -> [B, T], moved one position right (the value for token t + 1 sits
+  at t + 1); 0 at column 0 and at the first token of every segment (its prefix is another
+  sequence)."""
+  num_chunks, B, C = per_chunk.shape
+  x = per_chunk.swapaxes(0, 1).reshape(B, num_chunks * C)
+  x = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), x[:, :-1]], axis=1)
+  if segment_ids is None:
+    return x
+  first = jnp.concatenate(
+    [jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+  )
+  return jnp.where(first, 0.0, x)
 
 
 def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:

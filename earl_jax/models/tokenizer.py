@@ -1,4 +1,4 @@
-"""Tokenizers for the multi-turn rollout engine: a HF (Qwen chat format) one and a game one.
+"""Tokenizers for the multi-turn rollout engine: a HF (Qwen chat format) one and character ones.
 
 The rollout engine builds each conversation turn by turn and extends the KV cache as it goes, so
 a tokenizer here does more than `encode`/`decode`: it says which tokens to prefill before the
@@ -14,7 +14,7 @@ engine appends `reply_suffix_ids()` (just `[eot_id]` for both tokenizers), and t
 template (loss-masked), not generated. A later turn's prompt starts right after that `eot`, so
 the two cases leave the same well-formed context. `conversation_ids` spells this out.
 
-Two implementations:
+Three implementations:
   HFTokenizer    a `tokenizers` tokenizer.json from a HF model directory, with the ChatML /
                  Qwen2.5 chat format written in Python (no Jinja): every message is
                  `<|im_start|>{role}\\n{content}<|im_end|>\\n`, after a system message that the
@@ -24,8 +24,11 @@ Two implementations:
                  when the conversation ends on a reply).
   GameTokenizer  a character-level tokenizer for the compact game text protocol of the
                  built-in envs, with exactly 64 ids (the 'tiny-game' model's vocabulary).
+  CodeTokenizer  a character-level tokenizer for the code environments: printable ASCII, tab
+                 and newline, 128 ids (fits the 'tiny' model's vocabulary).
 
-`load_tokenizer('game')` or `load_tokenizer('/path/to/model_dir')` picks one.
+`load_tokenizer('game')`, `load_tokenizer('code')` or `load_tokenizer('/path/to/model_dir')`
+picks one.
 """
 
 import json
@@ -37,12 +40,22 @@ from typing import Any, Protocol, SupportsIndex, runtime_checkable
 import numpy as np
 import tokenizers
 
+from earl_jax.errors import UserError
+
 # The ChatML special tokens of the Qwen2 / Qwen2.5 tokenizers.
 IM_START = '<|im_start|>'
 IM_END = '<|im_end|>'
 ENDOFTEXT = '<|endoftext|>'
 # The system message the Qwen2.5-Instruct chat template adds when a conversation has none.
 QWEN_DEFAULT_SYSTEM_PROMPT = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.'
+
+
+class TokenizerError(UserError):
+  """A tokenizer that cannot be loaded: an unknown name, or files that do not read as one."""
+
+
+class TokenizerNotFoundError(TokenizerError, FileNotFoundError):
+  """A tokenizer directory, or its tokenizer.json, that does not exist."""
 
 
 @runtime_checkable
@@ -199,7 +212,7 @@ class HFTokenizer:
   def _token_id(self, token: str) -> int:
     token_id = self._tok.token_to_id(token)
     if token_id is None:
-      raise ValueError(
+      raise TokenizerError(
         f'Tokenizer from {self._source} has no token {token!r}; HFTokenizer implements the '
         f'ChatML / Qwen chat format, which needs {IM_START!r}, {IM_END!r} and a pad token.'
       )
@@ -219,31 +232,40 @@ class HFTokenizer:
       system_prompt: the system message of every conversation; None means Qwen2.5's default.
 
     Raises:
-      FileNotFoundError: naming the path, if the directory or its tokenizer.json is missing.
-      ValueError: if the chat template is not ChatML or a required special token is missing.
+      TokenizerNotFoundError (a FileNotFoundError): naming the path, if the directory or its
+        tokenizer.json is missing.
+      TokenizerError (a ValueError): a file that does not read, a chat template that is not
+        ChatML, or a required special token that is missing.
     """
     model_dir = pathlib.Path(model_dir)
     if not model_dir.is_dir():
-      raise FileNotFoundError(
+      raise TokenizerNotFoundError(
         f'Tokenizer directory {str(model_dir)!r} does not exist or is not a directory '
         '(expected a HF model directory containing tokenizer.json).'
       )
     tokenizer_path = model_dir / 'tokenizer.json'
     if not tokenizer_path.is_file():
-      raise FileNotFoundError(
+      raise TokenizerNotFoundError(
         f'No tokenizer.json in {str(model_dir)!r}: expected {str(tokenizer_path)!r} (a HF '
         '`tokenizers` file; slow vocab.json/merges.txt tokenizers are not supported).'
       )
     config = _read_tokenizer_config(model_dir)
     template = _chat_template(model_dir, config)
     if template is not None and IM_START not in template:
-      raise ValueError(
+      raise TokenizerError(
         f'The chat template of {str(model_dir)!r} is not ChatML (it never writes {IM_START!r}); '
         'HFTokenizer only implements the Qwen / ChatML chat format.'
       )
     pad_token = _token_content(config.get('pad_token')) or ENDOFTEXT
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    except Exception as e:  # the `tokenizers` bindings raise a bare Exception
+      raise TokenizerError(
+        f'{str(tokenizer_path)!r} is not a readable HF tokenizers file ({e}): expected the '
+        'tokenizer.json of a HF model directory.'
+      ) from None
     return cls(
-      tokenizers.Tokenizer.from_file(str(tokenizer_path)),
+      tokenizer,
       pad_token=pad_token,
       system_prompt=system_prompt,
       source=str(tokenizer_path),
@@ -301,12 +323,12 @@ def _read_tokenizer_config(model_dir: pathlib.Path) -> dict[str, Any]:
   if not path.is_file():
     return {}
   try:
-    with open(path) as f:
+    with open(path, encoding='utf-8') as f:
       config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f'{str(path)!r} is not valid JSON: {e}') from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TokenizerError(f'{str(path)!r} is not valid JSON: {e}') from None
   if not isinstance(config, dict):
-    raise ValueError(f'{str(path)!r} must hold a JSON object, got {type(config).__name__}.')
+    raise TokenizerError(f'{str(path)!r} must hold a JSON object, got {type(config).__name__}.')
   return config
 
 
@@ -331,29 +353,36 @@ def _token_content(token: Any) -> str | None:
   return token if isinstance(token, str) else None
 
 
-class GameTokenizer:
-  """Character-level tokenizer for the compact game text protocol, with exactly 64 ids.
+class CharTokenizer:
+  """A character-level tokenizer: five special ids, then one id per character of `ALPHABET`.
 
   Ids: `<pad>`=0, `<bos>`=1, `<eot>`=2, `<obs>`=3, `<act>`=4, then one id per character of
-  `GameTokenizer.ALPHABET` (digits, a-z, 'X', 'O', ' ', '.', '\\n', '|', ':', '-'), then unused
-  ids up to 63. An unused id decodes to a visible `<unusedN>` (dropped by
-  `skip_special_tokens`), so a model that emits one shows it instead of failing.
+  `ALPHABET` in order, then unused ids up to `VOCAB_SIZE - 1`. An unused id decodes to a visible
+  `<unusedN>` (dropped by `skip_special_tokens`), so a model that emits one shows it instead of
+  failing.
 
   Turns: first = [<bos>, <obs>, *obs, <act>]; later = [<obs>, *obs, <act>]; a reply is its
   characters then <eot>; `reply_suffix_ids()` = [<eot>].
+
+  Subclasses set `VOCAB_SIZE` and `ALPHABET`.
   """
 
-  VOCAB_SIZE = 64
+  VOCAB_SIZE: int
+  ALPHABET: str
   SPECIAL_TOKENS = ('<pad>', '<bos>', '<eot>', '<obs>', '<act>')
-  ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyzXO .\n|:-'
+  # Whether `decode` drops ids at or past VOCAB_SIZE (a larger model vocabulary) or raises.
+  DROP_PAST_VOCAB = False
 
   def __init__(self):
+    name = type(self).__name__
     self._char_to_id = {c: len(self.SPECIAL_TOKENS) + i for i, c in enumerate(self.ALPHABET)}
+    if len(self._char_to_id) != len(self.ALPHABET):
+      raise ValueError(f'{name}.ALPHABET has repeated characters.')
     self._id_to_text = [*self.SPECIAL_TOKENS, *self.ALPHABET]
     self._id_to_text += [f'<unused{i}>' for i in range(len(self._id_to_text), self.VOCAB_SIZE)]
     self._num_used = len(self.SPECIAL_TOKENS) + len(self.ALPHABET)
     if self._num_used > self.VOCAB_SIZE:
-      raise ValueError(f'GameTokenizer needs {self._num_used} ids, more than {self.VOCAB_SIZE}.')
+      raise ValueError(f'{name} needs {self._num_used} ids, more than {self.VOCAB_SIZE}.')
 
   @property
   def vocab_size(self) -> int:
@@ -390,20 +419,24 @@ class GameTokenizer:
     except KeyError:
       index, char = next((i, c) for i, c in enumerate(text) if c not in self._char_to_id)
       raise ValueError(
-        f'GameTokenizer cannot encode character {char!r} at index {index} of {text[:80]!r}; '
-        f'its alphabet is {self.ALPHABET!r} (special tokens are not parsed from text).'
+        f'{type(self).__name__} cannot encode character {char!r} at index {index} of '
+        f'{text[:80]!r}; its alphabet is {self.ALPHABET!r} (special tokens are not parsed from '
+        'text).'
       ) from None
 
   def decode(self, ids: Iterable[SupportsIndex], *, skip_special_tokens: bool = False) -> str:
-    """Decodes ids in [0, 64); pad is dropped, specials and unused ids are shown unless skipped.
+    """Decodes ids in [0, VOCAB_SIZE); pad is dropped, specials and unused ids are shown unless
+    skipped; ids past the vocabulary are dropped when `DROP_PAST_VOCAB`.
 
     Raises:
-      ValueError: naming the id, if one is outside [0, 64).
+      ValueError: naming the id, if one is negative or (unless dropped) past the vocabulary.
     """
     pieces = []
     for i in _as_id_list(ids):
+      if i >= self.VOCAB_SIZE and self.DROP_PAST_VOCAB:
+        continue
       if not 0 <= i < self.VOCAB_SIZE:
-        raise ValueError(f'GameTokenizer id {i} is outside [0, {self.VOCAB_SIZE}).')
+        raise ValueError(f'{type(self).__name__} id {i} is outside [0, {self.VOCAB_SIZE}).')
       is_char = len(self.SPECIAL_TOKENS) <= i < self._num_used
       if i == self.pad_id or (skip_special_tokens and not is_char):
         continue
@@ -418,26 +451,55 @@ class GameTokenizer:
     return [self.eot_id]
 
   def __repr__(self) -> str:
-    return 'GameTokenizer()'
+    return f'{type(self).__name__}()'
+
+
+class GameTokenizer(CharTokenizer):
+  """The character tokenizer of the compact game text protocol, with exactly 64 ids (the
+  'tiny-game' model's vocabulary): `ALPHABET` is digits, a-z, 'X', 'O', ' ', '.', '\\n', '|',
+  ':', '-' (see `CharTokenizer` for the ids and the turn layout)."""
+
+  VOCAB_SIZE = 64
+  ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyzXO .\n|:-'
+
+
+class CodeTokenizer(CharTokenizer):
+  """The character tokenizer that spells Python for the tiny models, with 128 ids.
+
+  `ALPHABET` is '\\t', '\\n' and the 95 printable ASCII characters (' ' to '~'), ids 5..101;
+  ids 102..127 are unused. The code environments keep their observations inside this alphabet
+  (`earl_jax.envs.code_env.printable`). See `CharTokenizer` for the turn layout. A model whose
+  vocabulary is larger (the 'tiny' preset has 512) may emit ids past 127: they decode to '', as
+  the padding ids of a HF model do in `HFTokenizer`.
+  """
+
+  VOCAB_SIZE = 128
+  DROP_PAST_VOCAB = True
+  ALPHABET = '\t\n' + ''.join(chr(c) for c in range(32, 127))
+
+
+_CHAR_TOKENIZERS: dict[str, type[CharTokenizer]] = {'game': GameTokenizer, 'code': CodeTokenizer}
 
 
 def load_tokenizer(spec: str | os.PathLike[str], *, system_prompt: str | None = None) -> Tokenizer:
   """Returns the tokenizer named by `spec`.
 
   Args:
-    spec: 'game' for `GameTokenizer`, or the path of a HF model directory for `HFTokenizer`.
+    spec: 'game' for `GameTokenizer`, 'code' for `CodeTokenizer`, or the path of a HF model
+      directory for `HFTokenizer`.
     system_prompt: the HF tokenizer's system message (None: Qwen2.5's default); not used by
       the game tokenizer.
 
   Raises:
-    ValueError: naming `spec`, if it is neither 'game' nor an existing directory.
-    FileNotFoundError: if the directory has no tokenizer.json.
+    TokenizerError (a ValueError): naming `spec`, if it is neither 'game', 'code' nor an
+      existing directory, or its files do not read.
+    TokenizerNotFoundError (a FileNotFoundError): if the directory has no tokenizer.json.
   """
-  if isinstance(spec, str) and spec == 'game':
-    return GameTokenizer()
+  if isinstance(spec, str) and spec in _CHAR_TOKENIZERS:
+    return _CHAR_TOKENIZERS[spec]()
   if pathlib.Path(spec).is_dir():
     return HFTokenizer.from_dir(spec, system_prompt=system_prompt)
-  raise ValueError(
-    f"Unknown tokenizer {str(spec)!r}: expected 'game' or the path of an existing HF model "
-    'directory containing tokenizer.json.'
+  raise TokenizerError(
+    f"Unknown tokenizer {str(spec)!r}: expected 'game', 'code' or the path of an existing HF "
+    'model directory containing tokenizer.json.'
   )

@@ -11,7 +11,9 @@ trainer and the profiler all run these same programs (through `executables.Execu
               `spec.sampling.max_new_tokens` tokens (the cache is donated and comes back
               updated). The end-of-turn id is an argument: the engine passes the tokenizer's,
               the profiler -1 (never sampled), so that every measured call decodes exactly N
-              tokens with the very executable the engine runs. Throughput counts B x N tokens.
+              tokens with the very executable the engine runs. Each row carries its episode id
+              and turn: they key its sampling, and turn 0 resets the row's fill, so that one
+              program refills any slot. Throughput counts B x N tokens.
   experience  `qwen2.token_logprobs` of [B, T] tokens: reference and old log-probs are the same
               program with other weights. Throughput counts B x T tokens.
   train       `train_step.train_step` on a [B, T] `Batch` (the train state is donated).
@@ -159,7 +161,8 @@ class Program:
     spec: the static stage settings.
     mesh: the stage mesh (over the canonical devices).
     fn: the jitted function (explicit in/out shardings, donation).
-    abstract_args: ShapeDtypeStructs with shardings, one per positional argument.
+    abstract_args: ShapeDtypeStructs with shardings, one per positional argument (a
+      `sampler.RolloutArgs` for a rollout program: its arguments by name).
     tokens: tokens produced or processed per call (the throughput numerator).
   """
 
@@ -178,12 +181,20 @@ class Program:
 
   @property
   def in_shardings(self) -> tuple[Any, ...]:
-    return tuple(jax.tree.map(lambda a: a.sharding, arg) for arg in self.abstract_args)
+    """The shardings of `abstract_args`, argument by argument (a `sampler.RolloutArgs` for a
+    rollout program)."""
+    return _shardings_of(self.abstract_args)
+
+  @property
+  def tree_shardings(self) -> Any:
+    """Where the program wants its first argument, the tree a layout switch moves: the model
+    parameters (rollout, experience) or the whole train state (train)."""
+    return self.in_shardings[0]
 
   @property
   def param_shardings(self) -> Any:
     """Where the program wants the model parameters (inside the train state for train)."""
-    first = self.in_shardings[0]
+    first = self.tree_shardings
     return first.params if self.key.stage == Stage.TRAIN else first
 
 
@@ -196,6 +207,12 @@ def _replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _shardings_of(abstract_args: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The shardings of each argument's ShapeDtypeStructs; a NamedTuple keeps its type."""
+  shardings = [jax.tree.map(lambda a: a.sharding, arg) for arg in abstract_args]
+  return abstract_args._make(shardings) if hasattr(abstract_args, '_make') else tuple(shardings)
 
 
 def _with_shardings(shapes: Any, shardings: Any) -> Any:
@@ -222,41 +239,52 @@ def rollout_program(
 ) -> Program:
   """Prefill of a P-token chunk, then decode of up to N tokens, for B rows with a cache of S.
 
-  Arguments: (params, cache, prompt [B, P] int32, num_prompt [B] int32, key_data uint32[2]
-  (`jax.random.key_data` of the turn's key), eot_id [] int32); the cache is donated. Returns (Generation [B, N], cache). Rows with
-  num_prompt == 0 idle (their cache and fill are unchanged). Prompt positions past the capacity
-  are dropped (a small cache bucket with a larger prompt bucket).
+  Arguments: a `sampler.RolloutArgs` (params, cache, prompt [B, P] int32, num_prompt [B] int32,
+  key_data uint32[2] (`jax.random.key_data` of the rollout's key), episode_ids and turns [B]
+  int32, eot_id [] int32); the cache is donated. Returns (Generation [B, N], cache). Rows with
+  num_prompt == 0 idle (their cache and fill are unchanged). A row at turn 0 starts an episode:
+  its fill is reset before the prefill, so any row (slot) takes a new episode through this one
+  program. Token i of a row samples with a key of (episode id, turn, i) (`sampler.row_keys`).
+  Prompt positions past the capacity are dropped (a small cache bucket with a larger prompt
+  bucket).
   """
   S, B, N = key.bucket, key.rows, spec.decode_tokens
   graphdef, abstract_params = _setup(key, model, mesh)
-  cache = qwen2.KVCache.abstract(model, B, S, mesh)
-  prompt = _sds((B, key.chunk), jnp.int32, rules.sharding(('batch', 'seq'), mesh))
-  num_prompt = _sds((B,), jnp.int32, rules.sharding(('batch',), mesh))
-  # The PRNG key travels as its raw uint32 data: a plain host value every process can place.
-  rng = _sds((2,), jnp.uint32, _replicated(mesh))
-  eot_id = _sds((), jnp.int32, _replicated(mesh))
+  abstract_args = sampler.RolloutArgs(
+    params=abstract_params,
+    cache=qwen2.KVCache.abstract(model, B, S, mesh),
+    prompt=_sds((B, key.chunk), jnp.int32, rules.sharding(('batch', 'seq'), mesh)),
+    num_prompt=_sds((B,), jnp.int32, rules.sharding(('batch',), mesh)),
+    # The PRNG key travels as its raw uint32 data: a plain host value every process can place.
+    key_data=_sds((2,), jnp.uint32, _replicated(mesh)),
+    episode_ids=_sds((B,), jnp.int32, rules.sharding(('batch',), mesh)),
+    turns=_sds((B,), jnp.int32, rules.sharding(('batch',), mesh)),
+    eot_id=_sds((), jnp.int32, _replicated(mesh)),
+  )
   sampling = dataclasses.replace(spec.sampling, greedy=key.greedy or spec.sampling.greedy)
 
-  def step(params, cache, prompt, num_prompt, rng, eot_id):
-    m = nnx.merge(graphdef, params)
+  # RolloutArgs, in its order.
+  def step(params, cache, prompt, num_prompt, key_data, episode_ids, turns, eot_id):
+    policy = nnx.merge(graphdef, params)
+    keys = sampler.row_keys(jax.random.wrap_key_data(key_data), episode_ids, turns)
     return sampler.generate(
-      m,
+      policy,
       cache,
       prompt,
       num_prompt,
-      jax.random.wrap_key_data(rng),
+      keys,
       eot_id=eot_id,
       config=sampling,
       token_ids=spec.token_ids,
+      restart=(turns == 0) & (num_prompt > 0),
     )
 
-  abstract_args = (abstract_params, cache, prompt, num_prompt, rng, eot_id)
-  shardings = tuple(jax.tree.map(lambda a: a.sharding, x) for x in abstract_args)
+  shardings = _shardings_of(abstract_args)
   fn = jax.jit(
     step,
-    in_shardings=shardings,
-    out_shardings=(generation_shardings(mesh), shardings[1]),
-    donate_argnums=(1,),
+    in_shardings=tuple(shardings),
+    out_shardings=(generation_shardings(mesh), shardings.cache),
+    donate_argnums=(sampler.RolloutArgs._fields.index('cache'),),
   )
   return Program(
     key=key,
@@ -371,56 +399,76 @@ def build(
 def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[Any, ...]:
   """Concrete arguments for `program`, created on its mesh; `params` must already be there.
 
-  rollout: a zero cache filled to S - P - N, a random P-token prompt on every row, the
-  end-of-turn id -1 (so that every row decodes N tokens and fills the cache to S). experience:
+  rollout: a zero cache filled to S - P - N, a random P-token prompt on every row at turn 1
+  (the fill is kept), the end-of-turn id -1 (so that every row decodes N tokens and fills the cache to S). experience:
   random tokens. train: a fresh train state built from a copy of `params` (the step donates it)
   and a random batch whose every row is valid with a loss on all positions but the first.
   """
+  make = {
+    Stage.ROLLOUT: _rollout_inputs,
+    Stage.EXPERIENCE: _experience_inputs,
+    Stage.TRAIN: _train_inputs,
+  }[program.key.stage]
+  return make(program, params, jax.random.key(seed))
+
+
+def _rollout_inputs(program: Program, params: nnx.State, rng: jax.Array) -> sampler.RolloutArgs:
   key = program.key
-  shardings = program.in_shardings
   B, S = key.rows, key.bucket
-  model = program.model
-  rng = jax.random.key(seed)
-  if key.stage == Stage.ROLLOUT:
-    P, N = key.chunk, program.spec.decode_tokens
-    if S < P + N:
-      raise ValueError(
-        f'rollout bucket {S} must be longer than chunk {P} + decode_tokens {N} to measure '
-        f'program {key}.'
-      )
-    cache_abs = program.abstract_args[1]
+  P, N = key.chunk, program.spec.decode_tokens
+  if S < P + N:
+    raise ValueError(
+      f'rollout bucket {S} must be longer than chunk {P} + decode_tokens {N} to measure '
+      f'program {key}.'
+    )
+  cache_abs = program.abstract_args.cache
+  vocab_size = program.model.vocab_size
 
-    def make_rest():
-      cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_abs)
-      cache = cache.replace(lengths=jnp.full((B,), S - P - N, jnp.int32))
-      prompt = jax.random.randint(rng, (B, P), 0, model.vocab_size, jnp.int32)
-      num_prompt = jnp.full((B,), P, jnp.int32)
-      key_data = jax.random.key_data(jax.random.fold_in(rng, 1))
-      return cache, prompt, num_prompt, key_data, jnp.int32(-1)
+  def make_rest():
+    cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_abs)
+    cache = cache.replace(lengths=jnp.full((B,), S - P - N, jnp.int32))
+    prompt = jax.random.randint(rng, (B, P), 0, vocab_size, jnp.int32)
+    num_prompt = jnp.full((B,), P, jnp.int32)
+    key_data = jax.random.key_data(jax.random.fold_in(rng, 1))
+    episode_ids = jnp.arange(B, dtype=jnp.int32)
+    turns = jnp.ones((B,), jnp.int32)  # past the first turn: the fill is kept
+    return cache, prompt, num_prompt, key_data, episode_ids, turns, jnp.int32(-1)
 
-    rest = jax.jit(make_rest, out_shardings=shardings[1:])()
-    return (params, *rest)
-  if key.stage == Stage.EXPERIENCE:
-    tokens = jax.jit(
-      lambda: jax.random.randint(rng, (B, S), 0, model.vocab_size, jnp.int32),
-      out_shardings=shardings[1],
-    )()
-    if not program.spec.packed:
-      return (params, tokens)
-    segments = jax.jit(lambda: _packed_segments(B, S), out_shardings=(shardings[2], shardings[3]))()
-    return (params, tokens, *segments)
+  rest = jax.jit(make_rest, out_shardings=tuple(program.in_shardings[1:]))()
+  return sampler.RolloutArgs(params, *rest)
+
+
+def _experience_inputs(program: Program, params: nnx.State, rng: jax.Array) -> tuple[Any, ...]:
+  B, S = program.key.rows, program.key.bucket
+  shardings = program.in_shardings
+  tokens = jax.jit(
+    lambda: jax.random.randint(rng, (B, S), 0, program.model.vocab_size, jnp.int32),
+    out_shardings=shardings[1],
+  )()
+  if not program.spec.packed:
+    return (params, tokens)
+  segments = jax.jit(lambda: _packed_segments(B, S), out_shardings=(shardings[2], shardings[3]))()
+  return (params, tokens, *segments)
+
+
+def _train_inputs(
+  program: Program, params: nnx.State, rng: jax.Array
+) -> tuple[train_lib.TrainState, Batch]:
+  B, S = program.key.rows, program.key.bucket
+  vocab_size = program.model.vocab_size
+  packed = program.spec.packed
   state = train_lib.init_train_state(
     jax.tree.map(jnp.copy, params), train_lib.make_optimizer(program.spec.optim)
   )
 
   def make_batch():
-    k1, k2 = jax.random.split(rng)
+    token_key, advantage_key = jax.random.split(rng)
     mask = jnp.broadcast_to(jnp.arange(S) > 0, (B, S))
-    segment_ids, positions = _packed_segments(B, S) if program.spec.packed else (mask + 0, None)
+    segment_ids, positions = _packed_segments(B, S) if packed else (mask + 0, None)
     batch = Batch.zeros(B, S, xp=jnp).replace(
-      tokens=jax.random.randint(k1, (B, S), 0, model.vocab_size, jnp.int32),
+      tokens=jax.random.randint(token_key, (B, S), 0, vocab_size, jnp.int32),
       loss_mask=mask,
-      advantages=jnp.where(mask, jax.random.normal(k2, (B, S)), 0.0),
+      advantages=jnp.where(mask, jax.random.normal(advantage_key, (B, S)), 0.0),
       segment_ids=segment_ids,
       lengths=jnp.full((B,), S, jnp.int32),
       valid=jnp.ones((B,), jnp.bool_),
@@ -428,13 +476,14 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
     return batch if positions is None else batch.replace(positions=positions)
 
   with jax.set_mesh(program.mesh):
-    return state, jax.jit(make_batch, out_shardings=shardings[1])()
+    return state, jax.jit(make_batch, out_shardings=program.in_shardings[1])()
 
 
 def _packed_segments(B: int, S: int):
   """Segment ids and positions of rows packed with four sequences of S / 4 tokens (measuring)."""
-  n = max(1, S // 4)
-  t = jnp.arange(S, dtype=jnp.int32)
-  segment_ids = jnp.broadcast_to(jnp.minimum(t // n, 3) + 1, (B, S))
-  positions = jnp.broadcast_to(t - jnp.minimum(t // n, 3) * n, (B, S))
+  segment_len = max(1, S // 4)
+  column = jnp.arange(S, dtype=jnp.int32)
+  segment = jnp.minimum(column // segment_len, 3)
+  segment_ids = jnp.broadcast_to(segment + 1, (B, S))
+  positions = jnp.broadcast_to(column - segment * segment_len, (B, S))
   return segment_ids, positions

@@ -331,7 +331,7 @@ class Executables:
     entry = self.get(
       key.stage, key.config, key.bucket, key.rows, chunk=key.chunk or None, greedy=key.greedy
     )
-    self.resharder.prepare(layout, entry.program.in_shardings[0])
+    self.resharder.prepare(layout, entry.program.tree_shardings)
     return entry
 
   def is_ready(self, stage: Stage | str, config: ParallelConfig, bucket: int, rows: int) -> bool:
@@ -390,10 +390,8 @@ def switch(
   precompiled = executables.requested(key)
   t0 = time.perf_counter()
   entry = executables.get(stage, config, bucket, rows, budget=budget, margin=margin)
-  t1 = time.perf_counter()
-  targets = entry.program.in_shardings[0]
-  tree, reshard_ms = executables.resharder.timed(tree, targets)
-  wait_ms = 1e3 * (t1 - t0)
+  wait_ms = 1e3 * (time.perf_counter() - t0)
+  tree, reshard_ms = executables.resharder.timed(tree, entry.program.tree_shardings)
   record = SwitchRecord(
     stage=stage,
     step=step,
@@ -407,15 +405,19 @@ def switch(
     stall_ms=wait_ms + reshard_ms,
     precompiled=precompiled,
   )
+  _log_switch(record)
+  return tree, entry, record
+
+
+def _log_switch(record: SwitchRecord) -> None:
   logging.info(
     'switch %s %s -> %s (S=%d, R=%d): reshard %.1f ms, compile %.0f ms, stall %.1f ms',
-    stage,
+    record.stage,
     record.source,
     record.target,
-    bucket,
-    rows,
-    reshard_ms,
+    record.bucket,
+    record.rows,
+    record.reshard_ms,
     record.compile_ms,
     record.stall_ms,
   )
-  return tree, entry, record

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from earl_jax.config import check_float32
 from earl_jax.errors import ConfigError
 
 Aggregation = Literal['token', 'sequence']
@@ -55,11 +56,22 @@ class LossConfig:
   aggregation: Aggregation = 'token'
 
   def __post_init__(self):
+    optional = [n for n in ('clip_eps_high', 'entropy_target') if getattr(self, n) is not None]
+    check_float32(
+      self,
+      'clip_eps',
+      'kl_coef',
+      'entropy_coef',
+      'entropy_adapt_rate',
+      'entropy_coef_min',
+      'entropy_coef_max',
+      *optional,
+    )
     if not 0 < self.clip_eps < 1:
       raise ConfigError(f'LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}.')
     if self.clip_eps_high is not None and not self.clip_eps_high > 0:
       raise ConfigError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
-    if self.kl_coef < 0:
+    if not self.kl_coef >= 0:
       raise ConfigError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
     if not self.entropy_coef >= 0:
       raise ConfigError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
@@ -102,18 +114,18 @@ def aggregate(
   values: Float[Array, 'B T'], mask: Bool[Array, 'B T'], aggregation: Aggregation
 ) -> Float[Array, '']:
   """Masked mean of per-token values, by token or by sequence."""
-  m = mask.astype(jnp.float32)
+  weights = mask.astype(jnp.float32)
   if aggregation == 'token':
-    return jnp.sum(values * m) / jnp.maximum(jnp.sum(m), 1.0)
-  per_row = jnp.sum(values * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-  rows = (jnp.sum(m, axis=1) > 0).astype(jnp.float32)
+    return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  per_row = jnp.sum(values * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1.0)
+  rows = (jnp.sum(weights, axis=1) > 0).astype(jnp.float32)
   return jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
 def kl_k3(logp: Float[Array, 'B T'], ref_logp: Float[Array, 'B T']) -> Float[Array, 'B T']:
   """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - logp."""
-  r = ref_logp - logp
-  return jnp.exp(r) - r - 1.0
+  log_ratio = ref_logp - logp
+  return jnp.exp(log_ratio) - log_ratio - 1.0
 
 
 def ppo_loss(
@@ -137,13 +149,13 @@ def ppo_loss(
   clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + high)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
   pg_loss = -aggregate(surrogate, mask, config.aggregation)
-  m = mask.astype(jnp.float32)
-  n = jnp.maximum(jnp.sum(m), 1.0)
+  weights = mask.astype(jnp.float32)
+  num_tokens = jnp.maximum(jnp.sum(weights), 1.0)
   metrics = {
     'pg_loss': pg_loss,
-    'clip_frac': jnp.sum((jnp.abs(ratio - clipped) > 0) * m) / n,
-    'approx_kl_old': jnp.sum(0.5 * jnp.square(log_ratio) * m) / n,
-    'entropy_proxy': -jnp.sum(logp * m) / n,
+    'clip_frac': jnp.sum((jnp.abs(ratio - clipped) > 0) * weights) / num_tokens,
+    'approx_kl_old': jnp.sum(0.5 * jnp.square(log_ratio) * weights) / num_tokens,
+    'entropy_proxy': -jnp.sum(logp * weights) / num_tokens,
   }
   loss = pg_loss
   if config.kl_coef:  # without a KL term `ref_logp` is not a reference policy; report nothing

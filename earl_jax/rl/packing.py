@@ -165,6 +165,17 @@ def _gather(
   return jnp.where(src_row >= 0, got, jnp.zeros((), x.dtype))
 
 
+_TOKEN_FIELDS = (
+  'tokens',
+  'loss_mask',
+  'sample_logprobs',
+  'old_logprobs',
+  'ref_logprobs',
+  'advantages',
+  'returns',
+)
+
+
 def pack(batch: Batch, packing: PackPlan, mesh: jax.sharding.Mesh) -> Batch:
   """The batch (on `mesh`'s train layout, `Batch.shardings`) packed as `packing` says.
 
@@ -172,52 +183,51 @@ def pack(batch: Batch, packing: PackPlan, mesh: jax.sharding.Mesh) -> Batch:
   sharded like the rows. No collective: every rank packs the rows it holds. Row fields become
   those of the packed rows (see the module docstring).
   """
-  shardings = Batch.shardings(mesh)
   row_axes = rules.spec(('batch',))[0]
-  spec = P(row_axes, None)
-  sh = NamedSharding(mesh, spec)
+  rows_sharding = NamedSharding(mesh, P(row_axes, None))
   R, T = packing.src_row.shape
-  tables = [
-    mesh_lib.put_rows(t, np.arange(R), (R, T), sh)
-    for t in (packing.src_row, packing.src_col, packing.segment_ids, packing.positions)
-  ]
-  token_fields = (
-    'tokens',
-    'loss_mask',
-    'sample_logprobs',
-    'old_logprobs',
-    'ref_logprobs',
-    'advantages',
-    'returns',
+  src_row, src_col, segment_ids, positions = (
+    mesh_lib.put_rows(table, np.arange(R), (R, T), rows_sharding)
+    for table in (packing.src_row, packing.src_col, packing.segment_ids, packing.positions)
   )
-
-  def kernel(fields, src_row, src_col):
-    return [_gather(x, src_row, src_col) for x in fields]
-
-  moved = jax.jit(
-    jax.shard_map(
-      kernel,
-      mesh=mesh,
-      in_specs=([spec] * len(token_fields), spec, spec),
-      out_specs=[spec] * len(token_fields),
-    )
-  )([getattr(batch, f) for f in token_fields], tables[0], tables[1])
-  real = packing.segment_ids > 0
-  row = NamedSharding(mesh, P(row_axes))
+  moved = _gather_token_fields(batch, src_row, src_col, mesh, rows_sharding.spec)
   out = Batch.zeros(R, T).replace(
-    **dict(zip(token_fields, moved)),
-    segment_ids=tables[2],
-    positions=tables[3],
+    **dict(zip(_TOKEN_FIELDS, moved)),
+    segment_ids=segment_ids,
+    positions=positions,
   )
+  real = packing.segment_ids > 0
   host_rows = {
     'rewards': np.zeros(R, np.float32),
     'lengths': real.sum(axis=1).astype(np.int32),
     'group_ids': np.zeros(R, np.int32),
     'valid': real.any(axis=1),
   }
+  row_sharding = NamedSharding(mesh, P(row_axes))
   out = out.replace(
-    **{k: mesh_lib.put_rows(v, np.arange(R), (R,), row) for k, v in host_rows.items()}
+    **{
+      name: mesh_lib.put_rows(values, np.arange(R), (R,), row_sharding)
+      for name, values in host_rows.items()
+    }
   )
-  for x, s in zip(jax.tree.leaves(out), jax.tree.leaves(shardings)):
-    assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
+  for x, want in zip(jax.tree.leaves(out), jax.tree.leaves(Batch.shardings(mesh))):
+    assert x.sharding.is_equivalent_to(want, x.ndim), (x.sharding, want)
   return out
+
+
+def _gather_token_fields(
+  batch: Batch, src_row: jax.Array, src_col: jax.Array, mesh: jax.sharding.Mesh, spec: P
+) -> list[jax.Array]:
+  """The token fields of `batch` gathered into the packed rows, shard by shard (`_gather`)."""
+
+  def kernel(fields, src_row, src_col):
+    return [_gather(x, src_row, src_col) for x in fields]
+
+  return jax.jit(
+    jax.shard_map(
+      kernel,
+      mesh=mesh,
+      in_specs=([spec] * len(_TOKEN_FIELDS), spec, spec),
+      out_specs=[spec] * len(_TOKEN_FIELDS),
+    )
+  )([getattr(batch, name) for name in _TOKEN_FIELDS], src_row, src_col)

@@ -11,7 +11,6 @@ parameters and optimizer state are kept exactly as they were, and `state.skipped
 """
 
 import dataclasses
-import math
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -19,19 +18,17 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from earl_jax.config import check_float32
 from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.rl import losses
 from earl_jax.rl.batch import Batch
 from earl_jax.sharding import mesh as mesh_lib
-
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,22 +61,16 @@ class OptimConfig:
   grad_clip: float = 1.0
 
   def __post_init__(self):
-    for name in (
-      'learning_rate',
-      'end_lr_fraction',
-      'weight_decay',
-      'b1',
-      'b2',
-      'eps',
-      'grad_clip',
-    ):
-      value = getattr(self, name)
-      if not math.isfinite(value) or abs(value) > _F32_MAX:
-        raise ConfigError(
-          f'OptimConfig.{name}={value}: expected a finite number (float32 holds up to 3.4e38).'
-        )
+    check_float32(
+      self, 'learning_rate', 'end_lr_fraction', 'weight_decay', 'b1', 'b2', 'eps', 'grad_clip'
+    )
     if not self.learning_rate > 0:
       raise ConfigError(f'OptimConfig.learning_rate must be > 0, got {self.learning_rate}.')
+    for name in ('b1', 'b2'):  # Adam's bias correction divides by 1 - beta**t
+      if not 0 <= getattr(self, name) < 1:
+        raise ConfigError(f'OptimConfig.{name} must be in [0, 1), got {getattr(self, name)}.')
+    if not self.eps > 0:
+      raise ConfigError(f'OptimConfig.eps must be > 0, got {self.eps}.')
     if self.warmup_steps < 0 or self.weight_decay < 0 or not self.grad_clip > 0:
       raise ConfigError(
         'OptimConfig: warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got '
@@ -220,9 +211,9 @@ def loss_fn(
   )
   # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
   # the training forward disagree (numerics, a temperature mismatch, stale weights).
-  m = batch.loss_mask.astype(jnp.float32)
-  gap = jnp.abs(batch.sample_logprobs - batch.old_logprobs) * m
-  metrics['sampler_logprob_gap'] = jnp.sum(gap) / jnp.maximum(jnp.sum(m), 1.0)
+  weights = batch.loss_mask.astype(jnp.float32)
+  gap = jnp.abs(batch.sample_logprobs - batch.old_logprobs) * weights
+  metrics['sampler_logprob_gap'] = jnp.sum(gap) / jnp.maximum(jnp.sum(weights), 1.0)
   return loss, metrics
 
 
@@ -253,33 +244,25 @@ def train_step(
   episodes each (`rl.packing`), attended within their segments.
   """
 
-  def grad_fn(mb):
+  def grad_fn(micro_batch):
     fn = jax.value_and_grad(loss_fn, has_aux=True)
     return fn(
-      state.params, graphdef, mb, loss_config, temperature, state.entropy_coef, token_ids, packed
+      state.params,
+      graphdef,
+      micro_batch,
+      loss_config,
+      temperature,
+      state.entropy_coef,
+      token_ids,
+      packed,
     )
 
   if micro_batches == 1:
     (loss, aux), grads = grad_fn(batch)
   else:
-    micro = _split_micro(batch, micro_batches)
-    # Weight each micro-batch by its share of what the aggregation averages over (loss tokens,
-    # or rows that have any), so the accumulated gradient is exactly the full batch's.
-    if loss_config.aggregation == 'token':
-      counts = jnp.sum(micro.loss_mask, axis=(1, 2))
-    else:
-      counts = jnp.sum(jnp.any(micro.loss_mask, axis=2), axis=1)
-    counts = counts.astype(jnp.float32)
-    weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
-
-    def body(acc, xs):
-      mb, w = xs
-      (loss, aux), g = grad_fn(mb)
-      return jax.tree.map(lambda a, b: a + w * b, acc, (loss, aux, g)), None
-
-    (loss0, aux0), g0 = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
-    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, aux0, g0))
-    (loss, aux, grads), _ = jax.lax.scan(body, acc0, (micro, weights))
+    loss, aux, grads = _accumulate_micro_batches(
+      grad_fn, batch, micro_batches, loss_config.aggregation
+    )
 
   grad_norm = optax.tree.norm(grads)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -302,6 +285,32 @@ def train_step(
   if loss_config.uses_entropy:
     metrics['entropy_coef'] = state.entropy_coef
   return new_state, metrics
+
+
+def _accumulate_micro_batches(
+  grad_fn: Callable[[Batch], Any], batch: Batch, micro_batches: int, aggregation: str
+) -> tuple[Any, Any, Any]:
+  """(loss, aux, grads) of the whole batch from `grad_fn` ((loss, aux), grads of one batch) on
+  `micro_batches` strided slices, scanned one at a time."""
+  micro = _split_micro(batch, micro_batches)
+  # Weight each micro-batch by its share of what the aggregation averages over (loss tokens,
+  # or rows that have any), so the accumulated gradient is exactly the full batch's.
+  if aggregation == 'token':
+    counts = jnp.sum(micro.loss_mask, axis=(1, 2))
+  else:
+    counts = jnp.sum(jnp.any(micro.loss_mask, axis=2), axis=1)
+  counts = counts.astype(jnp.float32)
+  weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
+
+  def body(acc, micro_batch_and_weight):
+    micro_batch, weight = micro_batch_and_weight
+    (loss, aux), grads = grad_fn(micro_batch)
+    return jax.tree.map(lambda a, b: a + weight * b, acc, (loss, aux, grads)), None
+
+  (loss0, aux0), grads0 = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
+  acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, aux0, grads0))
+  (loss, aux, grads), _ = jax.lax.scan(body, acc0, (micro, weights))
+  return loss, aux, grads
 
 
 def _all_finite(tree: Any) -> Bool[Array, '']:

@@ -4,7 +4,9 @@
 current fill and returns the logits that follow the last real token. `decode` then samples one
 token at a time with temperature and top-p until every active row has emitted the end-of-turn
 token or the per-turn limit. Both are pure functions of (model, cache, ...); `generate` chains
-them and is what the rollout engine jits, once per (batch, chunk bucket, cache bucket).
+them and is what the rollout engine jits, once per (batch, chunk bucket, cache bucket). The
+engine samples each row with its own key (`row_keys`: episode id, turn), so that a row's tokens
+do not depend on which slot it runs in or on what the other rows hold.
 
 Recorded log-probs are those of the sampled token under the temperature-scaled model
 distribution (before top-p truncation): exactly what a full forward over the final tokens gives
@@ -17,6 +19,7 @@ token_ids=...)` gives the same restricted policy's log-probs for training.
 
 import dataclasses
 import typing
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -90,7 +93,11 @@ def sample_token(
   config: SamplingConfig,
   token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Int[Array, ' B'], Float[Array, ' B']]:
-  """One token per row and its log-prob under softmax(logits / temperature) (over `token_ids`)."""
+  """One token per row and its log-prob under softmax(logits / temperature) (over `token_ids`).
+
+  `key` is one PRNG key for the whole batch, or a key per row (shape [B]): row b then draws
+  with its own key alone, whatever the other rows hold.
+  """
   scaled = logits.astype(jnp.float32) / config.temperature
   if token_ids is not None:
     scaled = restrict_logits(scaled, token_ids)
@@ -99,7 +106,10 @@ def sample_token(
     token = jnp.argmax(scaled, axis=-1)
   else:
     masked = _top_p_mask(scaled, config.top_p) if config.top_p < 1 else scaled
-    token = jax.random.categorical(key, masked, axis=-1)
+    if key.ndim:  # one key per row
+      token = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+    else:
+      token = jax.random.categorical(key, masked, axis=-1)
   token = token.astype(jnp.int32)
   return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
@@ -132,7 +142,8 @@ def decode(
 
   Every sampled token (the end-of-turn token included) is written to the cache, so the next
   turn's prompt follows it directly. Inactive rows generate nothing and their fill is unchanged.
-  Token i of every row uses `jax.random.fold_in(key, i)`: sampling is deterministic given `key`.
+  Token i uses `jax.random.fold_in(key, i)`: sampling is deterministic given `key`. With one key
+  per row (`key` of shape [B], see `row_keys`), a row's tokens depend on its own key alone.
   """
   B = logits.shape[0]
   N = config.max_new_tokens
@@ -143,7 +154,10 @@ def decode(
 
   def body(carry):
     i, logits, cache, gen, done, stopped = carry
-    token, logp = sample_token(logits, jax.random.fold_in(key, i), config, token_ids)
+    token_key = (
+      jax.vmap(jax.random.fold_in, (0, None))(key, i) if key.ndim else jax.random.fold_in(key, i)
+    )
+    token, logp = sample_token(logits, token_key, config, token_ids)
     live = ~done
     gen = dataclasses.replace(
       gen,
@@ -167,6 +181,45 @@ def decode(
   return dataclasses.replace(gen, stopped=stopped), cache
 
 
+def row_keys(key: jax.Array, episode_ids: Int[Array, ' B'], turns: Int[Array, ' B']) -> jax.Array:
+  """One PRNG key per row: `key` folded with the row's episode id, then its turn.
+
+  Token i of a turn then draws with `fold_in(row key, i)` (`decode`): the randomness of a token
+  depends on (episode, turn, token index) only, never on the row (slot) the episode runs in or
+  on how many turns the batch has taken, so that any schedule of the same episodes samples the
+  same tokens.
+  """
+  fold = lambda e, t: jax.random.fold_in(jax.random.fold_in(key, e), t)  # noqa: E731
+  return jax.vmap(fold)(episode_ids, turns)
+
+
+class RolloutArgs(NamedTuple):
+  """The positional arguments of a compiled rollout program (`programs.builders.rollout_program`),
+  in the order the program takes them; each field holds a value, its sharding, or its
+  ShapeDtypeStruct (`Program.abstract_args`, `Program.in_shardings`).
+
+  Attributes:
+    params: the model parameters (`nnx.State`).
+    cache: the `KVCache` of capacity S (donated; comes back updated).
+    prompt: int32 [B, P], each row's new prompt tokens, right-padded.
+    num_prompt: int32 [B], the real tokens of each row's prompt (0: the row idles).
+    key_data: uint32 [2], `jax.random.key_data` of the rollout's PRNG key (its seed).
+    episode_ids: int32 [B], the episode each row plays (keys its sampling, `row_keys`).
+    turns: int32 [B], the episode's turn; 0 starts the episode: the row's fill is reset before
+      its first observation is prefilled (a slot handed to the next episode).
+    eot_id: int32 [], the end-of-turn id (-1: never sampled, every row decodes N tokens).
+  """
+
+  params: Any
+  cache: Any
+  prompt: Any
+  num_prompt: Any
+  key_data: Any
+  episode_ids: Any
+  turns: Any
+  eot_id: Any
+
+
 def generate(
   model: Qwen2,
   cache: KVCache,
@@ -177,8 +230,16 @@ def generate(
   eot_id: int | Int[Array, ''],
   config: SamplingConfig,
   token_ids: tuple[int, ...] | None = None,
+  restart: Bool[Array, ' B'] | None = None,
 ) -> tuple[Generation, KVCache]:
-  """Prefills each row's new prompt tokens, then decodes its reply (rows with no prompt idle)."""
+  """Prefills each row's new prompt tokens, then decodes its reply (rows with no prompt idle).
+
+  `key`: one key, or one per row (see `decode`). `restart`: rows that start a new episode;
+  their fill is reset to 0 first, so the prompt is written from the row's first slot (the
+  previous episode's keys and values stay behind, masked until overwritten).
+  """
+  if restart is not None:
+    cache = dataclasses.replace(cache, lengths=jnp.where(restart, 0, cache.lengths))
   logits, cache = prefill(model, cache, prompt, num_prompt)
   return decode(
     model, cache, logits, num_prompt > 0, key, eot_id=eot_id, config=config, token_ids=token_ids

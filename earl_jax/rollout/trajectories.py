@@ -58,6 +58,9 @@ class Trajectories:
     timings: seconds spent generating, in the environment and on the host.
     row_ids: the row of each episode in the whole batch (default: 0..B-1, a single process).
     batch_rows: the rows of the whole batch (default: B).
+    episode_seconds: each episode's latency, from taking a slot to ending (default: zeros).
+    rollout_stats: the rollout schedule's statistics, the same on every process (the rollout
+      engine's padded fractions and slot occupancy; default: none).
   """
 
   tokens: Int32[np.ndarray, 'B T']
@@ -76,9 +79,13 @@ class Trajectories:
   row_ids: Int32[np.ndarray, ' B'] | None = None
   batch_rows: int | None = None
   thoughts: Int32[np.ndarray, ' B'] | None = None
+  episode_seconds: Float32[np.ndarray, ' B'] | None = None
+  rollout_stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     B = len(self.outcomes)
+    if self.episode_seconds is None:
+      self.episode_seconds = np.zeros(B, np.float32)
     if self.thoughts is None:
       self.thoughts = np.zeros(B, np.int32)
     if self.row_ids is None:
@@ -106,14 +113,14 @@ class Trajectories:
     """
     out = np.zeros(self.tokens.shape, np.float32)
     for i, rewards in enumerate(self.turn_rewards):
-      g, returns = 0.0, [0.0] * len(rewards)
-      for t in range(len(rewards) - 1, -1, -1):
-        g = rewards[t] + gamma * g
-        returns[t] = g
+      reward_to_go, returns = 0.0, [0.0] * len(rewards)
+      for turn in range(len(rewards) - 1, -1, -1):
+        reward_to_go = rewards[turn] + gamma * reward_to_go
+        returns[turn] = reward_to_go
       starts = [*self.turn_starts[i], int(self.lengths[i])]
-      for t, g in enumerate(returns):
-        lo, hi = starts[t], starts[t + 1]
-        out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], g, 0.0)
+      for turn, reward_to_go in enumerate(returns):
+        lo, hi = starts[turn], starts[turn + 1]
+        out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], reward_to_go, 0.0)
     return out
 
   def to_batch(

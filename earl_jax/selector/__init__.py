@@ -1,49 +1,52 @@
 """The Parallelism Selector: per-stage layout by context bucket and load (EARL §2, Fig. 3).
 
 Before each stage of each step, the selector turns last step's statistics into a layout
-(`ParallelConfig`) and a context bucket, from a start-up profile of every candidate layout (or,
-for stages left unprofiled, the analytic memory model) and per-device memory feasibility. It
-decides only: the programs it ranks, their executables and the moves between layouts are
-`earl_jax.programs` (below it), which the trainer runs.
+(`ParallelConfig`) and a context bucket, from a profile of every candidate layout (or, for
+stages left unprofiled, the analytic memory model) and per-device memory feasibility. It
+decides only, and never imports `earl_jax.programs`: the profile is measured by
+`earl_jax.programs.profiling` (which compiles and times the programs), and the programs, their
+executables and the moves between layouts are run by the trainer.
 
-  from earl_jax.programs import Executables, StageSpec, switch
-  from earl_jax.selector import Selector, SelectorConfig, StepStats, profile_config, profiler
+  from earl_jax.programs import Executables, StageSpec, profiling, switch
+  from earl_jax.selector import Selector, SelectorConfig, StepStats
 
   # Start-up, in two explicit calls: measure the profile (or reuse its cache), then decide on it.
   exe = Executables(model_cfg, spec=spec)
-  pconfig = profile_config(sel_cfg, buckets=table, rows=num_episodes, spec=spec,
-                           budget_bytes=budget)
-  profile = profiler.run(model_cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
+  pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=num_episodes, spec=spec,
+                                     budget_bytes=budget)
+  profile = profiling.run(model_cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
   sel = Selector(sel_cfg, model=model_cfg, buckets=table, rows=num_episodes, profile=profile,
                  spec=spec)
   first = sel.initial_decisions()            # {Stage.ROLLOUT: Decision, ...}
 
   # Every step, before every stage:
-  d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=prev_lengths, num_responses=n,
-                                          free_memory_bytes=free))     # None at step 0
-  d.config, d.bucket, d.run_bucket, d.reason
+  stats = StepStats(episode_lengths=prev_lengths, num_responses=n, free_memory_bytes=free)
+  for bucket in sel.missing(Stage.ROLLOUT, stats):   # a lazy profile: measure what it lacks
+    sel.use_profile(profiling.run(..., buckets=(bucket,)))
+  d, state = sel.propose(Stage.ROLLOUT, stats)       # the rule, pure (None stats at step 0)
   params, program, record = switch(Stage.ROLLOUT, params, exe, d.config, d.run_bucket, d.rows,
                                    source=prev_config, budget=sel.budget_bytes)
+  sel.commit(d, state)        # or, when XLA refused the program: sel.mark_infeasible(d, why)
   for key in sel.lookahead(d):          # next bucket's executable + weight move, in background
     exe.precompile(*key, tree=params)
   sel.state_dict() / sel.load_state_dict(...)    # hysteresis state for checkpoints
   sel.log()                                      # every decision with its reason
 
-`decide` raises `ValueError` for a context longer than the largest bucket or a load above the
-profiled ones, and `InfeasibleError` (naming the smallest layout's need) when nothing fits.
-`analytic.estimate(...)` is the memory model for shapes too large to compile here.
+`propose` / `decide` raise `ValueError` for a context longer than the largest bucket or a load
+above the profiled ones, and `InfeasibleError` (naming the smallest layout's need) when nothing
+fits. `analytic.estimate(...)` is the memory model for shapes too large to compile here.
 """
 
-from earl_jax.selector import analytic, candidates, profiler, selector
+from earl_jax.selector import analytic, candidates, profile, selector
 from earl_jax.selector.candidates import stage_candidates
-from earl_jax.selector.profiler import Cell, MeasureConfig, Profile, ProfileConfig
+from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.selector.selector import (
   Decision,
   ProfileSettings,
   Selector,
   SelectorConfig,
+  StageState,
   StepStats,
-  profile_config,
 )
 
 __all__ = [
@@ -51,15 +54,14 @@ __all__ = [
   'Decision',
   'MeasureConfig',
   'Profile',
-  'ProfileConfig',
   'ProfileSettings',
   'Selector',
   'SelectorConfig',
+  'StageState',
   'StepStats',
   'analytic',
   'candidates',
-  'profile_config',
-  'profiler',
+  'profile',
   'selector',
   'stage_candidates',
 ]

@@ -166,6 +166,8 @@ def estimate(
     micro_batches: gradient-accumulation slices (train).
     coefficients: activation array counts (defaults: XLA:CPU, this model code).
   """
+  # One piece (about 60 lines of code): the three stages' terms read the same ten per-device
+  # dimensions computed first; split apart, every part would take all of them as arguments.
   stage = Stage.parse(stage)
   c = coefficients
   f32 = 4

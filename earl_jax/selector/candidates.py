@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.stage import Stage
+from earl_jax.stage import STAGES, Stage
 
 
 def why_invalid(
@@ -80,3 +80,29 @@ def stage_candidates(
       + ' | '.join(problems)
     )
   return out
+
+
+def fsdp_stages(with_fsdp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
+  """The stages a `with_fsdp` setting names (True: every stage, False: none)."""
+  if isinstance(with_fsdp, bool):
+    return tuple(STAGES) if with_fsdp else ()
+  return tuple(Stage.parse(s) for s in with_fsdp)
+
+
+def candidates_for(
+  stage: Stage,
+  model: ModelConfig,
+  *,
+  num_devices: int,
+  rows: Sequence[int],
+  with_fsdp: Sequence[Stage],
+  only: Sequence[ParallelConfig] | None,
+) -> list[ParallelConfig]:
+  """A stage's candidates: `only` (fsdp layouts kept for the `with_fsdp` stages), or every
+  valid layout of the devices."""
+  fsdp = stage in with_fsdp
+  if only is not None:
+    only = [c for c in only if fsdp or c.fsdp == 1]
+  return stage_candidates(
+    stage, model, num_devices=num_devices, rows=rows, with_fsdp=fsdp, only=only
+  )

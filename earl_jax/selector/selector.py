@@ -23,44 +23,43 @@ the number of responses (the load) and, optionally, the free per-device memory. 
    on, and the decision that chose it is taken again.
 5. Every decision is recorded with its reason.
 
+The rule is pure: `Selector.rule(stage, state, stats, profile)` returns the decision and the
+stage's next `StageState` and changes nothing; `commit` records them. Nothing here compiles or
+measures: a lazily profiled bucket the rule needs is reported by `Selector.missing`, measured by
+the caller and handed over with `Selector.use_profile` before the decision.
+
 Where the ranking comes from, per stage: a measured `Profile` (the paper: decode throughput per
-layout and context range, measured at start-up by its own call, `profiler.run`, for
+layout and context range, measured at start-up by `earl_jax.programs.profiling.run`, for
 `SelectorConfig.profile.stages`), or, for the other stages, the analytic memory model with a
 static preference for the fewest model-parallel splits (the layout that wins at short context in
 the paper and on CPU), so that they still move to wider layouts as their memory grows without
 paying for a profile.
 
-  pconfig = selector.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
-  profile = profiler.run(cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
+  pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
+  profile = profiling.run(cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
   sel = Selector(sel_cfg, model=cfg, buckets=table, rows=64, profile=profile, spec=spec)
-  d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=lengths, num_responses=64))
+  stats = StepStats(episode_lengths=lengths, num_responses=64)
+  d, state = sel.propose(Stage.ROLLOUT, stats)    # pure; `sel.decide` also commits
+  sel.commit(d, state)                           # or sel.mark_infeasible(d, why), propose again
   d.config, d.bucket, d.run_bucket, d.reason
   for key in sel.lookahead(d): executables.precompile(*key, tree=params)
 """
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 from absl import logging
 
-from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig, check_float32
 from earl_jax.errors import ConfigError
-from earl_jax.programs import builders
-from earl_jax.programs import memory as memory_lib
+from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
 from earl_jax.selector import analytic
-from earl_jax.selector.profiler import (
-  Cell,
-  MeasureConfig,
-  Profile,
-  ProfileConfig,
-  candidates_for,
-  fsdp_stages,
-)
+from earl_jax.selector.candidates import candidates_for, fsdp_stages
+from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
@@ -77,7 +76,8 @@ class ProfileSettings:
     cache: JSON file of the profile (reused when it matches the setup).
     measure: how each cell is timed.
     lazy: measure a bucket the first time a decision needs it (a run pays only for the buckets
-      it reaches); False: every bucket at start-up.
+      it reaches; `Selector.missing` names them, the trainer measures them); False: every
+      bucket at start-up.
   """
 
   stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
@@ -105,8 +105,8 @@ class SelectorConfig:
       one.
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       the default lets the train stage shard parameters and moments over every device.
-    profile: what the start-up profile measures (`profile_config` turns it into a
-      `ProfileConfig`; `profiler.run` measures it).
+    profile: what the start-up profile measures (`programs.profiling.profile_config` turns it
+      into a `ProfileConfig`; `programs.profiling.run` measures it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
   """
 
@@ -126,6 +126,9 @@ class SelectorConfig:
       raise ConfigError(
         f'SelectorConfig.statistic must be one of {STATISTICS}, got {self.statistic!r}.'
       )
+    check_float32(self, 'headroom', 'safety_margin', 'switch_threshold')
+    if self.budget_mib is not None:
+      check_float32(self, 'budget_mib')
     if not self.headroom >= 1.0:
       raise ConfigError(f'SelectorConfig.headroom must be >= 1, got {self.headroom}.')
     if not 0.0 <= self.safety_margin < 1.0:
@@ -143,6 +146,11 @@ class SelectorConfig:
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
+      if not self.candidates:
+        raise ConfigError(
+          'SelectorConfig.candidates is empty: expected layout names (e.g. dp8,dp4.tp2), or '
+          'none for every valid layout.'
+        )
       for c in self.candidates:
         ParallelConfig.parse(c)  # raises naming the bad layout
     if self.initial_context is not None and self.initial_context <= 0:
@@ -152,7 +160,7 @@ class SelectorConfig:
 
   @property
   def budget_bytes(self) -> int | None:
-    return None if self.budget_mib is None else int(self.budget_mib * memory_lib.MiB)
+    return None if self.budget_mib is None else int(self.budget_mib * MiB)
 
   @property
   def layouts(self) -> tuple[ParallelConfig, ...] | None:
@@ -162,28 +170,8 @@ class SelectorConfig:
     )
 
 
-def profile_config(
-  config: SelectorConfig,
-  *,
-  buckets: BucketConfig,
-  rows: int | Sequence[int],
-  spec: builders.StageSpec,
-  budget_bytes: int | None,
-) -> ProfileConfig:
-  """The start-up profile a selector with `config` ranks its profiled stages by."""
-  return ProfileConfig(
-    stages=config.profile.stages,
-    buckets=buckets,
-    rows=_load_bins(rows),
-    budget_bytes=budget_bytes,
-    candidates=config.layouts,
-    with_fsdp=config.with_fsdp,
-    measure=config.profile.measure,
-    spec=spec,
-  )
-
-
-def _load_bins(rows: int | Sequence[int]) -> tuple[int, ...]:
+def load_bins(rows: int | Sequence[int]) -> tuple[int, ...]:
+  """The load bins: the number(s) of responses the stages run, sorted and unique."""
   return (rows,) if isinstance(rows, int) else tuple(sorted(set(rows)))
 
 
@@ -305,6 +293,32 @@ def fewest_splits_score(config: ParallelConfig) -> float:
   return 1.0 / (config.tp * config.fsdp) - 1e-3 * (config.fsdp - 1)
 
 
+@runtime_checkable
+class ProgramShapes(Protocol):
+  """What the analytic model reads of the stage programs' static settings (a
+  `programs.StageSpec` has these)."""
+
+  @property
+  def decode_tokens(self) -> int: ...
+
+  @property
+  def chunk(self) -> int: ...
+
+  @property
+  def micro_batches(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Shapes:
+  decode_tokens: int
+  chunk: int
+  micro_batches: int
+
+
+# The values of a default `programs.StageSpec()` (tests/selector/selector_test.py checks that).
+DEFAULT_SHAPES: ProgramShapes = _Shapes(decode_tokens=8, chunk=16, micro_batches=1)
+
+
 def analytic_profile(
   model: ModelConfig,
   *,
@@ -312,7 +326,7 @@ def analytic_profile(
   buckets: BucketConfig,
   rows: Sequence[int],
   candidates: Mapping[Stage, Sequence[ParallelConfig]],
-  spec: builders.StageSpec,
+  spec: ProgramShapes,
   coefficients: analytic.Coefficients | None = None,
 ) -> Profile:
   """A profile without measurements: analytic memory, fewest-splits scores (nothing compiles)."""
@@ -320,27 +334,27 @@ def analytic_profile(
   cells = {}
   for stage in stages:
     for bucket in buckets.lengths:
-      for r in rows:
-        for c in candidates[stage]:
+      for load in rows:
+        for config in candidates[stage]:
           need = analytic.estimate(
             stage,
             model,
-            c,
+            config,
             bucket,
-            r,
+            load,
             decode_tokens=spec.decode_tokens,
             chunk=spec.chunk,
             micro_batches=spec.micro_batches,
             coefficients=coefficients,
           ).total
-          cells[(stage, bucket, r, c.name)] = Cell(
+          cells[(stage, bucket, load, config.name)] = Cell(
             stage=stage,
-            config=c.name,
+            config=config.name,
             bucket=bucket,
-            rows=r,
+            rows=load,
             peak_bytes=need,
             oom=False,
-            throughput=fewest_splits_score(c),
+            throughput=fewest_splits_score(config),
             measured=False,
           )
   key = {
@@ -353,27 +367,57 @@ def analytic_profile(
   return Profile(key=key, cells=cells)
 
 
-@dataclasses.dataclass
-class _StageState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageState:
+  """One stage's hysteresis state: what the rule reads, and returns updated (never changed in
+  place). JSON in checkpoints (`as_dict` / `from_dict`)."""
+
   config: ParallelConfig | None = None
   bucket: int | None = None
   lower_readings: int = 0
   decisions: int = 0
   since_switch: int | None = None  # decisions since the layout last changed (None: never)
   bucket_steps: int = 0  # consecutive decisions at the current bucket
-  bucket_runs: list[int] = dataclasses.field(default_factory=list)  # lengths of finished runs
+  bucket_runs: tuple[int, ...] = ()  # lengths of finished runs
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d['config'] = None if self.config is None else self.config.name
+    d['bucket_runs'] = list(self.bucket_runs)
     return d
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> '_StageState':
+  def from_dict(cls, d: Mapping[str, Any]) -> 'StageState':
     d = dict(d)
     d['config'] = None if d['config'] is None else ParallelConfig.parse(d['config'])
-    d['bucket_runs'] = list(d.get('bucket_runs', []))
+    d['bucket_runs'] = tuple(d.get('bucket_runs', ()))
     return cls(**d)
+
+  def expected_steps(self, patience: int) -> float:
+    """Steps a bucket is expected to last: the mean of the finished runs so far (`patience`
+    until one has finished)."""
+    return float(np.mean(self.bucket_runs)) if self.bucket_runs else float(patience)
+
+  def advanced(self, config: ParallelConfig, bucket: int, lower_readings: int) -> 'StageState':
+    """The state after a decision for `config` at `bucket` (with the reading's lower count)."""
+    bucket_steps, bucket_runs = self.bucket_steps, self.bucket_runs
+    if self.bucket is not None and bucket != self.bucket:
+      bucket_runs = (*bucket_runs, bucket_steps)
+      bucket_steps = 0
+    since_switch = self.since_switch
+    if self.config is not None and config != self.config:
+      since_switch = 0
+    elif since_switch is not None:
+      since_switch += 1
+    return StageState(
+      config=config,
+      bucket=bucket,
+      lower_readings=lower_readings,
+      decisions=self.decisions + 1,
+      since_switch=since_switch,
+      bucket_steps=bucket_steps + 1,
+      bucket_runs=bucket_runs,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,21 +431,41 @@ class _Reading:
   rows: int  # the load bin
   budget: int | None
   notes: tuple[str, ...]
+  lower_readings: int  # consecutive readings below the held bucket, after this one
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+  """A layout and how the decision sees it."""
+
+  config: ParallelConfig
+  option: Option
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """Step 4's outcome: the layout to run, why, and the switch gate's (gain, cost) in ms."""
+
+  chosen: _Candidate
+  why: str
+  gate: tuple[float, float] | None = None
 
 
 # (stage, from layout, to layout, run bucket, rows) -> milliseconds the switch would stall.
 SwitchCost = Callable[[Stage, ParallelConfig, ParallelConfig, int, int], float]
-# (stage, bucket) -> the profile with that bucket measured (for every profiled stage).
-Measure = Callable[[Stage, int], Profile]
 
 
 class Selector:
   """Decides each stage's layout (see the module docstring).
 
-  Construction never compiles or measures anything: stages covered by `profile` are ranked by
-  its measurements, the others by the analytic model (from `model` and `spec`). With `measure`,
-  a profiled stage's bucket that the profile lacks is measured the first time a decision needs
-  it (`ProfileSettings.lazy`).
+  Nothing here compiles or measures: stages covered by `profile` are ranked by its
+  measurements, the others by the analytic model (from `model` and `spec`). A profiled stage's
+  bucket that the profile lacks (`ProfileSettings.lazy`) is reported by `missing`; the caller
+  measures it and hands the result to `use_profile` before it asks for the decision.
+
+  The rule itself is `rule(stage, state, stats, profile) -> (decision, new state)`, which
+  changes nothing; `propose` runs it on the current state, `commit` records its outcome, and
+  `decide` is both.
   """
 
   def __init__(
@@ -413,8 +477,7 @@ class Selector:
     model: ModelConfig | None = None,
     num_devices: int | None = None,
     profile: Profile | None = None,
-    spec: builders.StageSpec | None = None,
-    measure: Measure | None = None,
+    spec: ProgramShapes | None = None,
     switch_cost: SwitchCost | None = None,
   ):
     """Args:
@@ -423,11 +486,10 @@ class Selector:
     rows: the number(s) of responses the stages run (the load bins).
     model: the model (needed unless every stage is in `profile`).
     num_devices: devices of every stage (default: all).
-    profile: a measured profile (`profiler.run(profile_config(...))`); it must cover every
-      stage of `config.profile.stages` (possibly not every bucket, with `measure`).
+    profile: a measured profile (`programs.profiling.run`); it must cover every stage of
+      `config.profile.stages` (possibly not every bucket, with `lazy`).
     spec: static stage settings of the analytic model (decode tokens, prompt chunk,
-      micro-batches); default `StageSpec()`.
-    measure: measures a missing bucket of the profiled stages (see the class docstring).
+      micro-batches; a `programs.StageSpec` has them); default `DEFAULT_SHAPES`.
     switch_cost: what a switch would stall the step, in ms (default: nothing); weighed against
       its measured gain.
 
@@ -436,57 +498,58 @@ class Selector:
     """
     self.config = config
     self.buckets = buckets
-    self.rows = _load_bins(rows)
+    self.rows = load_bins(rows)
     self.num_devices = num_devices or jax.device_count()
-    self.budget_bytes = memory_lib.resolve_budget(config.budget_bytes)
+    self.budget_bytes = resolve_budget(config.budget_bytes)
     self.history: list[Decision] = []
-    self._state: dict[Stage, _StageState] = {}
-    self._before: dict[Stage, tuple[_StageState, int]] = {}
+    self._state: dict[Stage, StageState] = {}
     self._refused: dict[Stage, set[tuple[str, int, int]]] = {}
-    self._measure = measure
     self._switch_cost = switch_cost
     self._profiles: dict[Stage, Profile] = {}
     if profile is not None:
-      if tuple(buckets.lengths) != profile.buckets:
-        raise ValueError(
-          f'Buckets {buckets.lengths} differ from the profiled buckets {profile.buckets}.'
-        )
-      self._profiles.update(dict.fromkeys(profile.stages, profile))
+      self.use_profile(profile)
     unmeasured = [s for s in config.profile.stages if s not in self._profiles]
     if unmeasured:
       raise ValueError(
         f'SelectorConfig.profile.stages names {[str(s) for s in unmeasured]}, which no '
-        'profile covers; measure one with profiler.run(model, selector.profile_config(...)) '
-        'and pass it as `profile`, or leave those stages to the analytic model.'
+        'profile covers; measure one with programs.profiling.run(model, '
+        'profiling.profile_config(...)) and pass it as `profile`, or leave those stages to the '
+        'analytic model.'
       )
-    missing = [s for s in STAGES if s not in self._profiles]
-    if missing and model is not None:
-      cands = {
-        s: candidates_for(
-          s,
-          model,
-          num_devices=self.num_devices,
-          rows=self.rows,
-          with_fsdp=config.with_fsdp,
-          only=config.layouts,
-        )
-        for s in missing
-      }
-      est = analytic_profile(
+    unprofiled = [s for s in STAGES if s not in self._profiles]
+    if unprofiled and model is not None:
+      self._profiles.update(dict.fromkeys(unprofiled, self._analytic(model, unprofiled, spec)))
+
+  def _analytic(self, model: ModelConfig, stages: list[Stage], spec) -> Profile:
+    candidates = {
+      s: candidates_for(
+        s,
         model,
-        stages=missing,
-        buckets=buckets,
+        num_devices=self.num_devices,
         rows=self.rows,
-        candidates=cands,
-        spec=spec or builders.StageSpec(),
+        with_fsdp=self.config.with_fsdp,
+        only=self.config.layouts,
       )
-      self._profiles.update(dict.fromkeys(missing, est))
+      for s in stages
+    }
+    return analytic_profile(
+      model,
+      stages=stages,
+      buckets=self.buckets,
+      rows=self.rows,
+      candidates=candidates,
+      spec=spec or DEFAULT_SHAPES,
+    )
 
   # -- state ----------------------------------------------------------------------------------------
 
   def current(self, stage: Stage) -> ParallelConfig | None:
     """The layout of the stage's last decision."""
-    return self._state.get(Stage.parse(stage), _StageState()).config
+    return self.state(stage).config
+
+  def state(self, stage: Stage) -> StageState:
+    """The stage's committed state (a fresh one before its first decision)."""
+    return self._state.get(Stage.parse(stage), StageState())
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -503,16 +566,24 @@ class Selector:
       )
     return self._profiles[stage]
 
+  def use_profile(self, profile: Profile) -> None:
+    """Ranks `profile`'s stages by it from now on (e.g. with a bucket measured since)."""
+    if tuple(self.buckets.lengths) != profile.buckets:
+      raise ValueError(
+        f'Buckets {self.buckets.lengths} differ from the profiled buckets {profile.buckets}.'
+      )
+    self._profiles.update(dict.fromkeys(profile.stages, profile))
+
   def state_dict(self) -> dict[str, Any]:
     """JSON-able state (current layouts, buckets, hysteresis counters, refused programs)."""
     return {
-      'stages': {str(s): st.as_dict() for s, st in self._state.items()},
-      'refused': {str(s): sorted(list(k) for k in r) for s, r in self._refused.items()},
+      'stages': {str(s): state.as_dict() for s, state in self._state.items()},
+      'refused': {str(s): sorted(list(k) for k in keys) for s, keys in self._refused.items()},
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     for s, d in state['stages'].items():
-      self._state[Stage.parse(s)] = _StageState.from_dict(d)
+      self._state[Stage.parse(s)] = StageState.from_dict(d)
     for s, keys in state.get('refused', {}).items():
       self._refused[Stage.parse(s)] = {tuple(k) for k in keys}
 
@@ -520,70 +591,157 @@ class Selector:
     """Every decision so far, JSON-able."""
     return [d.as_dict() for d in self.history]
 
-  # -- feasibility found at compile time ------------------------------------------------------------
+  # -- asking, deciding, recording --------------------------------------------------------------
 
-  def mark_infeasible(self, decision: 'Decision', reason: str) -> None:
-    """XLA refused `decision`'s program (at its run bucket and load): leave that layout out
-    there from now on, and undo the decision, so that `decide` with the same statistics takes
-    the next candidate. The refused decision stays in the log, marked."""
-    stage = decision.stage
-    self._refused.setdefault(stage, set()).add(
+  def missing(self, stage: Stage, stats: StepStats | None) -> list[int]:
+    """The buckets a decision for `stage` on `stats` would rank or run at that its profile has
+    not measured yet (a profiled stage under a lazy profile); [] when it can decide now.
+    Measure the first, `use_profile` the result, and ask again."""
+    stage = Stage.parse(stage)
+    if stage not in self.config.profile.stages:
+      return []
+    profile = self.profile(stage)
+    reading = self._read(stage, stats or self._initial_stats(), self.state(stage), profile)
+    buckets = dict.fromkeys((reading.bucket, reading.run_bucket))
+    return [b for b in buckets if not profile.covers(stage, b, reading.rows)]
+
+  def propose(self, stage: Stage, stats: StepStats | None) -> tuple[Decision, StageState]:
+    """The rule on the stage's current state: (decision, the state after it); records nothing.
+
+    Args:
+      stage: the stage to decide.
+      stats: the previous step's statistics; None before the first step (the initial context).
+
+    Raises:
+      ValueError: a context longer than the largest bucket, or a load above the profiled ones.
+      memory_budget.InfeasibleError: no layout fits; names the smallest layout's need.
+    """
+    stage = Stage.parse(stage)
+    profile = self.profile(stage)
+    return self.rule(stage, self.state(stage), stats or self._initial_stats(), profile)
+
+  def commit(self, decision: Decision, state: StageState) -> None:
+    """Records a proposed decision: its state becomes the stage's, and it joins the log."""
+    self._state[decision.stage] = state
+    self.history.append(decision)
+    if decision.switched:
+      logging.info('selector: %s', decision.reason)
+
+  def decide(self, stage: Stage, stats: StepStats | None) -> Decision:
+    """The layout and bucket for the coming `stage`, from the previous step's `stats`, recorded
+    (`propose`, then `commit`)."""
+    decision, state = self.propose(stage, stats)
+    self.commit(decision, state)
+    return decision
+
+  def mark_infeasible(self, decision: Decision, reason: str) -> None:
+    """XLA refused `decision`'s program (at its run bucket and load): its layout is left out
+    there from now on. The refused decision joins the log, marked; a proposal that was not
+    committed leaves the state as it was, so that the next proposal takes the next candidate."""
+    self._refused.setdefault(decision.stage, set()).add(
       (decision.config.name, decision.run_bucket, decision.rows)
     )
-    state, count = self._before[stage]
-    self._state[stage] = state
     refused = dataclasses.replace(decision, reason=f'{decision.reason}; REFUSED: {reason}')
-    self.history[count] = refused
+    self.history.append(refused)
     logging.warning('selector: %s', refused.reason)
+
+  def initial_decisions(self) -> dict[Stage, Decision]:
+    """What a first decision (no statistics yet) would choose for every stage; records
+    nothing."""
+    stats = self._initial_stats()
+    return {s: self.rule(s, StageState(), stats, self.profile(s))[0] for s in self.stages}
+
+  def expected_steps(self, stage: Stage) -> float:
+    """Steps a bucket is expected to last: the mean of the finished runs so far (at least
+    `patience` until one has finished)."""
+    return self.state(stage).expected_steps(self.config.patience)
 
   # -- the rule -------------------------------------------------------------------------------------
 
+  def rule(
+    self, stage: Stage, state: StageState, stats: StepStats, profile: Profile
+  ) -> tuple[Decision, StageState]:
+    """Steps 1-5 of the module docstring: the decision for `stage` from its `state`, the
+    statistics and the profile, and the state after it. Pure: reads this selector's settings
+    and refused programs, changes nothing."""
+    reading = self._read(stage, stats, state, profile)
+    options = self._options(
+      stage, profile, reading.bucket, reading.run_bucket, reading.rows, reading.budget
+    )
+    feasible = [o for o in options if o.option.feasible]
+    if not feasible:
+      raise self._infeasible(stage, reading.run_bucket, reading.rows, reading.budget, options)
+    best = max(feasible, key=lambda o: o.option.throughput)
+    measured = profile.cell(stage, reading.bucket, reading.rows, best.config).measured
+    choice = self._choose(stage, stats, options, best, state, reading, measured)
+    chosen = choice.chosen
+    infeasible = [o.config.name for o in options if not o.option.feasible]
+    reason = (
+      f'{stage}: {self.config.statistic} context {reading.value:.0f} -> bucket '
+      f'{reading.bucket}, longest {reading.longest:.0f} -> run bucket {reading.run_bucket}, '
+      f'{stats.num_responses} responses -> load {reading.rows}; {choice.why}'
+      + (f'; infeasible: {", ".join(infeasible)}' if infeasible else '')
+      + (f'; {"; ".join(reading.notes)}' if reading.notes else '')
+    )
+    decision = Decision(
+      stage=stage,
+      step=state.decisions,
+      config=chosen.config,
+      bucket=reading.bucket,
+      run_bucket=reading.run_bucket,
+      rows=reading.rows,
+      statistic=reading.value,
+      throughput=chosen.option.throughput,
+      measured=profile.cell(stage, reading.bucket, reading.rows, chosen.config).measured,
+      need_bytes=chosen.option.need_bytes,
+      budget_bytes=reading.budget,
+      switched=state.config is not None and chosen.config != state.config,
+      previous=state.config,
+      reason=reason,
+      options=tuple(o.option for o in options),
+      gain_ms=None if choice.gate is None else choice.gate[0],
+      cost_ms=None if choice.gate is None else choice.gate[1],
+    )
+    return decision, state.advanced(chosen.config, reading.bucket, reading.lower_readings)
+
   def _fits(self, need: int, budget: int | None) -> bool:
-    return budget is None or memory_lib.fits(need, budget, margin=self.config.safety_margin)
+    return budget is None or fits(need, budget, margin=self.config.safety_margin)
 
-  def _ensure_measured(self, stage: Stage, buckets: Sequence[int], rows: int) -> None:
-    if self._measure is None or stage not in self.config.profile.stages:
-      return
-    for b in dict.fromkeys(buckets):
-      if not self._profiles[stage].covers(stage, b, rows):
-        measured = self._measure(stage, b)
-        for s in measured.stages:
-          self._profiles[s] = measured
-
-  def _options(self, stage: Stage, bucket: int, run_bucket: int, rows: int, budget: int | None):
-    profile = self._profiles[stage]
+  def _options(
+    self, stage, profile: Profile, bucket: int, run_bucket: int, rows: int, budget: int | None
+  ) -> list[_Candidate]:
     refused = self._refused.get(stage, set())
     out = []
-    for c in profile.candidates(stage):
-      run_cell = profile.cell(stage, run_bucket, rows, c)
-      rank_cell: Cell = profile.cell(stage, bucket, rows, c)
+    for config in profile.candidates(stage):
+      run_cell = profile.cell(stage, run_bucket, rows, config)
+      rank_cell: Cell = profile.cell(stage, bucket, rows, config)
       score = rank_cell.throughput if rank_cell.throughput is not None else run_cell.throughput
       feasible = (
         self._fits(run_cell.peak_bytes, budget)
         and score is not None
-        and (c.name, run_bucket, rows) not in refused
+        and (config.name, run_bucket, rows) not in refused
       )
-      opt = Option(
-        config=c.name, throughput=score, need_bytes=run_cell.peak_bytes, feasible=feasible
+      option = Option(
+        config=config.name, throughput=score, need_bytes=run_cell.peak_bytes, feasible=feasible
       )
-      out.append((c, opt))
+      out.append(_Candidate(config, option))
     return out
 
-  def _infeasible(self, stage, run_bucket, rows, budget, options) -> memory_lib.InfeasibleError:
-    c, smallest = min(options, key=lambda o: o[1].need_bytes)
-    mib = memory_lib.MiB
+  def _infeasible(self, stage, run_bucket, rows, budget, options) -> InfeasibleError:
+    smallest = min(options, key=lambda o: o.option.need_bytes)
+    need = smallest.option.need_bytes
     margin = self.config.safety_margin
     refused = self._refused.get(stage, set())
-    if budget is None or all((o.name, run_bucket, rows) in refused for o, _ in options):
-      return memory_lib.InfeasibleError(
+    if budget is None or all((o.config.name, run_bucket, rows) in refused for o in options):
+      return InfeasibleError(
         f'No {stage} layout is left at bucket {run_bucket} with {rows} responses: XLA refused '
         f'every candidate ({", ".join(n for n, _, _ in sorted(self._refused.get(stage, ())))}).'
       )
-    return memory_lib.InfeasibleError(
-      f'No {stage} layout fits the per-device budget of {budget / mib:.1f} MiB at bucket '
-      f'{run_bucket} with {rows} responses: the smallest need is {c.name} with '
-      f'{smallest.need_bytes / mib:.1f} MiB per device (x{1 + margin:.2f} safety margin = '
-      f'{smallest.need_bytes * (1 + margin) / mib:.1f} MiB). Raise the budget, lower the load or '
+    return InfeasibleError(
+      f'No {stage} layout fits the per-device budget of {budget / MiB:.1f} MiB at bucket '
+      f'{run_bucket} with {rows} responses: the smallest need is {smallest.config.name} with '
+      f'{need / MiB:.1f} MiB per device (x{1 + margin:.2f} safety margin = '
+      f'{need * (1 + margin) / MiB:.1f} MiB). Raise the budget, lower the load or '
       f'shorten the context.'
     )
 
@@ -591,22 +749,7 @@ class Selector:
     n = self.config.initial_context or self.buckets.lengths[0]
     return StepStats(episode_lengths=(n,), num_responses=self.rows[-1])
 
-  def initial_decisions(self) -> dict[Stage, Decision]:
-    """What `decide(stage, None)` would choose for every stage, without recording anything."""
-    out = {}
-    for s in self.stages:
-      saved = (self._state.get(s), self._before.get(s), len(self.history))
-      self._state[s] = _StageState()
-      out[s] = self.decide(s, None)
-      del self.history[saved[2] :]
-      for table, value in ((self._state, saved[0]), (self._before, saved[1])):
-        if value is None:
-          table.pop(s, None)
-        else:
-          table[s] = value
-    return out
-
-  def _read(self, stage: Stage, stats: StepStats, st: _StageState) -> _Reading:
+  def _read(self, stage: Stage, stats: StepStats, state: StageState, profile: Profile) -> _Reading:
     """Steps 1-3 of the rule: the ranking and run buckets (with hysteresis), the load, the budget."""
     cfg = self.config
     value = context_statistic(stats.episode_lengths, cfg.statistic) * cfg.headroom
@@ -617,188 +760,106 @@ class Selector:
     except ValueError as e:
       raise ValueError(f'{stage}: context too long for the bucket table: {e}') from None
     notes = []
-    bucket = raw_bucket
-    if st.bucket is not None and raw_bucket < st.bucket:
-      st.lower_readings += 1
-      if st.lower_readings < cfg.patience:
-        bucket = st.bucket
+    bucket, lower_readings = raw_bucket, 0
+    if state.bucket is not None and raw_bucket < state.bucket:
+      lower_readings = state.lower_readings + 1
+      if lower_readings < cfg.patience:
+        bucket = state.bucket
         notes.append(
-          f'held bucket {st.bucket} ({cfg.statistic} reads {raw_bucket}, '
-          f'{st.lower_readings}/{cfg.patience} lower readings)'
+          f'held bucket {state.bucket} ({cfg.statistic} reads {raw_bucket}, '
+          f'{lower_readings}/{cfg.patience} lower readings)'
         )
       else:
-        st.lower_readings = 0
-    else:
-      st.lower_readings = 0
+        lower_readings = 0
     budget = self.budget_bytes
     if stats.free_memory_bytes is not None and (budget is None or stats.free_memory_bytes < budget):
       budget = stats.free_memory_bytes
-      notes.append(f'free memory {budget / memory_lib.MiB:.1f} MiB')
-    rows = self.profile(stage).rows_bin(stats.num_responses)
-    return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes))
+      notes.append(f'free memory {budget / MiB:.1f} MiB')
+    rows = profile.rows_bin(stats.num_responses)
+    return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes), lower_readings)
 
-  def expected_steps(self, stage: Stage) -> float:
-    """Steps a bucket is expected to last: the mean of the finished runs so far (at least
-    `patience` until one has finished)."""
-    runs = self._state.get(Stage.parse(stage), _StageState()).bucket_runs
-    return float(np.mean(runs)) if runs else float(self.config.patience)
-
-  def _gate(self, stage, stats, prev, best, r: _Reading, measured: bool):
+  def _gate(self, stage, stats, state, prev: _Candidate, best: _Candidate, reading: _Reading):
     """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, or None when
-    the time per step is not measured (no throughputs, or no token count for the stage)."""
+    the time per step is not known (no throughputs, or no token count for the stage)."""
     work = stats.stage_tokens.get(str(stage))
-    (prev_c, prev_o), (best_c, best_o) = prev, best
-    if not measured or not work or not prev_o.throughput or not best_o.throughput:
+    if not work or not prev.option.throughput or not best.option.throughput:
       return None
     per_step = work / self.num_devices  # tokens per device per step
-    saved_s = per_step / prev_o.throughput - per_step / best_o.throughput
-    gain = 1e3 * saved_s * self.expected_steps(stage)
+    saved_s = per_step / prev.option.throughput - per_step / best.option.throughput
+    gain = 1e3 * saved_s * state.expected_steps(self.config.patience)
     cost = 0.0
     if self._switch_cost is not None:
-      cost = float(self._switch_cost(stage, prev_c, best_c, r.run_bucket, r.rows))
+      cost = float(
+        self._switch_cost(stage, prev.config, best.config, reading.run_bucket, reading.rows)
+      )
     return gain, cost
 
-  def _choose(self, stage, stats, options, best, st: _StageState, r: _Reading, measured: bool):
+  def _choose(self, stage, stats, options, best: _Candidate, state, reading, measured) -> _Choice:
     """Step 4: the layout to run, why, and the switch gate's numbers when it was weighed."""
     cfg = self.config
-    best_c, best_o = best
-    prev = st.config
-    unit = 'tok/s/dev' if measured else '(preference)'
-    current = next(((c, o) for c, o in options if c == prev), None)
+    prev = state.config
+    current = next((o for o in options if o.config == prev), None)
     if prev is None:
-      return best, f'first decision: fastest feasible is {best_c.name}', None
-    if current is None or not current[1].feasible:
-      if current is not None and (prev.name, r.run_bucket, r.rows) in self._refused.get(stage, ()):
-        why = f'{prev.name} was refused by XLA at bucket {r.run_bucket}'
-      else:
-        need = current[1].need_bytes if current else 0
-        budget = 'unlimited' if r.budget is None else f'{r.budget / memory_lib.MiB:.1f} MiB'
-        why = (
-          f'{prev.name} no longer fits ({need / memory_lib.MiB:.1f} MiB x'
-          f'{1 + cfg.safety_margin:.2f} > {budget} at bucket {r.run_bucket})'
-        )
-      return best, f'{why}; fastest feasible is {best_c.name}', None
-    cur_o = current[1]
-    if prev == best_c:
-      return current, f'kept {prev.name} (fastest feasible)', None
-    if st.since_switch is not None and st.since_switch < cfg.patience:
-      return (
+      return _Choice(best, f'first decision: fastest feasible is {best.config.name}')
+    if current is None or not current.option.feasible:
+      why = self._why_left(stage, prev, current, reading)
+      return _Choice(best, f'{why}; fastest feasible is {best.config.name}')
+    if prev == best.config:
+      return _Choice(current, f'kept {prev.name} (fastest feasible)')
+    if state.since_switch is not None and state.since_switch < cfg.patience:
+      return _Choice(
         current,
-        (
-          f'held {prev.name} ({st.since_switch}/{cfg.patience} decisions since the last switch; '
-          f'best now {best_c.name})'
-        ),
-        None,
+        f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
+        f'best now {best.config.name})',
       )
-    if cur_o.throughput >= (1.0 - cfg.switch_threshold) * best_o.throughput:
-      return (
+    unit = 'tok/s/dev' if measured else '(preference)'
+    now, top = current.option.throughput, best.option.throughput
+    if now >= (1.0 - cfg.switch_threshold) * top:
+      return _Choice(
         current,
-        (
-          f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best_c.name}: '
-          f'{cur_o.throughput:.1f} vs {best_o.throughput:.1f} {unit})'
-        ),
-        None,
+        f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best.config.name}: '
+        f'{now:.1f} vs {top:.1f} {unit})',
       )
     faster = (
-      f'{best_c.name} is {best_o.throughput / cur_o.throughput - 1:.0%} faster than {prev.name} '
-      f'({best_o.throughput:.1f} vs {cur_o.throughput:.1f} {unit})'
+      f'{best.config.name} is {top / now - 1:.0%} faster than {prev.name} '
+      f'({top:.1f} vs {now:.1f} {unit})'
     )
-    gate = self._gate(stage, stats, current, best, r, measured)
+    gate = self._gate(stage, stats, state, current, best, reading) if measured else None
     if gate is None:
-      return best, faster, None
+      return _Choice(best, faster)
     gain, cost = gate
     weighed = (
-      f'saves {gain:.0f} ms over {self.expected_steps(stage):.1f} expected steps, switch costs '
-      f'{cost:.0f} ms'
+      f'saves {gain:.0f} ms over {state.expected_steps(cfg.patience):.1f} expected steps, '
+      f'switch costs {cost:.0f} ms'
     )
     if gain <= cost:
-      return current, f'kept {prev.name}: {faster}, but it {weighed}', gate
-    return best, f'{faster}; it {weighed}', gate
+      return _Choice(current, f'kept {prev.name}: {faster}, but it {weighed}', gate)
+    return _Choice(best, f'{faster}; it {weighed}', gate)
 
-  def _advance(self, st: _StageState, config: ParallelConfig, bucket: int) -> None:
-    if st.bucket is not None and bucket != st.bucket:
-      st.bucket_runs.append(st.bucket_steps)
-      st.bucket_steps = 0
-    if st.config is not None and config != st.config:
-      st.since_switch = 0
-    elif st.since_switch is not None:
-      st.since_switch += 1
-    st.bucket_steps += 1
-    st.config, st.bucket = config, bucket
-    st.decisions += 1
-
-  def decide(self, stage: Stage, stats: StepStats | None) -> Decision:
-    """The layout and bucket for the coming `stage`, from the previous step's `stats`.
-
-    Args:
-      stage: the stage to decide.
-      stats: the previous step's statistics; None before the first step (the initial context).
-
-    Raises:
-      ValueError: a context longer than the largest bucket, or a load above the profiled ones.
-      memory.InfeasibleError: no layout fits; names the smallest layout's need.
-    """
-    stage = Stage.parse(stage)
-    stats = stats or self._initial_stats()
-    profile = self.profile(stage)
-    st = self._state.setdefault(stage, _StageState())
-    self._before[stage] = (copy.deepcopy(st), len(self.history))
-    r = self._read(stage, stats, st)
-    self._ensure_measured(stage, (r.bucket, r.run_bucket), r.rows)
-    profile = self.profile(stage)
-    options = self._options(stage, r.bucket, r.run_bucket, r.rows, r.budget)
-    feasible = [(c, o) for c, o in options if o.feasible]
-    if not feasible:
-      self._state[stage] = self._before[stage][0]
-      raise self._infeasible(stage, r.run_bucket, r.rows, r.budget, options)
-    best = max(feasible, key=lambda x: x[1].throughput)
-    measured = profile.cell(stage, r.bucket, r.rows, best[0]).measured
-    prev = st.config
-    (chosen_c, chosen), why, gate = self._choose(stage, stats, options, best, st, r, measured)
-    infeasible = [c.name for c, o in options if not o.feasible]
-    reason = (
-      f'{stage}: {self.config.statistic} context {r.value:.0f} -> bucket {r.bucket}, longest '
-      f'{r.longest:.0f} -> run bucket {r.run_bucket}, {stats.num_responses} responses -> load '
-      f'{r.rows}; {why}'
-      + (f'; infeasible: {", ".join(infeasible)}' if infeasible else '')
-      + (f'; {"; ".join(r.notes)}' if r.notes else '')
+  def _why_left(self, stage, prev: ParallelConfig, current: _Candidate | None, reading):
+    """Why the current layout `prev` cannot stay: refused by XLA, or over the budget."""
+    refused = self._refused.get(stage, ())
+    if current is not None and (prev.name, reading.run_bucket, reading.rows) in refused:
+      return f'{prev.name} was refused by XLA at bucket {reading.run_bucket}'
+    need = current.option.need_bytes if current else 0
+    budget = 'unlimited' if reading.budget is None else f'{reading.budget / MiB:.1f} MiB'
+    return (
+      f'{prev.name} no longer fits ({need / MiB:.1f} MiB x'
+      f'{1 + self.config.safety_margin:.2f} > {budget} at bucket {reading.run_bucket})'
     )
-    decision = Decision(
-      stage=stage,
-      step=st.decisions,
-      config=chosen_c,
-      bucket=r.bucket,
-      run_bucket=r.run_bucket,
-      rows=r.rows,
-      statistic=r.value,
-      throughput=chosen.throughput,
-      measured=profile.cell(stage, r.bucket, r.rows, chosen_c).measured,
-      need_bytes=chosen.need_bytes,
-      budget_bytes=r.budget,
-      switched=prev is not None and chosen_c != prev,
-      previous=prev,
-      reason=reason,
-      options=tuple(o for _, o in options),
-      gain_ms=None if gate is None else gate[0],
-      cost_ms=None if gate is None else gate[1],
-    )
-    self._advance(st, chosen_c, r.bucket)
-    self.history.append(decision)
-    if decision.switched:
-      logging.info('selector: %s', reason)
-    return decision
 
   def best_for(self, stage: Stage, bucket: int, rows: int) -> ParallelConfig | None:
     """The fastest layout that fits at (bucket, rows), without hysteresis (None: nothing fits,
     or the bucket is not profiled yet)."""
     stage = Stage.parse(stage)
-    if not self._profiles[stage].covers(stage, bucket, rows):
+    profile = self._profiles[stage]
+    if not profile.covers(stage, bucket, rows):
       return None
-    options = self._options(stage, bucket, bucket, rows, self.budget_bytes)
-    feasible = [(c, o) for c, o in options if o.feasible]
+    options = self._options(stage, profile, bucket, bucket, rows, self.budget_bytes)
+    feasible = [o for o in options if o.option.feasible]
     if not feasible:
       return None
-    return max(feasible, key=lambda x: x[1].throughput)[0]
+    return max(feasible, key=lambda o: o.option.throughput).config
 
   def lookahead(self, decision: Decision) -> list[tuple[Stage, ParallelConfig, int, int]]:
     """Keys worth compiling in the background now: the chosen one, and its neighbours'.
@@ -807,18 +868,20 @@ class Selector:
     bucket is profiled), and the chosen layout too when it fits there (hysteresis may keep it).
     Each key is (stage, config, bucket, rows), the arguments of `Executables.precompile`.
     """
-    keys = [(decision.stage, decision.config, decision.run_bucket, decision.rows)]
+    stage, rows = decision.stage, decision.rows
+    keys = [(stage, decision.config, decision.run_bucket, rows)]
     lengths = self.buckets.lengths
     i = lengths.index(decision.run_bucket)
     neighbours = [lengths[j] for j in (i + 1, i - 1) if 0 <= j < len(lengths)]
-    profile = self._profiles[decision.stage]
+    profile = self._profiles[stage]
     for nb in neighbours:
-      if not profile.covers(decision.stage, nb, decision.rows):
-        keys.append((decision.stage, decision.config, nb, decision.rows))  # not profiled yet
+      if not profile.covers(stage, nb, rows):
+        keys.append((stage, decision.config, nb, rows))  # not profiled yet
         continue
-      options = dict(self._options(decision.stage, nb, nb, decision.rows, self.budget_bytes))
-      for c in (self.best_for(decision.stage, nb, decision.rows), decision.config):
-        key = (decision.stage, c, nb, decision.rows)
-        if c is not None and options[c].feasible and key not in keys:
+      options = self._options(stage, profile, nb, nb, rows, self.budget_bytes)
+      feasible = {o.config: o.option.feasible for o in options}
+      for config in (self.best_for(stage, nb, rows), decision.config):
+        key = (stage, config, nb, rows)
+        if config is not None and feasible[config] and key not in keys:
           keys.append(key)
     return keys

@@ -54,13 +54,15 @@ def staged_profile(config, winners: dict[str, str], needs: dict[str, dict[str, i
   """
   from earl_jax.config import ModelConfig, ParallelConfig
   from earl_jax.programs.builders import StageSpec
-  from earl_jax.selector import profiler, selector
+  from earl_jax.selector import candidates as candidates_lib
+  from earl_jax.selector import profile as profile_lib
+  from earl_jax.selector import selector
   from earl_jax.stage import STAGES, Stage
 
   model = ModelConfig.preset(config.model)
   rows = (config.rollout.num_episodes,)
   candidates = {
-    s: profiler.candidates_for(
+    s: candidates_lib.candidates_for(
       s,
       model,
       num_devices=8,
@@ -92,4 +94,4 @@ def staged_profile(config, winners: dict[str, str], needs: dict[str, dict[str, i
     )
     for k, c in base.cells.items()
   }
-  return profiler.Profile(key=base.key, cells=cells)
+  return profile_lib.Profile(key=base.key, cells=cells)

@@ -77,8 +77,14 @@ def check_placed(out: Any, host: Any, layout: Any, perm: np.ndarray | None = Non
 
 def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
   """Every strategy, with and without a permutation, across processes; plus group stats."""
-  from earl_jax.dispatch import Dispatcher, Layout, balanced_permutation, group_stats
-  from earl_jax.dispatch.controller import link_bytes
+  from earl_jax.dispatch import (
+    DispatchConfig,
+    Dispatcher,
+    Layout,
+    balanced_permutation,
+    group_stats,
+  )
+  from earl_jax.dispatch.baselines import link_bytes
 
   host = host_batch(rows, length, seed=seed)
   results: dict[str, Any] = {'process_index': jax.process_index(), 'problems': {}}
@@ -88,7 +94,7 @@ def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
     (f'dp{n // 2}.tp2:seq', f'dp{n // 2}.tp2:perm'),
     (f'dp{n}', f'dp{n // 2}.tp2:rep'),
   ]
-  dispatcher = Dispatcher()
+  dispatcher = Dispatcher(DispatchConfig(strategy='auto', stable_kernels=False, donate=False))
   rng = np.random.default_rng(seed)
   lengths = rng.integers(1, length + 1, rows)
   for src_text, dst_text in cases:
@@ -136,9 +142,7 @@ def dispatch_body(rows: int = 32, length: int = 16, seed: int = 0) -> dict:
   results['num_local_rows'] = len(got)
   results['traces'] = dispatcher.traces
   # Recycling across processes: donated sources land the next dispatch's outputs.
-  from earl_jax.dispatch import DispatchConfig
-
-  recycling = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  recycling = Dispatcher(DispatchConfig(strategy='layout_aware', stable_kernels=False, donate=True))
   src = Layout.parse(f'dp{n}', host)
   rotate = (np.arange(rows) + rows // jax.process_count()) % rows  # every row to the next process
   results['recycled'], results['recycled_problems'] = [], []

@@ -1,8 +1,9 @@
 """Presets of experiments/train.py.
 
 default   the embedded default: a tiny model from scratch, the built-in tokenizer, Connect Four
-          against the random opponent, 8 fake CPU devices, under 10 minutes on 2 cores.
-long      the same task to >= 80% greedy wins against random (see README, Results): replies
+          against the random opponent, 8 fake CPU devices, under 10 minutes on 2 cores; 64
+          episodes a step on 16 rollout slots, each refilled as soon as its episode ends.
+long      the same task to >= 80% greedy wins against random (see docs/results.md): replies
           constrained to the column digits, a cue naming full columns, only the opponent's last
           move in each observation (the agent tracks the game in its own context), REINFORCE++
           with turn-level discounted credit.
@@ -26,7 +27,7 @@ from earl_jax.rl.losses import LossConfig
 from earl_jax.rl.train_step import OptimConfig
 from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector.profiler import MeasureConfig
+from earl_jax.selector.profile import MeasureConfig
 from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 from earl_jax.stage import STAGES, Stage
 from earl_jax.testing import configs
@@ -42,8 +43,13 @@ def default() -> ExperimentConfig:
     tokenizer='game',
     env=EnvConfig(game='connect_four', opponent='random', legal_move_reward=0.1),
     eval_env=EnvConfig(game='connect_four', opponent='random'),
+    # 64 episodes on 16 slots, each refilled as soon as its episode ends: on this CPU a rollout
+    # program's cost grows with its rows, and refill keeps the slots busy (experiments/
+    # rollout_refill.py: faster than all 64 at once and than lock-step waves, same episodes).
     rollout=RolloutConfig(
       num_episodes=64,
+      num_slots=16,
+      refill=True,
       group_size=1,
       sampling=SamplingConfig(temperature=1.0, max_new_tokens=1),
       prompt_buckets=(64, 128),
@@ -87,7 +93,11 @@ def long() -> ExperimentConfig:
     name='long',
     env=env,
     eval_env=env,
-    rollout=dataclasses.replace(c.rollout, prompt_buckets=(32, 64), reply_tokens=tuple('1234567')),
+    # Short prompts (the last move): a call's cost is mostly fixed, so all 64 episodes at once
+    # beat 16 refilled slots here (experiments/rollout_refill.py --at_once).
+    rollout=dataclasses.replace(
+      c.rollout, num_slots=None, prompt_buckets=(32, 64), reply_tokens=tuple('1234567')
+    ),
     advantages=AdvantageConfig(estimator='reinforce_pp', credit='turn', gamma=0.9),
     # A third of the default's rate, annealed as PPO does. At 3e-3 the sampled policy collapses
     # onto one column within ~40 steps for some seeds, before the cue has been learned, and at a
@@ -120,8 +130,13 @@ def think() -> ExperimentConfig:
     name='think',
     env=env,
     eval_env=env.replace(legal_move_reward=0.0),
-    # The policy decides how long to think: a reply is a thought or the move thought of.
-    rollout=dataclasses.replace(c.rollout, reply_tokens=(THINK, PLAY_HINT)),
+    # The policy decides how long to think: a reply is a thought or the move thought of. Its
+    # prompts (the last move or a hint) are under 16 tokens: a 64-token bucket would be ~90%
+    # padding. With prompts that short a call's cost is mostly fixed, so all 64 episodes at once
+    # beat 16 refilled slots (experiments/rollout_refill.py --at_once).
+    rollout=dataclasses.replace(
+      c.rollout, num_slots=None, prompt_buckets=(16, 64, 128), reply_tokens=(THINK, PLAY_HINT)
+    ),
     selector=dataclasses.replace(
       c.selector,
       profile=dataclasses.replace(c.selector.profile, cache='.earl_cache/profile_think.json'),

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from earl_jax.dispatch import Layout, collectives, make_plan
+from earl_jax.dispatch import Layout, PlanOptions, collectives, make_plan
+from earl_jax.dispatch import landing as landing_lib
 from earl_jax.testing import dispatch_bodies as bodies
 
 ROWS, LENGTH = 16, 8
@@ -24,7 +25,8 @@ def _host():
 
 def _plan(src, dst, leaves, perm, collective, **plan_options):
   shapes, dtypes = [x.shape for x in leaves], [x.dtype for x in leaves]
-  return make_plan(src, dst, shapes, dtypes, perm=perm, collective=collective, **plan_options)
+  options = PlanOptions(collective=collective, **plan_options)
+  return make_plan(src, dst, shapes, dtypes, perm=perm, options=options)
 
 
 def _kernel(host, src_text, dst_text, perm, collective, **plan_options):
@@ -68,7 +70,7 @@ def test_kernel_and_rewrap_match_the_dense_reference(src_text, dst_text, perm_ki
 
 @pytest.mark.parametrize('static', [True, False])
 def test_kernel_with_pairs_cut_over_rounds_matches_the_dense_reference(static):
-  """A pair cut into chunks (`plan._chunkings`) sends its next units in each of its rounds."""
+  """A pair cut into chunks (`schedule._chunkings`) sends its next units in each of its rounds."""
   rows, length = 64, 32768  # 8 MiB: large enough that bytes, not rounds, set the schedule
   rng = np.random.default_rng(4)
   host = {
@@ -79,7 +81,12 @@ def test_kernel_with_pairs_cut_over_rounds_matches_the_dense_reference(static):
   src, dst = Layout.parse('dp2.tp4:seq', host), Layout.parse('dp4.tp2', host)
   leaves = jax.tree.leaves(host)
   plan = make_plan(
-    src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, static=static
+    src,
+    dst,
+    [x.shape for x in leaves],
+    [x.dtype for x in leaves],
+    perm=perm,
+    options=PlanOptions(static=static),
   )
   uses = collections.Counter(pair for r in plan.rounds for pair in r.pairs)
   assert max(uses.values()) == 2
@@ -167,15 +174,13 @@ def test_recycling_kernel_lands_outputs_in_the_given_buffers(
   host, perm = _host(), _perm(perm_kind)
   src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
   leaves = bodies.device_copy(jax.tree.leaves(bodies.place(host, src)))
-  plan = make_plan(
-    src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, collective=collective
-  )
+  plan = _plan(src, dst, leaves, perm, collective)
   tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
   kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
-  fields = collectives.landing_fields(plan)
+  fields = landing_lib.landing_fields(plan)
   assert fields  # every case moves data
-  pool = collectives.BufferPool()
-  landing = [pool.landing(collectives.output_struct(plan, src, i))[0] for i in fields]
+  pool = landing_lib.BufferPool()
+  landing = [pool.landing(landing_lib.output_struct(plan, src, i))[0] for i in fields]
   at = [bodies.buffers(x) for x in landing]
   source_at = {i: bodies.buffers(leaves[i]) for i in fields}
   raw, spent = kernel(leaves, tables, landing)
@@ -216,8 +221,8 @@ def test_landing_kernels_write_every_slot_of_a_dirty_landing_buffer(
   tables = collectives.device_tables(collectives.plan_tables(plan), src.mesh)
   if recycle:
     kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
-    fields = collectives.landing_fields(plan)
-    landing = [_dirty(collectives.output_struct(plan, src, i)) for i in fields]
+    fields = landing_lib.landing_fields(plan)
+    landing = [_dirty(landing_lib.output_struct(plan, src, i)) for i in fields]
     at = [bodies.buffers(x) for x in landing]
     raw, _ = kernel(leaves, tables, landing)
     for i, where in zip(fields, at):
@@ -241,9 +246,8 @@ def test_landing_kernel_holds_about_one_round_of_temporaries():
   perm = np.random.default_rng(2).permutation(rows)
   temps, rounds = {}, None
   for land in (False, True):
-    plan = make_plan(
-      src, src, [(rows, length)], [np.dtype(np.float32)], perm=perm, land=land, land_min_bytes=0
-    )
+    options = PlanOptions(land=land, land_min_bytes=0)
+    plan = make_plan(src, src, [(rows, length)], [np.dtype(np.float32)], perm=perm, options=options)
     rounds = plan.rounds
     kernel = collectives.make_kernel(plan, src, donate=True, recycle=True)
     leaves = [jax.ShapeDtypeStruct((rows, length), np.float32, sharding=src.sharding(0))]
@@ -251,7 +255,7 @@ def test_landing_kernel_holds_about_one_round_of_temporaries():
       jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.NamedSharding(src.mesh, jax.P(('data',))))
       for t in collectives.plan_tables(plan)
     ]
-    landing = [collectives.output_struct(plan, src, i) for i in collectives.landing_fields(plan)]
+    landing = [landing_lib.output_struct(plan, src, i) for i in landing_lib.landing_fields(plan)]
     compiled = kernel.lower(leaves, tables, landing).compile()
     temps[land] = compiled.memory_analysis().temp_size_in_bytes
   row_bytes = length * 4
@@ -267,7 +271,7 @@ def test_buffer_pool_reuses_matching_blocks_and_keeps_two_calls():
   struct = jax.ShapeDtypeStruct(
     (16, 4), np.float32, sharding=jax.NamedSharding(mesh, jax.P('data'))
   )
-  pool = collectives.BufferPool(keep_calls=2)
+  pool = landing_lib.BufferPool(keep_calls=2)
   fresh, reused = pool.landing(struct)
   assert reused == 0 and np.all(np.asarray(fresh) == 0)
   spent = [jax.device_put(np.ones((16, 4), np.float32), struct.sharding) for _ in range(3)]

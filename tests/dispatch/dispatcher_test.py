@@ -10,13 +10,24 @@ from earl_jax.dispatch import (
   Dispatcher,
   Layout,
   LayoutError,
+  balanced_permutation,
   hlo_collective_counts,
   hlo_received_bytes,
 )
-from earl_jax.dispatch import plan as plan_lib
+from earl_jax.dispatch import dispatcher as dispatcher_lib
 from earl_jax.testing import dispatch_bodies as bodies
 
 ROWS, LENGTH = 32, 16
+
+
+def _config(**overrides) -> DispatchConfig:
+  """The settings these tests were written against (auto, per-permutation kernels, no donation),
+  with `overrides`; `DispatchConfig()` itself holds the main job's."""
+  return DispatchConfig(
+    **{'strategy': 'auto', 'stable_kernels': False, 'donate': False, **overrides}
+  )
+
+
 PARALLEL = ['dp8', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', 'dp2.fsdp2.tp2', 'dp4.fsdp2']
 KINDS = ['rep', 'rows', 'seq', 'perm']
 
@@ -53,7 +64,7 @@ def test_layout_aware_property(src_text, dst_text, perm_kind):
   src, dst = _layout(src_text, host), _layout(dst_text, host)
   perm = _perm(perm_kind, host, src, dst)
   batch = bodies.place(host, src)
-  dispatcher = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  dispatcher = Dispatcher(_config(strategy='layout_aware'))
   with jax.transfer_guard('disallow'):
     out, report = dispatcher.dispatch(batch, dst, src=src, perm=perm)
     jax.block_until_ready(out)
@@ -80,7 +91,7 @@ def test_other_strategies_deliver_the_same_batch(src_text, dst_text, perm_kind, 
   src, dst = _layout(src_text, host), _layout(dst_text, host)
   perm = _perm(perm_kind, host, src, dst)
   batch = bodies.place(host, src)
-  dispatcher = Dispatcher(DispatchConfig(gather_chunk_bytes=256))  # forces column chunks
+  dispatcher = Dispatcher(_config(gather_chunk_bytes=256))  # forces column chunks
   guard = 'allow' if strategy in ('gather_scatter', 'allgather') else 'disallow'
   with jax.transfer_guard(guard):
     out, report = dispatcher.dispatch(batch, dst, src=src, perm=perm, strategy=strategy)
@@ -92,7 +103,7 @@ def test_sequence_sharded_to_tp2_moves_the_minimum_and_xla_moves_more():
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp2.tp4:seq', host), _layout('dp4.tp2', host)
   batch = bodies.place(host, src)
-  dispatcher = Dispatcher()
+  dispatcher = Dispatcher(_config())
   plan = dispatcher.plan(batch, src, dst)
   # Each device holds a quarter of its target rows' columns and receives the other three
   # quarters of B/4 rows x T of tokens (4 B), loss mask (1 B) and log-probs (4 B); [B] fields
@@ -108,7 +119,7 @@ def test_sequence_sharded_to_tp2_moves_the_minimum_and_xla_moves_more():
 
 def test_auto_picks_noop_rewrap_local_slice_and_kernel():
   host = bodies.host_batch(ROWS, LENGTH)
-  d = Dispatcher()
+  d = Dispatcher(_config())
   dp8 = _layout('dp8', host)
   batch = bodies.place(host, dp8)
   with jax.transfer_guard('disallow'):
@@ -136,7 +147,7 @@ def test_new_permutation_with_same_structure_does_not_retrace():
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp2.tp4', host), _layout('dp4.tp2', host)
   batch = bodies.place(host, src)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  d = Dispatcher(_config(strategy='layout_aware'))
   rng = np.random.default_rng(3)
   perm1 = rng.permutation(ROWS)
   # Same rows per (source, target) pair, in another order inside each target rank.
@@ -179,9 +190,7 @@ def test_collective_kinds_and_unpacked_rounds(src_text, dst_text, collective, pa
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout(src_text, host), _layout(dst_text, host)
   batch = bodies.place(host, src)
-  config = DispatchConfig(
-    strategy='layout_aware', collective=collective, pack_max_bytes=pack_max_bytes
-  )
+  config = _config(strategy='layout_aware', collective=collective, pack_max_bytes=pack_max_bytes)
   for perm in (None, np.random.default_rng(5).permutation(ROWS)):
     d = Dispatcher(config)
     with jax.transfer_guard('disallow'):
@@ -200,7 +209,7 @@ def test_collective_kinds_and_unpacked_rounds(src_text, dst_text, collective, pa
 def test_timed_report_and_donation():
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp8', host), _layout('dp2.tp4:seq', host)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', timed=True, donate=True))
+  d = Dispatcher(_config(strategy='layout_aware', timed=True, donate=True))
   batch = bodies.place(host, src)
   out, report = d.dispatch(batch, dst, src=src)
   assert report.wall_s is not None and report.wall_s > 0
@@ -212,7 +221,7 @@ def test_bad_permutations_are_rejected():
   host = bodies.host_batch(ROWS, LENGTH)
   src = _layout('dp8', host)
   batch = bodies.place(host, src)
-  d = Dispatcher()
+  d = Dispatcher(_config())
   with pytest.raises(LayoutError, match='repeats rows'):
     d.dispatch(batch, src, perm=np.zeros(ROWS, np.int64))
   with pytest.raises(LayoutError, match=r'shape \(32,\).*got int64 \(31,\)'):
@@ -227,20 +236,26 @@ def test_config_validation():
     DispatchConfig(collective='allreduce')
   with pytest.raises(ValueError, match='buckets_per_octave'):
     DispatchConfig(buckets_per_octave=0)
+  with pytest.raises((ValueError, TypeError), match='stable_fit'):
+    DispatchConfig(stable_fit='rings')
+  for bad in (0.9, float('nan'), True, '2'):
+    with pytest.raises((ValueError, TypeError), match='max_padding'):
+      DispatchConfig(max_padding=bad)
+  assert DispatchConfig(max_padding=float('inf')).max_padding == float('inf')
 
 
 @pytest.mark.parametrize('dst_text', ['dp4.tp2', 'dp8'])
 def test_stable_kernels_serve_every_permutation_with_one_compile(dst_text):
   """A training loop balances with a new permutation every step: with stable kernels, every
-  permutation whose rows fit the same power-of-two capacity reuses one compiled kernel (also
+  permutation whose rows fit the same capacities reuses one compiled kernel (also
   where the blocks match, dp8 -> dp8, whose output could be a slot update)."""
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp8', host), _layout(dst_text, host)
   batch = bodies.place(host, src)
   rng = np.random.default_rng(7)
-  stable = Dispatcher(DispatchConfig(strategy='layout_aware', stable_kernels=True))
-  plain = Dispatcher(DispatchConfig(strategy='layout_aware'))
-  caps = set()
+  stable = Dispatcher(_config(strategy='layout_aware', stable_kernels=True))
+  plain = Dispatcher(_config(strategy='layout_aware'))
+  structures = set()
   for _ in range(6):
     perm = np.arange(ROWS)
     swap = rng.choice(ROWS, 4, replace=False)  # a few rows change place, as balancing does
@@ -249,19 +264,19 @@ def test_stable_kernels_serve_every_permutation_with_one_compile(dst_text):
       out, _ = d.dispatch(batch, dst, src=src, perm=perm)
       assert bodies.check_placed(out, host, dst, perm) == []
     plan = stable.plan(batch, src, dst, perm=perm)
-    caps.add(tuple(r.caps for r in plan.rounds))
+    structures.add(plan.structure())
     assert all(op.kind == 'gather' for g in plan.groups for op in g.send_ops)
-  assert stable.traces == len(caps) < plain.traces
+  assert stable.traces == len(structures) < plain.traces
 
 
-def test_stable_caps_per_ring_shift_only_grow_and_pad_each_shift_to_what_it_carried():
-  """dp8 -> dp2.tp4 with a few rows swapped: each ring shift gets its own power-of-two cap; a
-  later permutation that needs less keeps the caps (no compile), and one that needs more on some
-  shift raises the caps there and keeps the others."""
+def test_stable_capacities_per_pair_only_grow_and_idle_pairs_send_nothing():
+  """dp8 -> dp2.tp4 with a few rows swapped: each (source, target) pair gets its own capacity
+  and only pairs with one are in a round; a later permutation that fits keeps the capacities
+  (no compile), and one that needs more raises them where it must (one compile)."""
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp8', host), _layout('dp2.tp4', host)
   batch = bodies.place(host, src)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', stable_kernels=True))
+  d = Dispatcher(_config(strategy='layout_aware', stable_kernels=True))
 
   def run(*swaps):
     perm = np.arange(ROWS)
@@ -269,16 +284,107 @@ def test_stable_caps_per_ring_shift_only_grow_and_pad_each_shift_to_what_it_carr
       perm[[a, b]] = perm[[b, a]]
     out, _ = d.dispatch(batch, dst, src=src, perm=perm)
     assert bodies.check_placed(out, host, dst, perm) == []
-    return plan_lib.stable_floor(d.plan(batch, src, dst, perm=perm))
+    return d.plan(batch, src, dst, perm=perm)
 
   first = run((0, 31), (1, 30))
   traces = d.traces
-  assert len({c for caps in first.values() for c in caps}) > 1  # shifts padded differently
-  assert run((0, 31)) == first and d.traces == traces  # needs less: the same kernel
+  [pairs] = first.floor.pairs
+  sent = {p for r in first.rounds for p in r.pairs}
+  assert sent == {(int(s), int(t)) for s, t in zip(*np.nonzero(pairs))}  # idle pairs: no round
+  again = run((0, 30), (1, 31))  # another permutation that fits: the same kernel
+  assert again.structure() == first.structure() and d.traces == traces
   grown = run((0, 31), (1, 30), (2, 29), (3, 28), (4, 27), (8, 23))
-  assert grown != first and d.traces == traces + 1
-  for k, caps in first.items():
-    assert all(g >= f for g, f in zip(grown[k], caps))
+  assert d.traces == traces + 1
+  assert (grown.floor.pairs[0] >= pairs).all() and (grown.floor.pairs[0] > pairs).any()
+
+
+def _balanced_moves(src_text, dst_text, moves, *, rows, length, seed, **config):
+  """Moves a batch from src to dst under `moves` balanced permutations of random lengths with
+  a stable-kernel Dispatcher; returns (per move (bytes that had to move, wire bytes), the
+  dispatcher). Every move's values are checked against the host batch permuted."""
+  host = bodies.host_batch(rows, length, seed=seed)
+  src, dst = _layout(src_text, host), _layout(dst_text, host)
+  d = Dispatcher(DispatchConfig(**config))
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(moves):
+    lengths = rng.integers(1, 16, rows) * length // 16
+    perm = balanced_permutation(lengths, src, dst, like=host)
+    moved, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+    assert bodies.check_placed(moved, host, dst, perm) == []
+    d.release(moved)
+    out.append((report.min_bytes, sum(report.scheduled_sent)))
+  return out, d
+
+
+@pytest.mark.parametrize(('src_text', 'dst_text'), [('dp4.tp2', 'dp2.tp4'), ('dp8', 'dp2.tp4')])
+def test_stable_kernels_bound_the_padding_over_balanced_permutations(src_text, dst_text):
+  """The main job's rollout -> experience moves (the layouts move rows, the balancing a few
+  more): after the first moves, every move puts at most `max_padding` (1.5) times the bytes that
+  must move on the wire, with a few kernels, and the values equal the dense reference. The
+  earlier capacities (one power of two per ring shift) pad about twice."""
+  kwargs = {'rows': 64, 'length': 32, 'seed': 3}
+  moves, d = _balanced_moves(src_text, dst_text, 16, **kwargs)
+  assert d.config.max_padding == 1.5
+  for needed, wire in moves[4:]:
+    assert needed <= wire <= 1.5 * needed
+  assert d.traces <= 4
+  shifts, _ = _balanced_moves(
+    src_text, dst_text, 16, stable_fit='shifts', max_padding=float('inf'), **kwargs
+  )
+  assert sum(w for _, w in shifts[4:]) > 1.5 * sum(n for n, _ in shifts[4:])
+
+
+def test_stable_capacities_shed_after_a_run_of_smaller_moves():
+  """Many rows balanced once, then a few for several moves: the capacities the big move raised
+  pad the small ones beyond `max_padding`; after `_SHED_AFTER` of them the floor is rebuilt from
+  their own needs (one compile) and the wire is back within the bound."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp4.tp2', host), _layout('dp2.tp4', host)
+  d = Dispatcher(DispatchConfig())
+
+  def move(*rows):
+    perm = np.arange(ROWS)
+    for a in rows:  # row a of rank 0 (the first half) trades places with row ROWS-1-a of rank 1
+      perm[[a, ROWS - 1 - a]] = perm[[ROWS - 1 - a, a]]
+    out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+    assert bodies.check_placed(out, host, dst, perm) == []
+    return sum(report.scheduled_sent) / report.min_bytes
+
+  assert move(0, 1, 2, 3, 4, 5) <= 1.5
+  traces = d.traces
+  # One row each (a new permutation each time): the first also needs base rows the big move
+  # did not (a growth, one compile); all are padded beyond the bound by the big capacities.
+  over = [move(6 + k) for k in range(dispatcher_lib._SHED_AFTER - 1)]
+  assert all(r > 1.5 for r in over) and d.traces == traces + 1
+  assert move(0) <= 1.5 and d.traces == traces + 2  # rebuilt from the small moves' needs
+  assert move(1) <= 1.5 and move(2) <= 1.5 and d.traces == traces + 2  # and they fit it
+
+
+@pytest.mark.parametrize('dst_text', ['dp8', 'dp4.tp2'])
+def test_stable_kernels_settle_where_a_few_rows_move_over_changing_pairs(dst_text):
+  """A few rows swapped each move: no stable kernel is tight (a few rows over pairs that change
+  every move). dp8 -> dp8 (the layouts alone move nothing) fits per ring shift from the first
+  move; dp8 -> dp4.tp2 after `_FLOORS_BEFORE_SETTLING` floors. Either way a handful of kernels,
+  not one per move."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout(dst_text, host)
+  batch = bodies.place(host, src)
+  d = Dispatcher(_config(strategy='layout_aware', stable_kernels=True))
+  rng = np.random.default_rng(11)
+  structures, plans = [], []
+  for _ in range(24):
+    perm = np.arange(ROWS)
+    swap = rng.choice(ROWS, 2, replace=False)
+    perm[swap] = perm[swap[::-1]]
+    plans.append(d.plan(batch, src, dst, perm=perm))
+    if plans[-1].structure() not in structures:
+      structures.append(plans[-1].structure())
+  assert len(structures) <= dispatcher_lib._FLOORS_BEFORE_SETTLING + 3
+  [state] = d._capacities.values()
+  assert state.settled and state.shifts
+  ring = lambda plan: all(len({(t - s) % 8 for s, t in r.pairs}) == 1 for r in plan.rounds)  # noqa: E731
+  assert ring(plans[-1]) and ring(plans[0]) == (dst_text == 'dp8')  # dp8: from the first move
 
 
 def test_rows_that_stay_in_their_slot_are_not_gathered_again():
@@ -290,7 +396,7 @@ def test_rows_that_stay_in_their_slot_are_not_gathered_again():
   perm = np.arange(ROWS)
   perm[[1, 6, 13]] = perm[[13, 1, 6]]  # three rows on three devices change place
   for donate in (True, False):
-    d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=donate))
+    d = Dispatcher(_config(strategy='layout_aware', donate=donate))
     batch = bodies.place(host, src)
     [group] = d.plan(batch, src, dst, perm=perm).groups
     assert group.out_op.kind == 'update' and group.out_op.region == 1
@@ -302,7 +408,7 @@ def test_rows_that_stay_in_their_slot_are_not_gathered_again():
   # A row moving within its device is read from the whole pool (region 0).
   perm = np.arange(ROWS)
   perm[[0, 1, 8]] = perm[[1, 8, 0]]
-  d = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  d = Dispatcher(_config(strategy='layout_aware'))
   batch = bodies.place(host, src)
   [group] = d.plan(batch, src, dst, perm=perm).groups
   assert group.out_op.kind == 'update' and group.out_op.region == 0
@@ -329,7 +435,7 @@ def test_donated_dispatches_land_in_the_previous_sources_memory(perm_kind):
     if perm_kind == 'rotate'
     else np.random.default_rng(3).permutation(ROWS)
   )
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  d = Dispatcher(_config(strategy='layout_aware', donate=True))
   assert d.recycles(src)
   first = bodies.device_copy(bodies.place(host, src))
   first_at = _pointers(first)
@@ -352,15 +458,15 @@ def test_donated_dispatches_land_in_the_previous_sources_memory(perm_kind):
 def test_recycling_is_off_without_donation_or_when_asked():
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
-  assert not Dispatcher(DispatchConfig(strategy='layout_aware')).recycles(src)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True, recycle_buffers=False))
+  assert not Dispatcher(_config(strategy='layout_aware')).recycles(src)
+  d = Dispatcher(_config(strategy='layout_aware', donate=True, recycle_buffers=False))
   assert not d.recycles(src)
   for _ in range(2):
     batch = bodies.place(host, src)
     out, report = d.dispatch(batch, dst, src=src)
     assert report.recycled_bytes == 0 and bodies.check_placed(out, host, dst) == []
   with pytest.raises(ValueError, match='recycle_buffers=True needs donate=True'):
-    DispatchConfig(recycle_buffers=True)
+    DispatchConfig(recycle_buffers=True, donate=False)
 
 
 def test_a_buffer_held_by_two_fields_is_donated_and_recycled_once():
@@ -369,7 +475,7 @@ def test_a_buffer_held_by_two_fields_is_donated_and_recycled_once():
   host = bodies.host_batch(ROWS, LENGTH)
   host['ref_logprobs'] = host['logprobs']
   src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  d = Dispatcher(_config(strategy='layout_aware', donate=True))
   for _ in range(3):
     batch = dict(bodies.device_copy(bodies.place(host, src)))
     batch['ref_logprobs'] = batch['logprobs']
@@ -385,7 +491,7 @@ def test_released_batches_land_outputs_larger_than_the_spent_sources():
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
   perm = np.random.default_rng(4).permutation(ROWS)
-  d = Dispatcher(DispatchConfig(strategy='layout_aware', donate=True))
+  d = Dispatcher(_config(strategy='layout_aware', donate=True))
   out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
   assert report.recycled_bytes == 0
   out, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
@@ -400,6 +506,25 @@ def test_released_batches_land_outputs_larger_than_the_spent_sources():
   assert bodies.check_placed(out, host, dst, perm) == []
   assert all(x.is_deleted() for x in jax.tree.leaves(released))
   assert d.release(released) == 0  # deleted arrays are skipped
-  plain = Dispatcher(DispatchConfig(strategy='layout_aware'))
+  plain = Dispatcher(_config(strategy='layout_aware'))
   assert plain.release(out) == 0 and plain._pool.nbytes == 0
   assert bodies.check_placed(out, host, dst, perm) == []  # untouched
+
+
+def test_the_default_config_is_the_main_jobs_path():
+  """`DispatchConfig()` holds the main job's settings: layout_aware kernels with stable
+  capacities (row gathers whatever the permutation), donating the source, and on CPU landing the
+  outputs in recycled buffers."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = _layout('dp8', host), _layout('dp4.tp2', host)
+  d = Dispatcher()
+  assert d.config.strategy.value == 'layout_aware' and d.recycles(src)
+  perm = np.random.default_rng(9).permutation(ROWS)
+  batch = bodies.device_copy(bodies.place(host, src))
+  out, report = d.dispatch(batch, dst, src=src, perm=perm)
+  assert report.strategy == 'layout_aware' and report.requested == 'layout_aware'
+  assert all(x.is_deleted() for x in jax.tree.leaves(batch))  # donated
+  assert bodies.check_placed(out, host, dst, perm) == []
+  plan = d.plan(bodies.place(host, src), src, dst, perm=perm)
+  assert all(op.kind == 'gather' for g in plan.groups for op in g.send_ops)  # stable
+  assert plan.floor is not None and d.config.stable_fit == 'pairs'  # capacities per pair

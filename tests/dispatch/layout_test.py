@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from earl_jax.config import ParallelConfig
 from earl_jax.dispatch import (
+  DispatchConfig,
   Dispatcher,
   Layout,
   LayoutError,
@@ -17,6 +18,9 @@ from earl_jax.dispatch import (
 )
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.testing import dispatch_bodies as bodies
+
+# auto, per-permutation kernels, no donation (the source batch stays usable).
+_PLAIN = DispatchConfig(strategy='auto', stable_kernels=False, donate=False)
 
 
 def _host(rows=16, length=8):
@@ -84,7 +88,7 @@ def test_pad_rows_pads_and_masks_instead_of_replicating():
   np.testing.assert_array_equal(padded['logprobs'][:12], host['logprobs'])
   assert not padded['loss_mask'][12:].any()
   batch = bodies.place(dict(padded, valid=valid), src)
-  out, _ = Dispatcher().dispatch(batch, dst, src=src, strategy='layout_aware')
+  out, _ = Dispatcher(_PLAIN).dispatch(batch, dst, src=src, strategy='layout_aware')
   assert bodies.check_placed(out, dict(padded, valid=valid), dst) == []
   assert int(np.asarray(out['valid']).sum()) == 12
 
@@ -136,7 +140,7 @@ def test_works_with_flax_struct_batches():
   dst = Layout.parse('dp8', host)
   assert [f.path for f in src.fields] == ['.tokens', '.rewards']
   batch = bodies.place(host, src)
-  out, _ = Dispatcher().dispatch(batch, dst, src=src, perm=np.arange(16)[::-1].copy())
+  out, _ = Dispatcher(_PLAIN).dispatch(batch, dst, src=src, perm=np.arange(16)[::-1].copy())
   assert isinstance(out, Batch)
   np.testing.assert_array_equal(np.asarray(out.tokens), host.tokens[::-1])
   np.testing.assert_array_equal(np.asarray(out.rewards), host.rewards[::-1])
@@ -150,4 +154,4 @@ def test_dispatch_rejects_a_target_layout_with_other_fields():
   dst = Layout.parse('dp2.tp4', other)
   batch = bodies.place(host, src)
   with pytest.raises(LayoutError, match=r"only in source \[\"\['rewards'\]\"\].*only in target"):
-    Dispatcher().dispatch(batch, dst, src=src)
+    Dispatcher(_PLAIN).dispatch(batch, dst, src=src)

@@ -28,20 +28,3 @@ def test_two_processes_dispatch_every_strategy():
     c = r['controller']
     assert c['in'] == c['out'] == c['total'] // 2
     assert c['transfers'] == c['fields'] * (2 + 4)
-
-
-@pytest.mark.multiprocess
-def test_socket_mesh_carries_each_pairs_bytes_from_that_peer():
-  """3 processes: every pair a different byte count (one pair none); each process receives
-  exactly its column of the matrix, and every byte came from the peer it names."""
-  matrix = [[0, 5 << 20, 3], [1, 0, 0], [(4 << 20) + 7, 2, 0]]
-  results = multiprocess.run(
-    'earl_jax.testing.mp_bodies:socket_mesh_exchange',
-    num_processes=3,
-    devices_per_process=1,
-    kwargs={'matrix': matrix},
-  )
-  for p, r in enumerate(results):
-    want = {str(q): [matrix[q][p], [q + 1] if matrix[q][p] else []] for q in range(3) if q != p}
-    assert r['received'] == want
-    assert all(s > 0 for s in r['seconds'])

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from earl_jax.dispatch import Layout, capacity_bucket, make_plan
+from earl_jax.dispatch import Layout, PlanOptions, balanced_permutation, capacity_bucket, make_plan
 from earl_jax.dispatch import plan as plan_lib
+from earl_jax.dispatch import schedule as schedule_lib
 from earl_jax.testing import dispatch_bodies as bodies
 
 ROWS, LENGTH = 32, 16
@@ -17,7 +18,8 @@ def _plan(src_text, dst_text, perm=None, **kw):
   host = bodies.host_batch(ROWS, LENGTH)
   src, dst = Layout.parse(src_text, host), Layout.parse(dst_text, host)
   leaves = src.check(host)
-  return make_plan(src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, **kw)
+  shapes, dtypes = [x.shape for x in leaves], [x.dtype for x in leaves]
+  return make_plan(src, dst, shapes, dtypes, perm=perm, options=PlanOptions(**kw))
 
 
 def test_capacity_buckets_bound_the_padding():
@@ -39,7 +41,7 @@ def test_konig_colouring_uses_max_degree_rounds_of_valid_matchings():
     n = 8
     pairs = {(int(s), int(d)) for s, d in rng.integers(0, n, (20, 2)) if s != d}
     edges = [(s, d, 1) for s, d in sorted(pairs)]
-    rounds = plan_lib._konig_colouring(edges, n)
+    rounds = schedule_lib._konig_colouring(edges, n)
     degree = max(
       max(sum(1 for s, _, _ in edges if s == k), sum(1 for _, d, _ in edges if d == k))
       for k in range(n)
@@ -128,7 +130,8 @@ def _large_plan(src_text, dst_text, perm, rows=512, length=8192, **kw):
   }
   src, dst = Layout.parse(src_text, structs), Layout.parse(dst_text, structs)
   leaves = src.check(structs)
-  return make_plan(src, dst, [x.shape for x in leaves], [x.dtype for x in leaves], perm=perm, **kw)
+  shapes, dtypes = [x.shape for x in leaves], [x.dtype for x in leaves]
+  return make_plan(src, dst, shapes, dtypes, perm=perm, options=PlanOptions(**kw))
 
 
 @pytest.mark.parametrize('static', [True, None])
@@ -150,7 +153,7 @@ def test_uneven_pairs_are_cut_over_rounds_so_each_device_receives_its_minimum(st
   # Over the fixed ring shifts, every device's rounds would have carried 1.57x as much.
   groups = plan.groups
   limits = [min(g.src_units, g.dst_units) for g in groups]
-  ring = plan_lib._bucketed_rounds([g.counts for g in groups], limits, 4)
+  ring = schedule_lib._bucketed_rounds([g.counts for g in groups], limits, 4)
 
   def padded(rounds):
     return sum(c * g.unit_bytes for r in rounds for c, g in zip(r.caps, groups))
@@ -215,19 +218,19 @@ def test_landing_plans_scatter_every_target_unit_from_where_the_gather_reads_it(
 
 
 def test_stable_landing_plans_keep_their_local_section_in_the_floor():
-  """Stable plans record the scatter's local width at ring shift 0 of their floor; a later
+  """Stable plans record the scatter's local width in their floor (`Floor.local`); a later
   permutation that keeps fewer rows local keeps that width (the same kernel structure)."""
   perm = np.random.default_rng(6).permutation(ROWS)
   first = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, land_min_bytes=0)
-  floor = plan_lib.stable_floor(first)
-  assert floor[0] == tuple(g.out_op.updates for g in first.groups) and max(floor[0]) > 0
+  floor = first.floor
+  assert floor.local == tuple(g.out_op.updates for g in first.groups) and max(floor.local) > 0
   again = _plan('dp8', 'dp4.tp2', perm=np.arange(ROWS)[::-1].copy(), stable=True, land=True, land_min_bytes=0,
                 floor=floor)  # fmt: skip
-  assert all(a >= f for a, f in zip(plan_lib.stable_floor(again)[0], floor[0]))
-  grown = {k: tuple(2 * c for c in caps) for k, caps in floor.items()}
+  assert all(a >= f for a, f in zip(again.floor.local, floor.local))
+  grown = plan_lib.Floor(pairs=floor.pairs, local=tuple(2 * w for w in floor.local))
   wider = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, land=True, land_min_bytes=0, floor=grown)
   assert [g.out_op.updates for g in wider.groups] == [
-    min(2 * c, g.dst_units) for c, g in zip(floor[0], wider.groups)
+    min(2 * w, g.dst_units) for w, g in zip(floor.local, wider.groups)
   ]
 
 
@@ -244,3 +247,84 @@ def test_landing_scatters_only_when_the_rounds_carry_enough_bytes():
   received = sum(r.caps[0] * big.groups[0].unit_bytes for r in big.rounds)
   assert received >= plan_lib.LAND_MIN_BYTES
   assert {g.out_op.kind for g in big.groups} == {'scatter'}
+
+
+def test_plan_options_are_validated():
+  # Under the test suite's runtime type checker a bad Literal is a TypeError before __post_init__.
+  with pytest.raises((ValueError, TypeError), match='collective'):
+    PlanOptions(collective='allreduce')
+  with pytest.raises(ValueError, match=r'buckets_per_octave must be an int >= 1, got 0'):
+    PlanOptions(buckets_per_octave=0)
+  with pytest.raises(ValueError, match=r'pack_max_bytes must be an int >= 0, got -1'):
+    PlanOptions(pack_max_bytes=-1)
+  with pytest.raises(ValueError, match=r'land_min_bytes must be an int >= 0, got -8'):
+    PlanOptions(land=True, land_min_bytes=-8)
+  # Under the test suite's runtime type checker a bad annotation is a TypeError first.
+  with pytest.raises((ValueError, TypeError), match='fit'):
+    PlanOptions(stable=True, fit='rings')
+  with pytest.raises(ValueError, match=r'max_padding must be a number >= 1, got 0.5'):
+    PlanOptions(max_padding=0.5)
+  floor = plan_lib.Floor(pairs=(np.zeros((8, 8), np.int64),), local=(0,))
+  with pytest.raises(ValueError, match='floor is for stable plans only'):
+    PlanOptions(floor=floor)
+  with pytest.raises((ValueError, TypeError), match='floor'):
+    PlanOptions(stable=True, floor={1: (4,)})
+  with pytest.raises(ValueError, match='stable=True needs a bucketed plan'):
+    PlanOptions(stable=True, static=True)
+  with pytest.raises(ValueError, match=r'one non-negative \[n, n\] capacity matrix'):
+    plan_lib.Floor(pairs=(np.zeros((8, 4), np.int64),), local=(0,))
+  pairs = np.ones((8, 8), np.int64)
+  floor = plan_lib.Floor(pairs=(pairs,), local=(0,))
+  pairs[0, 1] = 64  # the floor keeps its own copy
+  assert floor.pairs[0][0, 1] == 1
+  other = plan_lib.Floor(pairs=(pairs, pairs), local=(0, 0))  # two groups: another plan's
+  with pytest.raises(ValueError, match='a floor serves only the layouts and shapes'):
+    _plan('dp8', 'dp4.tp2', perm=np.arange(ROWS)[::-1].copy(), stable=True, floor=other)
+
+
+def test_stable_options_shape_only_permuted_plans():
+  """`stable` and its `floor` change only plans given a permutation: without one, or with the
+  identity and no floor, the plan is the one without them; the identity with a floor takes the
+  floor's kernel; with a permutation, the floor sets the capacities."""
+  perm = np.random.default_rng(8).permutation(ROWS)
+  assert _plan('dp8', 'dp4.tp2', stable=True).structure() == _plan('dp8', 'dp4.tp2').structure()
+  identity = np.arange(ROWS)
+  assert _plan('dp8', 'dp4.tp2', perm=identity, stable=True).structure() == (
+    _plan('dp8', 'dp4.tp2', perm=identity).structure()
+  )
+  stable = _plan('dp8', 'dp4.tp2', perm=perm, stable=True)
+  assert stable.floor is not None and _plan('dp8', 'dp4.tp2', perm=perm).floor is None
+  floored = _plan('dp8', 'dp4.tp2', perm=identity, stable=True, floor=stable.floor)
+  assert floored.floor.fits(stable.floor)  # a stable plan, at least the floor
+  again = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, floor=floored.floor)
+  assert again.structure() == floored.structure()  # both fit: one kernel
+  doubled = plan_lib.Floor(pairs=tuple(2 * p for p in stable.floor.pairs), local=stable.floor.local)
+  raised = _plan('dp8', 'dp4.tp2', perm=perm, stable=True, floor=doubled)
+  assert all((r == p).all() for r, p in zip(raised.floor.pairs, doubled.pairs))
+  assert raised.scheduled_bytes > stable.scheduled_bytes
+
+
+def test_stable_plans_route_from_fixed_replicas_and_provision_what_later_moves_reach():
+  """dp4.tp2 -> dp2.tp4 (the main job's move): stable plans take each source block from one
+  fixed replica per target device, so every permutation's pairs lie in `reach` (one sender per
+  block a device lacks). The first plan also provisions every reachable pair while that keeps
+  the wire within the padding budget; with no budget (max_padding=1) it provisions only what
+  the move needs."""
+  host = bodies.host_batch(ROWS, LENGTH)
+  src, dst = Layout.parse('dp4.tp2', host), Layout.parse('dp2.tp4', host)
+  rng = np.random.default_rng(12)
+  reach = None
+  for _ in range(4):
+    perm = balanced_permutation(rng.integers(1, 16, ROWS), src, dst, like=host)
+    plan = _plan('dp4.tp2', 'dp2.tp4', perm=perm, stable=True)
+    [group] = plan.groups
+    reach = group.reach if reach is None else reach
+    np.testing.assert_array_equal(group.reach, reach)  # the same for every permutation
+    off = group.counts.copy()
+    np.fill_diagonal(off, 0)
+    assert not (off.astype(bool) & ~reach).any()
+    assert (reach.sum(axis=0) == 3).all()  # 4 source blocks, one held locally
+    assert (plan.floor.pairs[0][reach] > 0).all() and not plan.floor.pairs[0][~reach].any()
+    tight = _plan('dp4.tp2', 'dp2.tp4', perm=perm, stable=True, max_padding=1.0)
+    np.testing.assert_array_equal(tight.floor.pairs[0] > 0, off > 0)
+    assert plan.min_bytes <= tight.scheduled_bytes <= plan.scheduled_bytes

@@ -616,3 +616,30 @@ def test_a_thinking_policy_wins_more_often_the_longer_it_thinks():
       env.step(['t' if t < thoughts else 'h' for t in env.thoughts.tolist()])
     wins.append(sum(o == 'win' for o in env.outcomes))
   assert wins[0] + 10 < wins[1] < wins[2] - 10, wins
+
+
+def test_step_many_equals_stepping_each_environment():
+  """Several environments (cohorts of a rollout, started at different steps) stepped as one
+  batch give each the results and the state its own `step` would: each draws its own noise."""
+  config = {'opponent': 'minimax', 'minimax_depth': 2, 'think_depth': 2}
+  replies = ['t', 'h', '4', 't', '9', 'h', 't']
+  pairs = []
+  for _ in range(2):
+    envs = [_env(**config) for _ in range(3)]
+    for k, (env, rows) in enumerate(zip(envs, ([0, 1, 2], [3], [4, 5, 6]))):
+      env.reset(7, 11, rows=rows)
+      for _ in range(k):  # the cohorts are at different turns
+        env.step([replies[r] for r in rows])
+    pairs.append(envs)
+  rng = random.Random(0)
+  for _ in range(4):
+    texts = [[rng.choice(replies) for _ in range(env.num_envs)] for env in pairs[0]]
+    batched = board_env.BoardGameEnv.step_many(pairs[0], texts)
+    alone = [env.step(t) for env, t in zip(pairs[1], texts)]
+    for a, b in zip(batched, alone):
+      assert a.observations == b.observations and a.infos == b.infos
+      np.testing.assert_array_equal(a.rewards, b.rewards)
+      np.testing.assert_array_equal(a.dones, b.dones)
+  for a, b in zip(*pairs):
+    np.testing.assert_array_equal(a.boards, b.boards)
+    assert a.outcomes == b.outcomes and (a.thoughts == b.thoughts).all()

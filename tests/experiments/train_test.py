@@ -17,7 +17,8 @@ from earl_jax.testing import helpers
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (case, extra arguments, a fragment the one-line error must contain). Each runs in its own
-# process on the `smoke` preset; '{tmp}' is the test's folder.
+# process on the `smoke` preset, in the test's folder (so that a default workdir would land there
+# too); '{tmp}' is that folder. Every case fails before anything compiles.
 BAD_INPUTS = [
   ('unknown preset', ['--config=nope'], '--config=nope'),
   ('unknown field', ['--config.nope=1'], "no field 'nope'"),
@@ -26,50 +27,98 @@ BAD_INPUTS = [
   ('zero steps', ['--config.steps=0'], 'steps must be a positive int, got 0'),
   ('negative steps', ['--config.steps=-3'], 'steps must be a positive int, got -3'),
   ('override without value', ['--config.steps'], 'overrides need a value'),
-  ('infinite learning rate', ['--config.optim.learning_rate=inf'], 'learning_rate=inf'),
-  ('learning rate past float32', ['--config.optim.learning_rate=1e39'], 'learning_rate=1e+39'),
+  (
+    'infinite learning rate',
+    ['--config.optim.learning_rate=inf'],
+    'learning_rate must be a finite number (float32 holds up to 3.4e38), got inf',
+  ),
+  (
+    'learning rate past float32',
+    ['--config.optim.learning_rate=1e39'],
+    'learning_rate must be a finite number (float32 holds up to 3.4e38), got 1e+39',
+  ),
   ('negative learning rate', ['--config.optim.learning_rate=-1'], 'learning_rate must be > 0'),
   ('not a number', ['--config.optim.b1=fast'], "'fast' is not a number"),
+  ('Adam b2 of 1', ['--config.optim.b2=1'], 'OptimConfig.b2 must be in [0, 1), got 1.0'),
+  ('NaN KL coefficient', ['--config.loss.kl_coef=nan'], 'LossConfig.kl_coef must be a finite'),
+  ('reward past float32', ['--config.env.win_reward=1e39'], 'win_reward must be a finite'),
+  ('seed that replays seed 0', ['--config.seed=2147483647'], 'seed=2147483647'),
+  ('no checkpoints kept', ['--config.keep_checkpoints=0'], 'keep_checkpoints must be a positive'),
+  ('empty name', ['--config.name='], "ExperimentConfig.name=''"),
   ('unknown schedule', ['--config.optim.schedule=cubic'], "'cubic' is not one of"),
   ('not a bool', ['--config.pack=maybe'], "'maybe' is not a bool"),
   ('buckets out of order', ['--config.buckets.lengths=512,256'], 'strictly increasing'),
   ('no buckets', ['--config.buckets.lengths='], 'lengths is empty'),
   ('unknown model preset', ['--config.model=huge'], "Unknown model preset 'huge'"),
   ('missing model dir', ['--config.model_dir={tmp}/no_model'], 'no_model'),
+  ('truncated config.json', ['--config.model_dir={tmp}/truncated_model'], 'is not valid JSON'),
+  ('unknown tokenizer', ['--config.tokenizer=gpt9'], "Unknown tokenizer 'gpt9'"),
+  ('no tokenizer.json', ['--config.tokenizer={tmp}/no_tokenizer'], 'No tokenizer.json in'),
+  (
+    'reply tokens outside the tokenizer',
+    ['--config.rollout.reply_tokens=A,B'],
+    "rollout.reply_tokens=('A', 'B'): GameTokenizer cannot encode character 'A'",
+  ),
+  ('prompt buckets too small', ['--config.rollout.prompt_buckets=4'], 'prompt_buckets=(4,)'),
   ('unknown game', ['--config.env.game=chess'], 'chess'),
   ('unknown opponent', ['--config.eval_env.opponent=alphazero'], 'alphazero'),
   ('unknown strategy', ['--config.dispatch.strategy=teleport'], 'teleport'),
   ('negative temperature', ['--config.rollout.sampling.temperature=-1'], 'temperature'),
   ('micro-batches that do not divide', ['--config.micro_batches=3'], 'micro_batches=3'),
   ('unparsable layout', ['--config.selector.candidates=dp3x'], 'dp3x'),
+  ('no layouts', ['--config.selector.candidates='], 'SelectorConfig.candidates is empty'),
   ('layout over too many devices', ['--config.selector.candidates=dp16'], 'dp16'),
   ('layout that does not divide the model', ['--config.selector.candidates=dp1.tp8'], 'tp=8'),
   ('negative budget', ['--config.selector.budget_mib=-5'], 'budget_mib'),
+  ('infinite budget', ['--config.selector.budget_mib=inf'], 'budget_mib must be a finite'),
+  ('unknown fsdp stage', ['--config.selector.with_fsdp=train,nope'], "Unknown stage 'nope'"),
   ('unknown flag', ['--nosuchflag'], 'nosuchflag'),
   ('no fake devices', ['--cpu_devices=0'], 'cpu_devices'),
   ('resume without a checkpoint', ['--resume'], 'no checkpoint in'),
   ('workdir under a file', ['--workdir={tmp}/a_file/run'], 'is a file'),
   ('used workdir', ['--workdir={tmp}/used'], 'holds a run'),
+  ('workdir name too long', ['--workdir={tmp}/' + 'w' * 256], 'w' * 256),
+  ('empty workdir', ['--workdir='], '--workdir'),
 ]
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-  return helpers.run_module('experiments.train', '--config=smoke', *args, timeout=300)
+def _run(args: list[str], cwd: str = ROOT) -> subprocess.CompletedProcess:
+  """`python -m experiments.train --config=smoke args` in `cwd`, as a user runs it."""
+  env = {**os.environ, 'PYTHONPATH': ROOT}
+  env.pop('XLA_FLAGS', None)  # the entry point sets its own device count
+  return subprocess.run(
+    [sys.executable, '-m', 'experiments.train', '--config=smoke', *args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
-def _listing(folder) -> dict[str, int]:
+def _listing(folder) -> dict[str, tuple[int, int] | None]:
+  """Every folder (None) and file ((size, mtime)) under `folder`, recursively."""
   out = {}
-  for dirpath, _, files in os.walk(folder):
+  for dirpath, dirnames, files in os.walk(folder):
+    for d in dirnames:
+      out[os.path.relpath(os.path.join(dirpath, d), folder) + os.sep] = None
     for f in files:
       path = os.path.join(dirpath, f)
-      out[os.path.relpath(path, folder)] = os.path.getsize(path)
+      stat = os.stat(path)
+      out[os.path.relpath(path, folder)] = (stat.st_size, stat.st_mtime_ns)
   return out
 
 
-def test_every_bad_input_ends_in_one_line(tmp_path):
+def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path):
   (tmp_path / 'a_file').write_text('not a folder')
   (tmp_path / 'used').mkdir()
   (tmp_path / 'used' / 'metrics.jsonl').write_text('{"step": 1}\n')
+  (tmp_path / 'no_tokenizer').mkdir()
+  (tmp_path / 'truncated_model').mkdir()
+  config_json = helpers.fixture_path('qwen2_tiny', 'config.json')
+  with open(config_json) as f:
+    text = f.read()
+  (tmp_path / 'truncated_model' / 'config.json').write_text(text[: len(text) // 2])
   cases = []
   for name, args, fragment in BAD_INPUTS:
     workdir = tmp_path / name.replace(' ', '_')
@@ -78,28 +127,29 @@ def test_every_bad_input_ends_in_one_line(tmp_path):
       args.append(f'--workdir={workdir}')
     cases.append((name, args, fragment))
   before = _listing(tmp_path)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    results = list(pool.map(lambda c: _run(c[1]), cases))
+  workers = min(4, os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    results = list(pool.map(lambda c: _run(c[1], cwd=str(tmp_path)), cases))
   failures = []
   for (name, args, fragment), r in zip(cases, results):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith('error: ')]
     ok = (
       r.returncode == 2
-      and 'Traceback' not in r.stderr
-      and len(errors) == 1
-      and fragment in errors[0]
+      and len(lines) == 1
+      and lines[0].startswith('error: ')
+      and fragment in lines[0]
     )
     if not ok:
       failures.append(f'{name} {args}: rc={r.returncode}, stderr tail: {lines[-3:]}')
   assert not failures, '\n'.join(failures)
-  assert len(BAD_INPUTS) >= 25
-  # Nothing half-written: no workdir was created or changed by a refused run.
-  assert _listing(tmp_path) == before
+  assert len(BAD_INPUTS) >= 47
+  # Nothing half-written: no file or folder was created or changed by a refused run.
+  after = _listing(tmp_path)
+  assert after == before, sorted(set(after.items()) ^ set(before.items()))
 
 
 def test_debug_shows_the_traceback(tmp_path):
-  r = _run(['--config.steps=0', '--debug', f'--workdir={tmp_path}/w'])
+  r = _run(['--config.steps=0', '--debug', f'--workdir={tmp_path}/w'], cwd=str(tmp_path))
   assert r.returncode != 0 and 'Traceback' in r.stderr and 'ConfigError' in r.stderr
 
 

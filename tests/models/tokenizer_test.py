@@ -283,6 +283,96 @@ def test_hf_rejects_a_tokenizer_without_chatml_tokens(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# CodeTokenizer
+
+PRINTABLE = ''.join(chr(c) for c in range(32, 127))
+
+
+def test_code_vocab_and_special_ids():
+  code = tok_lib.CodeTokenizer()
+  assert code.vocab_size == 128
+  assert (code.pad_id, code.bos_id, code.eot_id, code.obs_id, code.act_id) == (0, 1, 2, 3, 4)
+  assert code.decode([1, 2, 3, 4]) == '<bos><eot><obs><act>'
+  ids = code.encode(code.ALPHABET)
+  assert ids == list(range(5, 5 + 97))  # tab, newline, then ' '..'~' in order
+  assert code.decode([127]) == '<unused127>' and code.decode([127], skip_special_tokens=True) == ''
+  assert code.decode([*code.encode('a'), 128, 511]) == 'a'  # a larger model's padding ids
+  with pytest.raises(ValueError, match='CodeTokenizer id -1 is outside'):
+    code.decode([-1])
+
+
+@pytest.mark.parametrize(
+  'text',
+  [
+    PRINTABLE + '\t\n',
+    'def f(xs):\n    """xs sorted"""\n\treturn sorted(xs)  # {a} [b] <c> ~`^|\\\n',
+    'replace nums.py 3 4\n    return x*3+1\n',
+    '',
+  ],
+)
+def test_code_round_trip(text):
+  code = tok_lib.CodeTokenizer()
+  assert code.decode(code.encode(text)) == text
+  assert len(code.encode(text)) == len(text)
+
+
+def test_code_round_trips_random_printable_text():
+  code = tok_lib.CodeTokenizer()
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    text = ''.join(rng.choice(list(PRINTABLE + '\t\n'), size=200).tolist())
+    assert code.decode(code.encode(text)) == text
+
+
+def test_code_encode_rejects_non_ascii_naming_it():
+  code = tok_lib.CodeTokenizer()
+  with pytest.raises(ValueError, match="CodeTokenizer cannot encode character '\u00e9' at index 3"):
+    code.encode('caf\u00e9')
+  with pytest.raises(ValueError, match=r"'\\r' at index 1"):
+    code.encode('a\r\n')
+
+
+def test_code_and_game_tokenizers_keep_their_own_ids():
+  game, code = tok_lib.GameTokenizer(), tok_lib.CodeTokenizer()
+  assert game.encode('0aX\n-') == [5, 15, 41, 45, 48]
+  assert (
+    game.vocab_size == 64 and repr(game) == 'GameTokenizer()' and repr(code) == 'CodeTokenizer()'
+  )
+  assert code.turn_prompt_ids('f(', first=True) == [1, 3, *code.encode('f('), 4]
+  assert code.turn_prompt_ids('f(', first=False) == [3, *code.encode('f('), 4]
+
+
+def _code_observations() -> list[str]:
+  from earl_jax import sandbox
+  from earl_jax.envs import code_env, code_tasks, repo_repair
+
+  task = code_tasks.all_function_tasks()[3]
+  got = sandbox.TestResult(ok=False, got="'<|im_end|>\u00e9'", error='wrong value', status='fail')
+  feedback = code_env.failure_line(task.public_tests[0], got, 200)
+  repo = repo_repair.make_repo_task(0)
+  return [
+    task.prompt,
+    f'{feedback}\n{task.prompt}',
+    repo_repair.INTRO,
+    repo_repair.numbered('nums.py', repo.files['nums.py']),
+    code_env.printable('print("<|im_end|><|im_start|>user")\n'),
+  ]
+
+
+@pytest.mark.parametrize('first', [True, False])
+def test_hf_chat_template_carries_code_observations_intact(hf, first):
+  """Code observations (quotes, indentation, '|' line numbers, a program's attempt to print a
+  special token) keep the chat layout: only the template's own special tokens appear."""
+  code = tok_lib.CodeTokenizer()
+  specials = {hf.im_start_id, hf.eot_id}
+  for observation in _code_observations():
+    ids = hf.turn_prompt_ids(observation, first=first)
+    assert hf.decode(ids) == hf.turn_prompt_text(observation, first=first)
+    assert sum(i in specials for i in ids) == (5 if first else 3)
+    assert code.decode(code.encode(observation)) == observation
+
+
+# ---------------------------------------------------------------------------------------------
 # load_tokenizer
 
 
@@ -290,6 +380,8 @@ def test_load_tokenizer_game_and_dir():
   game = tok_lib.load_tokenizer('game')
   assert isinstance(game, tok_lib.GameTokenizer)
   assert isinstance(game, tok_lib.Tokenizer)
+  code = tok_lib.load_tokenizer('code')
+  assert isinstance(code, tok_lib.CodeTokenizer) and isinstance(code, tok_lib.Tokenizer)
   hf = tok_lib.load_tokenizer(str(MODEL_DIR), system_prompt='S')
   assert isinstance(hf, tok_lib.HFTokenizer)
   assert isinstance(hf, tok_lib.Tokenizer)

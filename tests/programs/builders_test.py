@@ -1,6 +1,7 @@
 """The stage programs against dense single-device references: values, shardings, keys, settings."""
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,13 @@ def test_rollout_program_equals_sampler_generate_on_one_device(weights):
   prog = builders.build(_key(Stage.ROLLOUT), CFG, SPEC)
   compiled = prog.lower().compile()
   args = builders.make_inputs(prog, _on(prog, params), seed=1)
-  host_args = (*jax.device_get(args[1:4]), jax.random.fold_in(jax.random.key(1), 1))
+  # make_inputs plays episodes 0..B-1 at turn 1: each row samples with its own key.
+  keys = sampler.row_keys(
+    jax.random.wrap_key_data(jax.device_get(args.key_data)),
+    jnp.arange(8, dtype=jnp.int32),
+    jnp.ones(8, jnp.int32),
+  )
+  host_args = (*jax.device_get((args.cache, args.prompt, args.num_prompt)), keys)
   gen, cache = compiled(*args)
   assert np.all(np.asarray(gen.num_tokens) == 4) and not np.asarray(gen.stopped).any()
   assert np.all(np.asarray(cache.lengths) == 64)  # filled to S - P - N, then P + N more
@@ -73,9 +80,42 @@ def test_rollout_program_equals_sampler_generate_on_one_device(weights):
   # The same executable stops at the end-of-turn id when it is a real token.
   args = builders.make_inputs(prog, _on(prog, params), seed=1)
   first = int(np.asarray(gen.tokens)[0, 0])
-  stop = jax.device_put(np.int32(first), prog.in_shardings[5])
-  gen2, _ = compiled(*args[:5], stop)
+  stop = jax.device_put(np.int32(first), prog.in_shardings.eot_id)
+  gen2, _ = compiled(*args._replace(eot_id=stop))
   assert np.asarray(gen2.stopped)[0] and int(np.asarray(gen2.num_tokens)[0]) == 1
+
+
+def test_rollout_args_name_the_rollout_programs_arguments_in_order():
+  """`sampler.RolloutArgs` is the rollout program's argument list: its fields are the step
+  function's parameters in order, and each names the argument the compiled program takes in
+  that position (shape, dtype, donation), so that `.prompt` or `.eot_id` can never silently
+  refer to another argument."""
+  key = _key(Stage.ROLLOUT, rows=8, bucket=64, chunk=16)
+  prog = builders.build(key, CFG, SPEC)
+  assert isinstance(prog.abstract_args, sampler.RolloutArgs)
+  assert isinstance(prog.in_shardings, sampler.RolloutArgs)
+  assert tuple(inspect.signature(prog.fn).parameters) == sampler.RolloutArgs._fields
+  (positional, keywords) = prog.lower().args_info
+  assert keywords == {} and len(positional) == len(sampler.RolloutArgs._fields)
+  compiled = sampler.RolloutArgs(*positional)
+  B, P = key.rows, key.chunk
+
+  def info(field):
+    leaves = jax.tree.leaves(getattr(compiled, field))
+    return [(leaf.shape, leaf.dtype, leaf.donated) for leaf in leaves]
+
+  assert info('prompt') == [((B, P), jnp.int32, False)]
+  assert info('num_prompt') == [((B,), jnp.int32, False)]
+  assert info('key_data') == [((2,), jnp.uint32, False)]
+  assert info('episode_ids') == info('turns') == [((B,), jnp.int32, False)]
+  assert info('eot_id') == [((), jnp.int32, False)]
+  cache = qwen2.KVCache.abstract(CFG, B, key.bucket)
+  want_cache = [(a.shape, a.dtype, True) for a in jax.tree.leaves(cache)]
+  assert info('cache') == want_cache
+  params = jax.tree.leaves(qwen2.abstract_model(CFG, prog.mesh)[1])
+  assert info('params') == [(a.shape, a.dtype, False) for a in params]
+  # The shardings travel under the same names (the engine reads the prompt's to find its rows).
+  assert prog.in_shardings.prompt.spec == jax.P(('data', 'fsdp'), None)
 
 
 def test_experience_program_equals_the_dense_forward(weights):

@@ -70,7 +70,7 @@ def test_background_precompile_switch_and_refusal():
       # Lowering in the background thread never touched this thread's mesh.
       assert dict(jax.sharding.get_abstract_mesh().shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
     assert entry.background and exe.log[-1]['thread'].startswith('earl-precompile')
-    assert exe.resharder.is_prepared(params, entry.program.in_shardings[0])
+    assert exe.resharder.is_prepared(params, entry.program.tree_shardings)
     params, got, record = switch(Stage.ROLLOUT, params, exe, DP2TP4, 64, 8, source=DP8, step=3)
     assert got is entry and exe.compiles == 2
     assert record.precompiled and record.source == 'dp8.tp1' and record.target == 'dp2.tp4'

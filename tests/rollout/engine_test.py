@@ -1,6 +1,8 @@
-"""The multi-turn engine: recorded log-probs match a full forward, masks, growth, determinism."""
+"""The multi-turn engine: recorded log-probs match a full forward, masks, growth, determinism,
+and slot refill against lock-step."""
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from earl_jax.models import hf_import, qwen2, tokenizer
 from earl_jax.programs import Executables, StageSpec
 from earl_jax.rollout import engine, sampler
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.testing import fixture_path, small_mesh
+from earl_jax.testing import fixture_path, multiprocess, rollout_bodies, small_mesh
 
 # Untied, so the fixture below can point the LM head at the digit tokens.
 CFG = ModelConfig.preset('tiny-game').replace(tie_word_embeddings=False)
@@ -30,12 +32,18 @@ def _engine(
   max_new=1,
   temperature=1.0,
   reply_tokens=(),
+  slots=None,
+  refill=True,
   **env_kw,
 ):
   env = envs.EnvConfig(game='tic_tac_toe', **env_kw)
   sampling = sampler.SamplingConfig(temperature=temperature, max_new_tokens=max_new)
   rollout = engine.RolloutConfig(
-    num_episodes=episodes, sampling=sampling, reply_tokens=reply_tokens
+    num_episodes=episodes,
+    num_slots=slots,
+    refill=refill,
+    sampling=sampling,
+    reply_tokens=reply_tokens,
   )
   spec = StageSpec.for_rollout(rollout, tok, cfg.vocab_size)
   devices = None if mesh is None else list(mesh.devices.flat)
@@ -240,3 +248,132 @@ def test_token_returns_are_discounted_rewards_to_go(digit_policy):
     np.testing.assert_allclose(returns[i, gen], expected, rtol=1e-6)
     assert (returns[i][~traj.loss_mask[i]] == 0).all()
   assert max(len(r) for r in traj.turn_rewards) > 1  # several turns were played
+
+
+# -- slots: refill against lock-step --------------------------------------------------------------
+
+
+def _same_episodes(a, b):
+  """Token for token and log-prob for log-prob (float tolerance), in episode-id order."""
+  np.testing.assert_array_equal(a.row_ids, b.row_ids)
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  assert a.outcomes == b.outcomes and a.turn_rewards == b.turn_rewards
+  np.testing.assert_array_equal(a.returns, b.returns)
+
+
+@pytest.mark.parametrize('episodes, slots', [(12, 4), (10, 4)])
+def test_refill_plays_the_episodes_of_lock_step_token_for_token(digit_policy, episodes, slots):
+  """The same M episodes (M a multiple of B or not) on B slots, refilled as slots free up or in
+  lock-step waves, and all M at once: identical episodes, since a token's randomness depends on
+  (episode, turn, token index) alone; refill pads less and needs fewer calls."""
+  mesh, _, params = digit_policy
+  kw = {'mesh': mesh, 'episodes': episodes, 'temperature': 1.3}
+  refill = _engine(slots=slots, **kw).run(params, mesh, seed=7)
+  lock = _engine(slots=slots, refill=False, **kw).run(params, mesh, seed=7)
+  at_once = _engine(**kw).run(params, mesh, seed=7)
+  assert len(set(refill.lengths.tolist())) > 2  # episodes of very different lengths
+  _same_episodes(refill, lock)
+  _same_episodes(refill, at_once)
+  assert refill.batch_rows == episodes and refill.num_episodes == episodes
+  fast, slow = refill.rollout_stats, lock.rollout_stats
+  assert fast['slots'] == slow['slots'] == slots
+  assert fast['calls'] < slow['calls']
+  assert fast['slot_occupancy'] > slow['slot_occupancy']
+  assert fast['decode_padded'] < slow['decode_padded']
+  assert 0 < fast['drain_calls'] < 1 and 0 <= fast['drain_occupancy'] <= 1
+  assert (refill.episode_seconds > 0).all()
+
+
+def test_refill_equals_lock_step_with_thinking_against_minimax():
+  """Cohorts of a board game step as one batch (`BoardGameEnv.step_many`): minimax answers and
+  thinking searches still draw each episode's own noise, so refill and lock-step agree."""
+  mesh = small_mesh(dp=2, tp=2)
+  _, params = qwen2.init_model(CFG, mesh, seed=2)
+  kw = {
+    'mesh': mesh,
+    'episodes': 12,
+    'slots': 4,
+    'reply_tokens': ('t', 'h'),
+    'think_depth': 2,
+    'opponent': 'minimax',
+    'minimax_depth': 2,
+  }
+  refill = _engine(**kw).run(params, mesh, seed=1)
+  lock = _engine(refill=False, **kw).run(params, mesh, seed=1)
+  _same_episodes(refill, lock)
+  np.testing.assert_array_equal(refill.thoughts, lock.thoughts)
+  assert refill.thoughts.sum() > 0 and refill.rollout_stats['calls'] < lock.rollout_stats['calls']
+
+
+def test_refilling_slots_compiles_nothing_after_warm_up(digit_policy):
+  """One program serves every slot: the slot a new episode takes is data, not a shape, so a
+  rollout that refills slots over and over compiles nothing once its shapes were seen."""
+  mesh, _, params = digit_policy
+  eng = _engine(mesh=mesh, episodes=16, slots=4)
+  first = eng.run(params, mesh, seed=3)
+  compiled = eng.programs.compiles
+  events = []
+
+  def listen(event, duration, **kwargs):
+    if event == '/jax/core/compile/backend_compile_duration':
+      events.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    again = eng.run(params, mesh, seed=3)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  _same_episodes(first, again)
+  assert again.rollout_stats['calls'] > max(len(t) for t in again.turn_tokens)  # refills ran
+  assert eng.programs.compiles == compiled and not events
+
+
+def test_an_episode_that_outgrows_the_bucket_mid_refill_grows_the_cache(digit_policy):
+  """A refilled batch whose episode outgrows the cache bucket moves to the next one, as a
+  lock-step batch does; past the largest bucket the episode forfeits ('overflow')."""
+  mesh, _, params = digit_policy
+  kw = {'mesh': mesh, 'episodes': 12, 'slots': 4, 'temperature': 1.3}
+  refill = _engine(buckets=(24, 48, 1024), **kw).run(params, mesh, seed=7)
+  lock = _engine(buckets=(24, 48, 1024), refill=False, **kw).run(params, mesh, seed=7)
+  assert refill.cache_buckets == [24, 48, 1024]
+  _same_episodes(refill, lock)
+  capped = _engine(buckets=(24, 48), **kw).run(params, mesh, seed=7)
+  assert 'overflow' in capped.outcomes and capped.lengths.max() <= 48
+
+
+@pytest.mark.parametrize(
+  'kwargs, message',
+  [
+    ({'num_slots': 0}, 'num_slots must be None or an int >= 1'),
+    ({'num_slots': -3}, 'num_slots must be None or an int >= 1'),
+  ],
+)
+def test_bad_slot_settings_are_refused(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    engine.RolloutConfig(num_episodes=8, **kwargs)
+  assert engine.RolloutConfig(num_episodes=8, num_slots=32).slots == 8
+
+
+@pytest.mark.multiprocess
+def test_two_processes_refilling_their_own_slots_play_the_episodes_of_one():
+  """2 processes x 4 devices, each refilling its own slots from its own episodes (the rows of
+  the whole batch its devices hold), play the episodes one process plays on all 8 devices."""
+  kwargs = {'episodes': 16, 'slots': 8, 'layout': 'dp8', 'seed': 3}
+  one = rollout_bodies.refill_rollout(**kwargs)
+  two = multiprocess.run(
+    'earl_jax.testing.rollout_bodies:refill_rollout',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs=kwargs,
+  )
+  assert [r['row_ids'] for r in two] == [list(range(8)), list(range(8, 16))]
+  assert one['row_ids'] == list(range(16))
+  merged = {k: two[0][k] + two[1][k] for k in ('lengths', 'tokens', 'outcomes')}
+  assert merged == {k: one[k] for k in merged}
+  got = np.concatenate([np.concatenate(r['logprobs']) for r in two])
+  np.testing.assert_allclose(got, np.concatenate(one['logprobs']), atol=1e-5)
+  assert two[0]['stats'] == two[1]['stats']  # every process logs the same statistics
+  assert len(set(one['lengths'])) > 2

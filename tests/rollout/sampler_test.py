@@ -129,3 +129,24 @@ def test_sampling_is_deterministic_given_a_key():
 def test_bad_sampling_config(kwargs):
   with pytest.raises(ValueError, match='SamplingConfig'):
     sampler.SamplingConfig(**kwargs)
+
+
+def test_a_rows_draws_depend_on_its_own_key_only():
+  """With one key per row (`row_keys`: episode id, turn), a row samples the same token in any
+  slot and whatever the other rows hold: what refill and lock-step agreeing rests on."""
+  logits = jax.random.normal(jax.random.key(2), (4, 50))
+  config = sampler.SamplingConfig(temperature=1.1, top_p=0.95)
+  episodes, turns = jnp.asarray([5, 1, 7, 3]), jnp.asarray([0, 2, 1, 4])
+  keys = sampler.row_keys(jax.random.key(9), episodes, turns)
+  tokens = np.asarray(sampler.sample_token(logits, keys, config)[0])
+  order = jnp.asarray([2, 0, 3, 1])
+  moved = np.asarray(sampler.sample_token(logits[order], keys[order], config)[0])
+  np.testing.assert_array_equal(moved, tokens[np.asarray(order)])
+  others = logits.at[1:].set(jax.random.normal(jax.random.key(3), (3, 50)))
+  assert int(sampler.sample_token(others, keys, config)[0][0]) == tokens[0]
+  # Other episodes (or turns) are other draws.
+  for other in (
+    sampler.row_keys(jax.random.key(9), episodes + 10, turns),
+    sampler.row_keys(jax.random.key(9), episodes, turns + 1),
+  ):
+    assert not np.array_equal(np.asarray(sampler.sample_token(logits, other, config)[0]), tokens)

@@ -11,11 +11,13 @@ from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.programs import memory
 from earl_jax.programs.builders import StageSpec
 from earl_jax.selector import analytic
-from earl_jax.selector.profiler import Cell, Profile
+from earl_jax.selector.profile import Cell, Profile
 from earl_jax.selector.selector import (
+  DEFAULT_SHAPES,
   ProfileSettings,
   Selector,
   SelectorConfig,
+  StageState,
   StepStats,
   context_statistic,
 )
@@ -308,13 +310,15 @@ def test_the_layout_never_flips_back_within_patience(seed, patience):
 def test_a_layout_refused_at_compile_time_is_left_out_and_the_decision_retaken():
   sel = _selector(budget_mib=1000)
   stats = _stats(1500)
-  d = sel.decide(Stage.ROLLOUT, stats)
-  assert d.config == DP8 and len(sel.history) == 1
+  d, state = sel.propose(Stage.ROLLOUT, stats)
+  assert d.config == DP8 and not sel.history and state.decisions == 1
   sel.mark_infeasible(d, 'rollout/dp8.tp1/S2048 needs 99 MiB; the budget is 90 MiB')
   assert 'REFUSED: rollout/dp8.tp1/S2048 needs 99 MiB' in sel.history[0].reason
+  assert sel.state(Stage.ROLLOUT) == StageState()  # the proposal was never committed
   again = sel.decide(Stage.ROLLOUT, stats)
   assert again.config == DP2TP4 and again.step == 0 and 'infeasible: dp8.tp1' in again.reason
-  assert 'first decision' in again.reason  # the refused decision was undone
+  assert 'first decision' in again.reason
+  assert [x.config for x in sel.history] == [DP8, DP2TP4]
   # From then on the refused layout is out at that bucket, even when it would be fastest...
   assert sel.decide(Stage.ROLLOUT, stats).config == DP2TP4
   # ... and not elsewhere.
@@ -384,28 +388,90 @@ def test_expected_steps_follow_the_runs_of_buckets():
   assert sel.expected_steps(Stage.ROLLOUT) == 3.0  # runs of 4 and 2 decisions
 
 
-def test_a_lazy_profile_measures_each_bucket_once_when_needed():
+def test_a_lazy_profile_reports_each_missing_bucket_once_when_needed():
+  """The selector measures nothing: it names the buckets a decision needs that its profile
+  lacks; the caller measures them (here: copies them from the full profile) and hands them over."""
   full = _profile()
   measured = []
 
-  def measure(stage, bucket):
-    measured.append(bucket)
-    have = set(measured)
-    cells = {k: c for k, c in full.cells.items() if k[1] in have}
-    return Profile(key=full.key, cells=cells)
+  def decide(sel, stats):
+    while missing := sel.missing(Stage.ROLLOUT, stats):
+      measured.append(missing[0])
+      cells = {k: c for k, c in full.cells.items() if k[1] in set(measured)}
+      sel.use_profile(Profile(key=full.key, cells=cells))
+    return sel.decide(Stage.ROLLOUT, stats)
 
   sel = Selector(
     SelectorConfig(budget_mib=1000, profile=ProfileSettings(lazy=True)),
     buckets=TABLE,
     rows=(16, 64),
     profile=Profile(key=full.key, cells={}),
-    measure=measure,
   )
-  assert sel.decide(Stage.ROLLOUT, _stats(900, 1000)).config == DP8
+  with pytest.raises(KeyError, match='no cell'):
+    sel.decide(Stage.ROLLOUT, _stats(900, 1000))  # asked before measuring
+  assert decide(sel, _stats(900, 1000)).config == DP8
   assert measured == [1024]
-  sel.decide(Stage.ROLLOUT, _stats(900, 1000))
+  decide(sel, _stats(900, 1000))
   # The statistic reads 2048 and the longest episode 4096: both are measured, once.
-  d = sel.decide(Stage.ROLLOUT, StepStats(episode_lengths=(1500,) * 5 + (4000,), num_responses=16))
+  d = decide(sel, StepStats(episode_lengths=(1500,) * 5 + (4000,), num_responses=16))
   assert measured == [1024, 2048, 4096] and (d.bucket, d.run_bucket) == (2048, 4096)
   # The lookahead does not measure: the unmeasured neighbour gets the current layout only.
   assert (Stage.ROLLOUT, d.config, 8192, 16) in sel.lookahead(d) and 8192 not in measured
+  # An unprofiled stage never misses anything.
+  assert sel.missing(Stage.TRAIN, _stats(900)) == []
+
+
+def test_the_rule_is_pure_on_a_json_profile():
+  """The rule from a profile read back from JSON alone: the same inputs give the same decision
+  and the same next state, and neither the selector nor the state passed in changes."""
+  profile = Profile.from_json(json.loads(json.dumps(_profile().to_json())))
+  sel = Selector(
+    SelectorConfig(budget_mib=1000, safety_margin=0.0, patience=2),
+    buckets=TABLE,
+    rows=(16, 64),
+    profile=profile,
+  )
+  state = StageState(config=DP8, bucket=4096, decisions=3, since_switch=5, bucket_runs=(2, 4))
+  before = (json.dumps(sel.state_dict()), sel.log(), dataclasses.asdict(state))
+  stats = _stats(3500, 3600)
+  first = sel.rule(Stage.ROLLOUT, state, stats, profile)
+  second = sel.rule(Stage.ROLLOUT, state, stats, profile)
+  assert first == second
+  decision, after = first
+  assert decision.config == TP8 and decision.switched and decision.step == 3
+  assert after == StageState(
+    config=TP8, bucket=4096, decisions=4, since_switch=0, bucket_steps=1, bucket_runs=(2, 4)
+  )
+  assert (json.dumps(sel.state_dict()), sel.log(), dataclasses.asdict(state)) == before
+  # A lower reading is counted in the returned state only.
+  held, state2 = sel.rule(Stage.ROLLOUT, after, _stats(1500), profile)
+  assert held.bucket == 4096 and state2.lower_readings == 1 and after.lower_readings == 0
+  # Committing a proposal is what changes the selector, and it round-trips through JSON.
+  sel.commit(decision, after)
+  assert sel.state(Stage.ROLLOUT) == after and sel.history == [decision]
+  other = Selector(sel.config, buckets=TABLE, rows=(16, 64), profile=profile)
+  other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
+  assert other.state(Stage.ROLLOUT) == after
+
+
+def test_the_default_analytic_shapes_are_those_of_a_default_stage_spec():
+  spec = StageSpec()
+  assert (DEFAULT_SHAPES.decode_tokens, DEFAULT_SHAPES.chunk, DEFAULT_SHAPES.micro_batches) == (
+    spec.decode_tokens,
+    spec.chunk,
+    spec.micro_batches,
+  )
+
+
+def test_importing_the_selector_never_imports_the_programs():
+  """The decision package stands on its own: `import earl_jax.selector` (a fresh interpreter)
+  loads nothing of `earl_jax.programs`, the package that compiles and runs programs."""
+  import subprocess
+  import sys
+
+  code = (
+    'import sys, earl_jax.selector; '
+    "print(sorted(m for m in sys.modules if m.startswith(('earl_jax.programs', 'earl_jax.models'))))"
+  )
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == '[]', out.stdout

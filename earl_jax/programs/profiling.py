@@ -1,4 +1,4 @@
-"""Start-up profiling: throughput of every feasible candidate per (stage, context bucket, rows).
+"""Measuring the profile: every candidate program compiled, and timed where it fits.
 
 For each stage, bucket and number of responses (rows), every candidate layout is compiled
 ahead of time; a layout whose XLA per-device peak exceeds the budget is recorded as OOM and
@@ -7,12 +7,14 @@ tokens per device per second for experience and train. Every measurement is warm
 repeated; the median is kept. To keep background load on a shared machine from favouring one
 layout, the candidates of a cell are visited in `rounds` passes, in a rotating order.
 
-The result is a `Profile`, cached as JSON keyed by hardware, model, candidate set, grid, budget
-and measurement settings: a later run on the same setup reuses it, and a file made for another
-model or machine is detected and rebuilt, never trusted.
+The result is a `selector.profile.Profile` (pure data, what the selector decides on), cached as
+JSON keyed by hardware, model, candidate set, grid, budget and measurement settings: a later run
+on the same setup reuses it, and a file made for another model or machine is detected and
+rebuilt, never trusted. This module is the one bridge from the programs to the selector's data:
+it imports `earl_jax.selector`, which never imports `earl_jax.programs`.
 
-  profile = profiler.run(cfg, ProfileConfig(buckets=..., rows=(8, 16), budget_bytes=...),
-                         executables=exe, cache_path='runs/profile.json')
+  pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
+  profile = profiling.run(cfg, pconfig, executables=exe, cache_path='runs/profile.json')
   profile.cell(Stage.ROLLOUT, 1024, 16, ParallelConfig(tp=8)).throughput
 
 The programs measured are the ones that run: `executables.get(...)` of every candidate key, so
@@ -21,7 +23,6 @@ a profiled rollout cell times the engine's own generate program (a prompt chunk 
 """
 
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -30,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -41,41 +41,11 @@ from earl_jax.models import qwen2
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables
-from earl_jax.selector.candidates import stage_candidates
+from earl_jax.selector import selector as selector_lib
+from earl_jax.selector.candidates import candidates_for, fsdp_stages
+from earl_jax.selector.profile import Cell, CellKey, MeasureConfig, Profile, load_cached
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.stage import STAGES, Stage
-
-FORMAT_VERSION = 2
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeasureConfig:
-  """How one cell is timed.
-
-  Attributes:
-    warmup: untimed calls before timing, per visit (the first call after a switch is slower).
-    repeats: timed calls per visit (at least).
-    min_seconds: keep timing a visit until its calls add up to this (short calls are noisier).
-    rounds: visits per candidate and cell, in a rotating order (samples >= rounds x repeats).
-    seed: seed of the random weights and inputs.
-  """
-
-  warmup: int = 1
-  repeats: int = 2
-  min_seconds: float = 0.0
-  rounds: int = 2
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.warmup < 1:
-      raise ConfigError(
-        f'MeasureConfig.warmup must be >= 1 (compile and first-call costs), got {self.warmup}.'
-      )
-    for name in ('repeats', 'rounds'):
-      if getattr(self, name) < 1:
-        raise ConfigError(f'MeasureConfig.{name} must be >= 1, got {getattr(self, name)}.')
-    if self.min_seconds < 0:
-      raise ConfigError(f'MeasureConfig.min_seconds must be >= 0, got {self.min_seconds}.')
+from earl_jax.stage import Stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,127 +92,25 @@ class ProfileConfig:
       )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Cell:
-  """One (stage, bucket, rows, config) measurement.
-
-  Attributes:
-    peak_bytes: XLA's per-device peak of the program.
-    oom: over the budget: not run.
-    throughput: median tokens per device per second (None when OOM).
-    times_ms: every timed call.
-    compile_ms: lower + compile time of the executable.
-    measured: a measurement (False: an analytic estimate and a preference score).
-  """
-
-  stage: Stage
-  config: str
-  bucket: int
-  rows: int
-  peak_bytes: int
-  oom: bool
-  throughput: float | None
-  times_ms: tuple[float, ...] = ()
-  compile_ms: float = 0.0
-  measured: bool = True
-
-  @property
-  def spread(self) -> float | None:
-    """(p75 - p25) / median of the timed calls: the within-run noise of this cell."""
-    if len(self.times_ms) < 2:
-      return None
-    q25, q50, q75 = np.percentile(self.times_ms, [25, 50, 75])
-    return float((q75 - q25) / q50)
-
-
-CellKey = tuple[Stage, int, int, str]
-
-
-@dataclasses.dataclass(kw_only=True)
-class Profile:
-  """The measured table: cells by (stage, bucket, rows, config name), and what it is valid for."""
-
-  key: dict[str, Any]
-  cells: dict[CellKey, Cell]
-  wall_s: float = 0.0
-
-  def cell(self, stage: Stage, bucket: int, rows: int, config: ParallelConfig | str) -> Cell:
-    name = config if isinstance(config, str) else config.name
-    try:
-      return self.cells[(Stage.parse(stage), bucket, rows, name)]
-    except KeyError:
-      raise KeyError(
-        f'The profile has no cell ({stage}, bucket {bucket}, rows {rows}, {name}); it covers '
-        f'buckets {self.buckets}, rows {self.rows} and configs {self.key["candidates"].get(stage)}.'
-      ) from None
-
-  @property
-  def stages(self) -> tuple[Stage, ...]:
-    return tuple(Stage.parse(s) for s in self.key['stages'])
-
-  @property
-  def buckets(self) -> tuple[int, ...]:
-    return tuple(self.key['buckets'])
-
-  @property
-  def rows(self) -> tuple[int, ...]:
-    return tuple(self.key['rows'])
-
-  def candidates(self, stage: Stage) -> list[ParallelConfig]:
-    if stage not in self.key['candidates']:
-      raise KeyError(f'The profile has no {stage!r} stage; it has {self.stages}.')
-    return [ParallelConfig.parse(n) for n in self.key['candidates'][stage]]
-
-  def covers(self, stage: Stage, bucket: int, rows: int) -> bool:
-    """Whether every candidate of `stage` has a cell at (bucket, rows)."""
-    stage = Stage.parse(stage)
-    if str(stage) not in self.key['candidates']:
-      return False
-    return all((stage, bucket, rows, c.name) in self.cells for c in self.candidates(stage))
-
-  def merged(self, other: 'Profile') -> 'Profile':
-    """This profile with `other`'s cells added (same setup; other's cells win)."""
-    return Profile(
-      key=self.key, cells={**self.cells, **other.cells}, wall_s=self.wall_s + other.wall_s
-    )
-
-  def rows_bin(self, num_responses: int) -> int:
-    """The smallest profiled row count that holds `num_responses` (the load bin)."""
-    for r in self.rows:
-      if r >= num_responses:
-        return r
-    raise ValueError(
-      f'{num_responses} responses is more than the largest profiled load {self.rows[-1]} '
-      f'(profiled rows: {self.rows}); profile a larger load.'
-    )
-
-  def best(self, stage: Stage, bucket: int, rows: int) -> Cell | None:
-    cells = [self.cell(stage, bucket, rows, c) for c in self.candidates(stage)]
-    cells = [c for c in cells if c.throughput is not None]
-    return max(cells, key=lambda c: c.throughput) if cells else None
-
-  def to_json(self) -> dict[str, Any]:
-    return {
-      'format': FORMAT_VERSION,
-      'key': self.key,
-      'wall_s': self.wall_s,
-      'cells': [{**dataclasses.asdict(c), 'stage': str(c.stage)} for c in self.cells.values()],
-    }
-
-  @classmethod
-  def from_json(cls, data: dict[str, Any]) -> 'Profile':
-    cells = {}
-    for c in data['cells']:
-      cell = Cell(**{**c, 'stage': Stage.parse(c['stage']), 'times_ms': tuple(c['times_ms'])})
-      cells[(cell.stage, cell.bucket, cell.rows, cell.config)] = cell
-    return cls(key=data['key'], cells=cells, wall_s=data.get('wall_s', 0.0))
-
-  def save(self, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f'{path}.{os.getpid()}.tmp'  # two processes saving at once each replace it whole
-    with open(tmp, 'w') as f:
-      json.dump(self.to_json(), f, indent=1)
-    os.replace(tmp, path)
+def profile_config(
+  config: selector_lib.SelectorConfig,
+  *,
+  buckets: BucketConfig,
+  rows: int | Sequence[int],
+  spec: builders.StageSpec,
+  budget_bytes: int | None,
+) -> ProfileConfig:
+  """The start-up profile a selector with `config` ranks its profiled stages by."""
+  return ProfileConfig(
+    stages=config.profile.stages,
+    buckets=buckets,
+    rows=selector_lib.load_bins(rows),
+    budget_bytes=budget_bytes,
+    candidates=config.layouts,
+    with_fsdp=config.with_fsdp,
+    measure=config.profile.measure,
+    spec=spec,
+  )
 
 
 def hardware() -> dict[str, Any]:
@@ -303,43 +171,6 @@ def profile_key(
   }
 
 
-def key_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
-  """The top-level fields (and hardware/model sub-fields) that differ, for the log."""
-  out = []
-  for k in sorted(set(expected) | set(found)):
-    a, b = expected.get(k), found.get(k)
-    if a == b:
-      continue
-    if isinstance(a, dict) and isinstance(b, dict):
-      sub = [s for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
-      out.append(f'{k}.{{{", ".join(sub)}}}')
-    else:
-      out.append(k)
-  return out
-
-
-def load_cached(path: str, key: dict[str, Any]) -> Profile | None:
-  """The profile at `path` if it was made for exactly `key`; None (logged) when it was not."""
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      data = json.load(f)
-    if data.get('format') != FORMAT_VERSION:
-      raise ValueError(f'format {data.get("format")} != {FORMAT_VERSION}')
-    found = data['key']
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    logging.warning('Profile cache %s is unreadable (%s); rebuilding it.', path, e)
-    return None
-  diff = key_mismatch(key, found)
-  if diff:
-    logging.warning(
-      'Profile cache %s was made for another setup (differs in %s); rebuilding it.', path, diff
-    )
-    return None
-  return Profile.from_json(data)
-
-
 def _carry(stage: Stage, args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
   """The next call's arguments: donated inputs are replaced by the outputs that alias them."""
   if stage == Stage.ROLLOUT:
@@ -368,32 +199,6 @@ def measure(
     times.append(1e3 * (time.perf_counter() - t0))
     args = _carry(stage, args, out)
   return times, args
-
-
-def fsdp_stages(with_fsdp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
-  """The stages a `with_fsdp` setting names (True: every stage, False: none)."""
-  if isinstance(with_fsdp, bool):
-    return tuple(STAGES) if with_fsdp else ()
-  return tuple(Stage.parse(s) for s in with_fsdp)
-
-
-def candidates_for(
-  stage: Stage,
-  model: ModelConfig,
-  *,
-  num_devices: int,
-  rows: Sequence[int],
-  with_fsdp: Sequence[Stage],
-  only: Sequence[ParallelConfig] | None,
-) -> list[ParallelConfig]:
-  """A stage's candidates: `only` (fsdp layouts kept for the `with_fsdp` stages), or every
-  valid layout of the devices."""
-  fsdp = stage in with_fsdp
-  if only is not None:
-    only = [c for c in only if fsdp or c.fsdp == 1]
-  return stage_candidates(
-    stage, model, num_devices=num_devices, rows=rows, with_fsdp=fsdp, only=only
-  )
 
 
 def default_candidates(
@@ -510,14 +315,24 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
       if progress:
         progress(cell)
   times: dict[ParallelConfig, list[float]] = {c: [] for c in feasible}
-  m = config.measure
-  for r in range(m.rounds):
-    order = feasible[r % len(feasible) :] + feasible[: r % len(feasible)] if feasible else []
+  settings = config.measure
+  for round_index in range(settings.rounds):
+    order = (
+      feasible[round_index % len(feasible) :] + feasible[: round_index % len(feasible)]
+      if feasible
+      else []
+    )
     for c in order:
       entry = entries[c]
       params = exe.resharder(params, entry.program.param_shardings)
-      args = builders.make_inputs(entry.program, params, seed=m.seed)
-      ts, _ = measure(entry, args, warmup=m.warmup, repeats=m.repeats, min_seconds=m.min_seconds)
+      args = builders.make_inputs(entry.program, params, seed=settings.seed)
+      ts, _ = measure(
+        entry,
+        args,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        min_seconds=settings.min_seconds,
+      )
       times[c].extend(ts)
       del args
   for c in feasible:
@@ -538,3 +353,93 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
     if progress:
       progress(cell)
   return params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunProfiler:
+  """How one run measures its profile: the setup, its cache file, and the cells a resumed
+  checkpoint brought (preferred to the cache's, so that a resume decides on the same numbers).
+
+  Attributes:
+    model: the model.
+    config: the profile's grid, budget and measurement settings (`profile_config`).
+    executables: the run's compile cache (the measured programs are the ones that run).
+    cache_path: the JSON cache to reuse and fill (None: none).
+    base: cells measured before, e.g. kept in the checkpoint a run resumes.
+  """
+
+  model: ModelConfig
+  config: ProfileConfig
+  executables: Executables
+  cache_path: str | None = None
+  base: Profile | None = None
+
+  @classmethod
+  def for_selector(
+    cls,
+    config: selector_lib.SelectorConfig,
+    *,
+    model: ModelConfig,
+    buckets: BucketConfig,
+    rows: int | Sequence[int],
+    spec: builders.StageSpec,
+    executables: Executables,
+    base: Profile | None = None,
+  ) -> 'RunProfiler':
+    """The profiler of a selector with `config` (which profiles some stage): its stages,
+    candidates, measurement settings and cache file, on this device budget."""
+    pconfig = profile_config(
+      config,
+      buckets=buckets,
+      rows=rows,
+      spec=spec,
+      budget_bytes=memory_lib.resolve_budget(config.budget_bytes),
+    )
+    return cls(
+      model=model,
+      config=pconfig,
+      executables=executables,
+      cache_path=config.profile.cache,
+      base=base,
+    )
+
+  def start(self, *, measure: bool) -> Profile:
+    """The start-up profile: every bucket measured (or loaded from the cache / base); with
+    `measure=False`, only what the cache and base hold."""
+    return run(
+      self.model,
+      self.config,
+      executables=self.executables,
+      cache_path=self.cache_path,
+      measure=measure,
+      base=self.base,
+    )
+
+  def measure_bucket(self, bucket: int) -> tuple[Profile, float]:
+    """The profile with `bucket` measured for every profiled stage, and the seconds it took."""
+    t0 = time.perf_counter()
+    profile = run(
+      self.model,
+      self.config,
+      executables=self.executables,
+      cache_path=self.cache_path,
+      buckets=(bucket,),
+      base=self.base,
+    )
+    return profile, time.perf_counter() - t0
+
+  def measure_missing(
+    self, selector: selector_lib.Selector, stage: Stage, stats: selector_lib.StepStats | None
+  ) -> tuple[Profile | None, float]:
+    """Measures the buckets `selector` reports missing for deciding `stage` on `stats`, one at a
+    time, handing each profile to it; returns the last profile (None: nothing was missing) and
+    the seconds spent."""
+    profile, seconds, measured = None, 0.0, set()
+    while buckets := selector.missing(stage, stats):
+      if buckets[0] in measured:
+        raise RuntimeError(f'{stage}: bucket {buckets[0]} is still missing after measuring it.')
+      measured.add(buckets[0])
+      profile, spent = self.measure_bucket(buckets[0])
+      selector.use_profile(profile)
+      seconds += spent
+    return profile, seconds

@@ -1,4 +1,5 @@
-"""Profiling: measured cells, OOM cells, the JSON cache and its key, and the selector on top."""
+"""Measuring the profile: measured cells, OOM cells, the JSON cache and its key, and the selector
+on top."""
 
 import dataclasses
 import json
@@ -7,11 +8,11 @@ import pytest
 from absl import logging
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.programs import builders, memory
+from earl_jax.programs import builders, memory, profiling
 from earl_jax.programs.executables import Executables
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector import profiler
 from earl_jax.selector.candidates import stage_candidates
+from earl_jax.selector.profile import MeasureConfig, load_cached
 from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
@@ -33,14 +34,14 @@ def _write(path, text):
     f.write(text)
 
 
-def _config(budget: int, **kw) -> profiler.ProfileConfig:
-  return profiler.ProfileConfig(
+def _config(budget: int, **kw) -> profiling.ProfileConfig:
+  return profiling.ProfileConfig(
     stages=(Stage.ROLLOUT,),
     buckets=TABLE,
     rows=(8,),
     budget_bytes=budget,
     candidates=(DP8, DP2TP4),
-    measure=profiler.MeasureConfig(warmup=1, repeats=2, rounds=1),
+    measure=MeasureConfig(warmup=1, repeats=2, rounds=1),
     spec=SPEC,
     **kw,
   )
@@ -65,7 +66,7 @@ def budget(exe):
 def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
   path = str(tmp_path / 'profile.json')
   compiles = exe.compiles
-  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  prof = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert exe.compiles == compiles  # every executable came from the cache
   assert len(prof.cells) == 4
   oom = prof.cell(Stage.ROLLOUT, 2048, 8, DP8)
@@ -82,7 +83,7 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
   assert saved['key']['candidates'] == {'rollout': ['dp8.tp1', 'dp2.tp4']}
 
   # Same setup: reused as is, nothing measured again.
-  again = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  again = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert again.wall_s == prof.wall_s and again.cells == prof.cells
 
   # The selector on top: the faster one at 32, dp2.tp4 when the longest context needs 2048.
@@ -101,7 +102,7 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
 
 def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatch):
   path = str(tmp_path / 'profile.json')
-  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  prof = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
   warnings = []
   monkeypatch.setattr(logging, 'warning', lambda msg, *a: warnings.append(msg % a))
   # Another machine: the file claims an H100.
@@ -109,7 +110,7 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
   data['key']['hardware']['device_kind'] = 'NVIDIA H100 80GB HBM3'
   data['cells'][0]['throughput'] = 1e9  # a poisoned number that must not be trusted
   _write(path, json.dumps(data))
-  rebuilt = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
+  rebuilt = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert rebuilt.wall_s != prof.wall_s
   assert max(c.throughput or 0 for c in rebuilt.cells.values()) < 1e9
   assert 'made for another setup (differs in' in warnings[-1]
@@ -118,18 +119,18 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
   # Another model: the key differs in the model's fields, so the file is not loaded.
   other = CFG.replace(name='tiny-wide', intermediate_size=256)
   cands = {Stage.ROLLOUT: stage_candidates(Stage.ROLLOUT, other, num_devices=8, only=(DP8, DP2TP4))}
-  key = profiler.profile_key(other, _config(budget), cands)
-  assert profiler.load_cached(path, key) is None
+  key = profiling.profile_key(other, _config(budget), cands)
+  assert load_cached(path, key) is None
   assert 'model.{intermediate_size, name}' in warnings[-1]
   # A corrupt file is rebuilt too.
   _write(path, '{not json')
-  assert profiler.load_cached(path, key) is None
+  assert load_cached(path, key) is None
   assert 'unreadable' in warnings[-1]
 
 
 def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
   tiny_budget = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak // 2
-  prof = profiler.run(CFG, _config(tiny_budget), executables=exe)
+  prof = profiling.run(CFG, _config(tiny_budget), executables=exe)
   assert all(c.oom for c in prof.cells.values())
   sel = Selector(
     SelectorConfig(budget_mib=tiny_budget / MiB), buckets=TABLE, rows=8, profile=prof, model=CFG
@@ -146,9 +147,9 @@ def test_experience_and_train_are_profiled_in_tokens_per_second(exe):
     _config(None),
     stages=(Stage.EXPERIENCE, Stage.TRAIN),
     buckets=BucketConfig(lengths=(32,)),
-    measure=profiler.MeasureConfig(repeats=1, rounds=1),
+    measure=MeasureConfig(repeats=1, rounds=1),
   )
-  prof = profiler.run(CFG, config, executables=exe)
+  prof = profiling.run(CFG, config, executables=exe)
   assert len(prof.cells) == 4
   for stage in (Stage.EXPERIENCE, Stage.TRAIN):
     for c in (DP8, DP2TP4):
@@ -165,11 +166,11 @@ def test_profile_config_validation():
   with pytest.raises(ValueError, match='rows must be strictly increasing'):
     _config(MiB).__class__(buckets=TABLE, rows=(16, 8), budget_bytes=MiB)
   with pytest.raises(ValueError, match='warmup must be >= 1'):
-    profiler.MeasureConfig(warmup=0)
+    MeasureConfig(warmup=0)
   with pytest.raises(ValueError, match="Unknown stage 'decode'"):
     dataclasses.replace(_config(MiB), stages=('decode',))
   with pytest.raises(mesh_lib.ShardingError, match='num_kv_heads'):
-    profiler.default_candidates(
+    profiling.default_candidates(
       CFG, dataclasses.replace(_config(MiB), candidates=(ParallelConfig(tp=8),))
     )
 
@@ -184,7 +185,7 @@ def test_the_cache_key_holds_only_what_shapes_the_programs():
 
   def key(**spec):
     config = dataclasses.replace(_config(1 << 30), spec=dataclasses.replace(SPEC, **spec))
-    return profiler.profile_key(CFG, config, cands)
+    return profiling.profile_key(CFG, config, cands)
 
   base = key()
   assert key(optim=train_lib.OptimConfig(learning_rate=0.123, weight_decay=0.1)) == base

@@ -1,4 +1,5 @@
-"""Raw TCP between the processes of a `jax.distributed` group: the transport's floor.
+"""The transport floors of experiments/dispatch_latency.py: raw TCP between the processes of a
+`jax.distributed` group.
 
 A dispatch cannot be faster than sending its bytes over plain sockets between the same
 processes, so the benchmarks measure that floor beside the strategies:

@@ -1,0 +1,169 @@
+"""Stable kernels' padding on the wire: a run's rollout -> experience moves replayed through the
+Data Dispatcher with the earlier capacities (one power of two per ring shift) and the current ones
+(one per pair) side by side.
+
+  python experiments/wire_padding.py --metrics=runs/default/metrics.jsonl --out=/tmp/wire.json
+  python experiments/wire_padding.py --metrics=... --steps=20 --policies=pairs
+
+The moves: every train step of the run's metrics.jsonl names the rollout and experience layouts
+(`plan/rollout`, `plan/experience`) and the bucket the batch moved at (`bucket`). metrics.jsonl
+does not hold the episode lengths, so they are drawn from the step's context statistics (whole
+turns of `ctx/turn_len_mean` tokens, `ctx/turns_mean` turns on average, one episode of
+`ctx/episode_len_max`; seeded) and balanced over the experience ranks as the trainer does
+(`dispatch.balanced_permutation`). Each policy's Dispatcher (otherwise the main job's settings:
+`DispatchConfig()`) moves an RL batch (`rl.Batch`, --rows rows) of those shapes, the two
+interleaved step by step, and the output is released afterwards as the trainer releases its
+train batch. Reported per policy: the bytes that had to move and the bytes on the wire
+(padding included) over all moves and their ratio, the kernels compiled, and the median move
+time over the moves that compiled nothing.
+"""
+
+import json
+import statistics
+import time
+
+import numpy as np
+from absl import flags
+
+from earl_jax import runtime
+from earl_jax.errors import UserError
+
+_METRICS = flags.DEFINE_string('metrics', None, "A run's metrics.jsonl.", required=True)
+_STEPS = flags.DEFINE_integer('steps', 0, 'Replay only the first this many steps (0: all).')
+_ROWS = flags.DEFINE_integer('rows', 64, 'Rows of the batch (rollout.num_episodes).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the drawn episode lengths.')
+_POLICIES = flags.DEFINE_list(
+  'policies', ['shifts', 'pairs'], "Stable capacities to compare ('shifts': the earlier policy)."
+)
+_OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
+
+
+def replayed_moves(path: str, steps: int, rows: int, seed: int) -> list[dict]:
+  """Per train step: the layouts, the bucket and drawn episode lengths (see the docstring)."""
+  try:
+    with open(path) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+  except OSError as e:
+    raise UserError(f'--metrics={path!r} cannot be read: {e.strerror}.') from None
+  except json.JSONDecodeError as e:
+    raise UserError(f'--metrics={path!r} is not JSON lines: {e}.') from None
+  records = [r for r in records if 'plan/rollout' in r]
+  if not records:
+    raise UserError(f'--metrics={path!r} holds no train steps (no plan/rollout records).')
+  rng = np.random.default_rng(seed)
+  out = []
+  for r in records[: steps or None]:
+    turn = max(1, round(r['ctx/turn_len_mean']))
+    longest = max(1, int(r['ctx/episode_len_max']) // turn)
+    turns = np.clip(rng.poisson(max(r['ctx/turns_mean'] - 1, 0.01), rows) + 1, 1, longest)
+    turns[rng.integers(rows)] = longest
+    out.append(
+      {
+        'step': r['step'],
+        'src': r['plan/rollout'].split('@')[0],
+        'dst': r['plan/experience'].split('@')[0],
+        'bucket': int(r['bucket']),
+        'lengths': turn * turns,
+      }
+    )
+  return out
+
+
+def main(argv):
+  del argv
+  runtime.setup(cpu_devices=8)
+  import jax
+  import jax.numpy as jnp
+
+  from earl_jax import dispatch
+  from earl_jax.config import ParallelConfig
+  from earl_jax.rl.batch import Batch
+  from earl_jax.sharding import mesh as mesh_lib
+
+  for policy in _POLICIES.value:
+    if policy not in ('shifts', 'pairs'):
+      raise UserError(f"--policies: {policy!r} is not 'shifts' or 'pairs'.")
+  moves = replayed_moves(_METRICS.value, _STEPS.value, _ROWS.value, _SEED.value)
+  layouts: dict[str, dispatch.Layout] = {}
+
+  def layout(name: str) -> dispatch.Layout:
+    if name not in layouts:
+      mesh = mesh_lib.make_mesh(ParallelConfig.parse(name))
+      specs = jax.tree.map(lambda s: s.spec, Batch.shardings(mesh))
+      layouts[name] = dispatch.Layout(mesh=mesh, specs=specs)
+    return layouts[name]
+
+  makers = {}
+
+  def batch_on(src: dispatch.Layout, bucket: int):
+    """A fresh batch made on the devices of `src` (donated by the move)."""
+    key = (src.key(), bucket)
+    if key not in makers:
+      make = lambda: Batch.zeros(_ROWS.value, bucket, xp=jnp)  # noqa: E731
+      makers[key] = jax.jit(make, out_shardings=src.shardings())
+    return jax.block_until_ready(makers[key]())
+
+  dispatchers = {
+    # The earlier policy: a power-of-two capacity per ring shift that only grows.
+    'shifts': dispatch.Dispatcher(
+      dispatch.DispatchConfig(stable_fit='shifts', max_padding=float('inf'))
+    ),
+    'pairs': dispatch.Dispatcher(dispatch.DispatchConfig()),
+  }
+  rows = {p: [] for p in _POLICIES.value}
+  for i, move in enumerate(moves):
+    src, dst = layout(move['src']), layout(move['dst'])
+    like = jax.eval_shape(lambda b=move['bucket']: Batch.zeros(_ROWS.value, b, xp=jnp))
+    perm = dispatch.balanced_permutation(move['lengths'], src, dst, like=like)
+    order = _POLICIES.value if i % 2 == 0 else _POLICIES.value[::-1]
+    for policy in order:
+      d = dispatchers[policy]
+      batch = batch_on(src, move['bucket'])
+      traces = d.traces
+      t0 = time.perf_counter()
+      out, report = d.dispatch(batch, dst, src=src, perm=perm)
+      jax.block_until_ready(out)
+      ms = 1e3 * (time.perf_counter() - t0)
+      d.release(out)
+      wire = sum(report.scheduled_sent) if report.scheduled_sent is not None else 0
+      rows[policy].append(
+        {
+          'step': move['step'],
+          'move': f'{move["src"]}->{move["dst"]}@{move["bucket"]}',
+          'bytes': int(report.min_bytes or 0),
+          'wire_bytes': int(wire),
+          'compiled': d.traces > traces,
+          'ms': ms,
+        }
+      )
+  results = {}
+  for policy, done in rows.items():
+    needed = sum(r['bytes'] for r in done)
+    wire = sum(r['wire_bytes'] for r in done)
+    warm = [r['ms'] for r in done if not r['compiled']]
+    results[policy] = {
+      'bytes': needed,
+      'wire_bytes': wire,
+      'wire_ratio': wire / needed if needed else None,
+      'kernels': dispatchers[policy].traces,
+      'median_ms': statistics.median(warm) if warm else None,
+      'compile_moves_ms': sum(r['ms'] for r in done if r['compiled']),
+      'moves': done,
+    }
+  print(f'{len(moves)} rollout -> experience moves of {_METRICS.value}')
+  print(f'{"policy":8} {"MB moved":>9} {"MB wire":>9} {"wire/bytes":>10} {"kernels":>7} '
+        f'{"median ms":>9}')  # fmt: skip
+  for policy, r in results.items():
+    ratio = f'{r["wire_ratio"]:.2f}' if r['wire_ratio'] is not None else '-'
+    median = f'{r["median_ms"]:.1f}' if r['median_ms'] is not None else '-'
+    print(
+      f'{policy:8} {r["bytes"] / 1e6:9.1f} {r["wire_bytes"] / 1e6:9.1f} {ratio:>10} '
+      f'{r["kernels"]:7d} {median:>9}'
+    )
+  if _OUT.value:
+    with open(_OUT.value, 'w') as f:
+      json.dump({'metrics': _METRICS.value, 'seed': _SEED.value, 'policies': results}, f, indent=2)
+
+
+if __name__ == '__main__':
+  runtime.run(main)

@@ -1,0 +1,184 @@
+"""The docs: the README stays a landing page, every link and path in the docs resolves, every
+results entry says when, how and where it was measured, and docs/config.md is current."""
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+# Top-level folders whose paths the docs name; a path under one of them must exist.
+TOP = ('earl_jax', 'experiments', 'scripts', 'tests', 'notebooks', 'docs', '.ci')
+
+
+def _script():
+  spec = importlib.util.spec_from_file_location(
+    'make_config_docs', ROOT / 'scripts' / 'make_config_docs.py'
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _slugs(text: str) -> set[str]:
+  """GitHub's heading anchors of a markdown file (repeats get -1, -2, ...)."""
+  seen: dict[str, int] = {}
+  out = set()
+  in_code = False
+  for line in text.splitlines():
+    if line.startswith('```'):
+      in_code = not in_code
+    m = re.match(r'#{1,6} (.*)', line)
+    if in_code or not m:
+      continue
+    slug = re.sub(r'[^\w\- ]', '', m.group(1).strip().lower()).replace(' ', '-')
+    n = seen.get(slug, 0)
+    seen[slug] = n + 1
+    out.add(slug if n == 0 else f'{slug}-{n}')
+  return out
+
+
+def _links(text: str) -> list[str]:
+  return re.findall(r'\]\(([^)\s]+)\)', text)
+
+
+def test_config_reference_is_current():
+  expected = _script().render()
+  current = (ROOT / 'docs' / 'config.md').read_text()
+  assert current == expected, (
+    'docs/config.md is out of date: run python scripts/make_config_docs.py'
+  )
+
+
+def test_check_flag_fails_on_a_stale_file(tmp_path, monkeypatch, capsys):
+  script = _script()
+  out = tmp_path / 'config.md'
+  monkeypatch.setattr(script, 'OUT', str(out))
+  monkeypatch.setattr(script, 'render', lambda: '# Config reference\n')
+  monkeypatch.setattr('sys.argv', ['make_config_docs.py', '--check'])
+  out.write_text('# Config reference\nold\n')
+  assert script.main() == 1
+  message = capsys.readouterr().out
+  assert message.count('\n') == 1 and 'out of date' in message
+  monkeypatch.setattr('sys.argv', ['make_config_docs.py'])
+  assert script.main() == 0
+  assert out.read_text() == '# Config reference\n'
+  monkeypatch.setattr('sys.argv', ['make_config_docs.py', '--check'])
+  assert script.main() == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Documented:
+  """A config for the parser.
+
+  Attributes:
+    alpha: the first,
+      continued on a second line.
+    beta, gamma: two fields, one entry.
+    delta / epsilon: two more.
+  """
+
+  alpha: int = 1
+  beta: int = 2
+  gamma: int = 3
+  delta: int = 4
+  epsilon: int = 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Commented:
+  """No Attributes section."""
+
+  # The comment above,
+  # over two lines.
+  above: int = 1
+  trailing: int = 2  # the comment at the end
+  bare: int = 3
+
+
+def test_descriptions_come_from_the_docstring_or_the_comments():
+  script = _script()
+  assert script.attribute_docs(_Documented) == {
+    'alpha': 'the first, continued on a second line.',
+    'beta': 'two fields, one entry.',
+    'gamma': 'two fields, one entry.',
+    'delta': 'two more.',
+    'epsilon': 'two more.',
+  }
+  assert script.comment_docs(_Commented) == {
+    'above': 'The comment above, over two lines.',
+    'trailing': 'the comment at the end',
+  }
+
+
+def test_reference_covers_every_config_of_the_main_job():
+  from earl_jax import experiment
+
+  script = _script()
+  reachable = script.reachable(experiment.ExperimentConfig)
+  text = (ROOT / 'docs' / 'config.md').read_text()
+  for cls in reachable:
+    assert f'\n## {cls.__name__}\n' in text, cls
+    for field in dataclasses.fields(cls):
+      assert f'| `{field.name}` |' in text, (cls, field.name)
+  assert reachable[experiment.ExperimentConfig] == ['']
+  sampling = [c for c in reachable if c.__name__ == 'SamplingConfig']
+  assert sampling and reachable[sampling[0]] == ['rollout.sampling.']
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(doc):
+  text = doc.read_text()
+  bad = []
+  for link in _links(text):
+    if re.match(r'[a-z]+:', link):  # http:, https:, mailto:
+      continue
+    path, _, anchor = link.partition('#')
+    target = (doc.parent / path).resolve() if path else doc
+    if not target.exists():
+      bad.append(f'{link}: no such file')
+    elif anchor and target.suffix == '.md' and anchor not in _slugs(target.read_text()):
+      bad.append(f'{link}: no heading with that anchor')
+  assert not bad, f'{doc.name}: {bad}'
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+def test_named_paths_exist(doc):
+  text = doc.read_text()
+  bad = []
+  for path in re.findall(rf'(?<![\w./-])((?:{"|".join(map(re.escape, TOP))})/[\w./-]*)', text):
+    path = path.rstrip('.')
+    if not (ROOT / path).exists():
+      bad.append(path)
+  for module in re.findall(r'python -m ((?:earl_jax|experiments)(?:\.\w+)+)', text):
+    base = ROOT / module.replace('.', '/')
+    if not (base.with_suffix('.py').exists() or (base / '__init__.py').exists()):
+      bad.append(module)
+  assert not bad, f'{doc.name} names paths that do not exist: {sorted(set(bad))}'
+
+
+def test_readme_is_a_landing_page():
+  lines = (ROOT / 'README.md').read_text().splitlines()
+  assert len(lines) <= 220, f'README.md has {len(lines)} lines; measurements go to docs/results.md'
+  first_block = lines[lines.index('```bash') + 1 : lines.index('```')]
+  assert [line.split()[0] for line in first_block] == ['scripts/demo.sh', 'scripts/test.sh']
+  assert 'scripts/test.sh' in (ROOT / '.ci' / 'run').read_text()
+  assert lines.index('## Components') < 60, 'the component map belongs near the top'
+  for heading in ('## The main job', '## Extending it', '## Results', '## Tests'):
+    assert heading in lines, heading
+
+
+def test_every_results_entry_says_when_how_and_where():
+  text = (ROOT / 'docs' / 'results.md').read_text()
+  entries = re.split(r'\n(?=### )', text)[1:]
+  assert len(entries) > 20
+  for entry in entries:
+    title = entry.splitlines()[0]
+    body = entry.split('\n## ')[0]
+    assert re.search(r'\*\*Recorded:\*\* \d{4}-\d\d-\d\d, commits? `[0-9a-f]{7}', body), title
+    assert '**Command:**' in body and '**Machine:**' in body, title
+  assert '\n## Tried and not kept\n' in text
+  assert 'not the\nREADME' in text or 'not the README' in text

@@ -1,0 +1,141 @@
+"""The step record, the step line and the run's move summary (values from the trainer's
+formatting before it moved here), and the JSONL writer's round trip."""
+
+import numpy as np
+import pytest
+
+from earl_jax import metrics
+from earl_jax.rollout.trajectories import EpisodeStats
+from earl_jax.stage import Stage
+
+RECORD = {
+  'step': 7,
+  'win_rate': 0.25,
+  'return_mean': -0.125,
+  'eval/win_rate': 0.5,
+  'ctx/turn_len_mean': 31.4,
+  'ctx/episode_len_mean': 120.2,
+  'ctx/episode_len_max': 250,
+  'tokens_per_s': 12345.6,
+  'plan/rollout': 'dp8.tp1@128',
+  'plan/experience': 'dp4.tp2@256',
+  'plan/train': 'dp4.tp2@256',
+  'dispatch/rollout_experience/bytes': 1234567,
+  'dispatch/rollout_experience/ms': 12.3,
+  'dispatch/rollout_experience/strategy': 'layout_aware',
+  'dispatch/experience_train/bytes': 0,
+  'dispatch/experience_train/ms': 0.4,
+  'dispatch/experience_train/strategy': 'layout_aware',
+  'dispatch/experience_train/wire_bytes': 10,
+  'time/reshard_s': 0.01,
+  'time/rollout_s': 1.5,
+  'time/dispatch_s': 0.02,
+  'time/train_s': 0.7,
+  'time/step_s': 3.0,
+  'time/profile_s': 2.25,
+}
+
+
+def test_the_step_line():
+  assert metrics.format_line(RECORD) == (
+    'step    7 | win 0.250 | ret -0.125 | eval 0.500 | ctx turn 31 ep 120/250 | 12,346 tok/s | '
+    'plan r=dp8.tp1@128 e=dp4.tp2@256 t=dp4.tp2@256 | moved r>e 1.2MB 12ms e>t 0B 0ms | '
+    'reshard 0.01s rollout 1.50s dispatch 0.02s train 0.70s profile 2.25s'
+  )
+  # The wire's share of the moved bytes, where both are known and bytes moved.
+  wired = {**RECORD, 'dispatch/rollout_experience/wire_bytes': 1493826}
+  assert 'moved r>e 1.2MB wire 1.21x 12ms e>t 0B 0ms |' in metrics.format_line(wired)
+  # The rollout's slots: occupancy and padded fractions of decode and prefill.
+  slots = {
+    **RECORD,
+    'rollout/slots': 16.0,
+    'rollout/slot_occupancy': 0.8612,
+    'rollout/decode_padded': 0.14,
+    'rollout/prefill_padded': 0.205,
+  }
+  assert '12,346 tok/s | slots 16 occ 0.86 pad dec 0.14 pre 0.20 | plan' in metrics.format_line(
+    slots
+  )
+  # A record without moves or evaluation (step 0 has neither).
+  line = metrics.format_line({'step': 0, 'time/rollout_s': 1.0})
+  assert line.startswith('step    0 | win nan | ret +nan | ctx turn 0 ep 0/0')
+  assert 'moved' not in line and 'plan r=? e=? t=?' in line
+
+
+def test_the_move_summary_counts_steps_layouts_and_bytes():
+  second = {**RECORD, 'step': 8, 'plan/train': 'dp8.tp1@256'}
+  second['dispatch/experience_train/bytes'] = 500
+  history = [{'step': 0, 'eval/win_rate': 0.1}] + [
+    metrics.summary_fields(r) for r in (RECORD, second)
+  ]
+  assert 'time/step_s' not in history[1] and history[1]['plan/train'] == 'dp4.tp2@256'
+  summary = metrics.move_summary(history)
+  assert summary['rollout_experience'] == {
+    'steps': 2,
+    'layouts_differ': 2,
+    'bytes_moved_steps': 2,
+    'bytes': 2469134,
+    'wire_bytes': 0,
+    'wire_ratio': 0.0,
+    'recycled_bytes': 0,
+    'ms': pytest.approx(24.6),
+    'strategies': ['layout_aware'],
+  }
+  assert summary['experience_train'] == {
+    'steps': 2,
+    'layouts_differ': 1,
+    'bytes_moved_steps': 1,
+    'bytes': 500,
+    'wire_bytes': 20,
+    'wire_ratio': 0.04,
+    'recycled_bytes': 0,
+    'ms': pytest.approx(0.8),
+    'strategies': ['layout_aware'],
+  }
+
+
+def test_the_step_record_keys_in_order():
+  episodes = EpisodeStats(
+    lengths=np.array([100, 100, 100, 100], np.int32),
+    returns=np.array([1.0, -1.0, 0.0, 0.0], np.float32),
+    turns=np.array([2, 2, 2, 2], np.int32),
+    generated=np.array([10, 10, 10, 10], np.int32),
+    outcomes=['win', 'loss', 'invalid', 'invalid'],
+  )
+  record = metrics.step_record(
+    episodes=episodes,
+    bucket=128,
+    train_metrics={'loss': np.float32(0.5)},
+    skipped_steps=1,
+    moves={'experience_train': {'bytes': 10, 'ms': 1.0}},
+    kernels=3,
+    switch_ms=0.0,
+    plans={Stage.ROLLOUT: 'dp8.tp1@128', Stage.EXPERIENCE: 'dp8.tp1@128', Stage.TRAIN: 'a@1'},
+    times={'rollout': 2.0, 'train': 1.0},
+    step_s=4.0,
+    rss_bytes=3 << 20,
+    programs=5,
+    rollout={'slots': 16.0, 'slot_occupancy': 0.75},
+  )
+  assert list(record)[:4] == ['win_rate', 'return_mean', 'invalid_rate', 'overflow_rate']
+  assert record['win_rate'] == 0.25 and record['return_mean'] == 0.0
+  assert record['tokens_per_s'] == 100.0 and record['rollout_tokens_per_s'] == 20.0
+  assert record['invalid_rate'] == 0.5 and record['overflow_rate'] == 0.0
+  assert record['ctx/episode_len_mean'] == 100.0
+  assert record['loss/loss'] == 0.5 and record['dispatch/bytes_moved'] == 10.0
+  assert record['rollout/slots'] == 16.0 and record['rollout/slot_occupancy'] == 0.75
+  plans = [k for k in record if k.startswith('plan/')]
+  assert plans == ['plan/rollout', 'plan/experience', 'plan/train']
+  tail = ['time/rollout_s', 'time/train_s', 'time/step_s', 'host/rss_mib', 'host/programs']
+  assert list(record)[-5:] == tail and record['host/rss_mib'] == 3.0
+
+
+def test_the_writer_round_trips_and_drops_a_cut_last_line(tmp_path):
+  writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write(1, {'a': np.float32(1.5), 'b': float('nan'), 'c': 'x'})
+  writer.close()
+  with open(tmp_path / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 2, "a"')  # a run killed mid-line
+  assert metrics.read_jsonl(str(tmp_path / 'metrics.jsonl')) == [
+    {'a': 1.5, 'b': None, 'c': 'x', 'step': 1}
+  ]

@@ -1,0 +1,106 @@
+"""The profile as pure data: cells, coverage, load bins, merging, and its JSON round trip and cache
+file, without compiling or measuring anything."""
+
+import json
+
+import pytest
+from absl import logging
+
+from earl_jax.config import ParallelConfig
+from earl_jax.selector.profile import (
+  FORMAT_VERSION,
+  Cell,
+  MeasureConfig,
+  Profile,
+  key_mismatch,
+  load_cached,
+)
+from earl_jax.stage import Stage
+
+DP8, TP8 = ParallelConfig(dp=8), ParallelConfig(tp=8)
+
+
+def _cell(bucket, config, throughput, *, rows=16, oom=False, times=(1.0, 2.0, 4.0)):
+  return Cell(
+    stage=Stage.ROLLOUT,
+    config=config.name,
+    bucket=bucket,
+    rows=rows,
+    peak_bytes=1000 * bucket,
+    oom=oom,
+    throughput=throughput,
+    times_ms=times,
+    compile_ms=12.5,
+  )
+
+
+def _profile(buckets=(1024, 2048)) -> Profile:
+  cells = {}
+  for bucket in buckets:
+    for config, tgs in ((DP8, 300.0 / bucket), (TP8, 200.0 / bucket)):
+      cell = _cell(bucket, config, tgs if bucket < 2048 or config == TP8 else None)
+      cells[(Stage.ROLLOUT, bucket, 16, config.name)] = cell
+  key = {
+    'hardware': {'platform': 'cpu', 'num_devices': 8},
+    'stages': ['rollout'],
+    'candidates': {'rollout': [DP8.name, TP8.name]},
+    'buckets': [1024, 2048],
+    'rows': [16, 64],
+  }
+  return Profile(key=key, cells=cells, wall_s=3.5)
+
+
+def test_json_round_trip_keeps_every_cell():
+  profile = _profile()
+  data = json.loads(json.dumps(profile.to_json()))
+  assert data['format'] == FORMAT_VERSION
+  back = Profile.from_json(data)
+  assert back.cells == profile.cells and back.key == profile.key and back.wall_s == 3.5
+  cell = back.cell(Stage.ROLLOUT, 1024, 16, 'dp8.tp1')
+  assert cell.stage is Stage.ROLLOUT and cell.times_ms == (1.0, 2.0, 4.0)
+  assert cell.spread == pytest.approx((3.0 - 1.5) / 2.0)  # (p75 - p25) / median
+
+
+def test_lookups_coverage_load_bins_and_the_best_cell():
+  profile = _profile(buckets=(1024,))
+  assert profile.stages == (Stage.ROLLOUT,) and profile.buckets == (1024, 2048)
+  assert profile.candidates(Stage.ROLLOUT) == [DP8, TP8]
+  assert profile.covers(Stage.ROLLOUT, 1024, 16)
+  assert not profile.covers(Stage.ROLLOUT, 2048, 16)  # not measured yet
+  assert not profile.covers(Stage.TRAIN, 1024, 16)  # not a profiled stage
+  assert profile.rows_bin(10) == 16 and profile.rows_bin(17) == 64
+  with pytest.raises(ValueError, match='100 responses is more than the largest profiled load 64'):
+    profile.rows_bin(100)
+  with pytest.raises(KeyError, match=r'no cell \(rollout, bucket 2048, rows 16, dp8.tp1\)'):
+    profile.cell(Stage.ROLLOUT, 2048, 16, DP8)
+  assert profile.best(Stage.ROLLOUT, 1024, 16).config == DP8.name
+  # Merging adds a bucket; the other profile's cells win where both have one.
+  later = _profile(buckets=(1024, 2048))
+  merged = profile.merged(later)
+  assert merged.covers(Stage.ROLLOUT, 2048, 16) and merged.wall_s == 7.0
+  assert merged.best(Stage.ROLLOUT, 2048, 16).config == TP8.name  # dp8 is OOM-like (None)
+
+
+def test_the_cache_file_is_used_only_for_its_own_key(tmp_path, monkeypatch):
+  warnings = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *a: warnings.append(msg % a))
+  path = str(tmp_path / 'sub' / 'profile.json')
+  profile = _profile()
+  assert load_cached(path, profile.key) is None  # no file
+  profile.save(path)
+  assert load_cached(path, profile.key).cells == profile.cells
+  other = {**profile.key, 'hardware': {'platform': 'gpu', 'num_devices': 8}}
+  assert key_mismatch(other, profile.key) == ['hardware.{platform}']
+  assert load_cached(path, other) is None and 'differs in' in warnings[-1]
+  with open(path, 'w') as f:
+    json.dump({**profile.to_json(), 'format': FORMAT_VERSION - 1}, f)
+  assert load_cached(path, profile.key) is None and 'unreadable' in warnings[-1]
+
+
+def test_measure_config_validation():
+  with pytest.raises(ValueError, match='warmup must be >= 1'):
+    MeasureConfig(warmup=0)
+  with pytest.raises(ValueError, match='rounds must be >= 1'):
+    MeasureConfig(rounds=0)
+  with pytest.raises(ValueError, match='min_seconds must be >= 0'):
+    MeasureConfig(min_seconds=-1.0)
