@@ -22,11 +22,11 @@ import json
 import statistics
 import time
 
-import numpy as np
 from absl import flags
 
 from earl_jax import runtime
 from earl_jax.errors import UserError
+from experiments.wire_replay import replayed_moves
 
 _METRICS = flags.DEFINE_string('metrics', None, "A run's metrics.jsonl.", required=True)
 _STEPS = flags.DEFINE_integer('steps', 0, 'Replay only the first this many steps (0: all).')
@@ -36,37 +36,6 @@ _POLICIES = flags.DEFINE_list(
   'policies', ['shifts', 'pairs'], "Stable capacities to compare ('shifts': the earlier policy)."
 )
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
-
-
-def replayed_moves(path: str, steps: int, rows: int, seed: int) -> list[dict]:
-  """Per train step: the layouts, the bucket and drawn episode lengths (see the docstring)."""
-  try:
-    with open(path) as f:
-      records = [json.loads(line) for line in f if line.strip()]
-  except OSError as e:
-    raise UserError(f'--metrics={path!r} cannot be read: {e.strerror}.') from None
-  except json.JSONDecodeError as e:
-    raise UserError(f'--metrics={path!r} is not JSON lines: {e}.') from None
-  records = [r for r in records if 'plan/rollout' in r]
-  if not records:
-    raise UserError(f'--metrics={path!r} holds no train steps (no plan/rollout records).')
-  rng = np.random.default_rng(seed)
-  out = []
-  for r in records[: steps or None]:
-    turn = max(1, round(r['ctx/turn_len_mean']))
-    longest = max(1, int(r['ctx/episode_len_max']) // turn)
-    turns = np.clip(rng.poisson(max(r['ctx/turns_mean'] - 1, 0.01), rows) + 1, 1, longest)
-    turns[rng.integers(rows)] = longest
-    out.append(
-      {
-        'step': r['step'],
-        'src': r['plan/rollout'].split('@')[0],
-        'dst': r['plan/experience'].split('@')[0],
-        'bucket': int(r['bucket']),
-        'lengths': turn * turns,
-      }
-    )
-  return out
 
 
 def main(argv):

@@ -825,15 +825,36 @@ def _expose(paths):
       os.rmdir(stage)
 
 
+def _venv_root():
+  """The virtualenv the interpreter was started from (under -S, sys.prefix does not say), or
+  the directory of the executable: programs and commands run `sys.executable` by that path."""
+  bin_dir = os.path.realpath(os.path.dirname(os.path.abspath(sys.executable)))
+  root = os.path.dirname(bin_dir)
+  return root if os.path.isfile(os.path.join(root, 'pyvenv.cfg')) else bin_dir
+
+
 def _mount_namespace(workers, disk_mib):
   """Everything read-only; /tmp, /run, /var/tmp and /dev/shm empty; the interpreter reachable;
   a private tmpfs per worker under /tmp. Returns the per-worker directories."""
   _mount(None, '/', None, _MS_REC | _MS_PRIVATE)
+  prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, _venv_root())})
+  # The host's other scratch places and its daemons' sockets are covered too.
+  covered = ['/tmp', *(d for d in _HIDDEN if os.path.isdir(d) and not os.path.islink(d))]
+  # An interpreter inside a covered directory (a virtualenv under /tmp) is held by a file
+  # descriptor while the tmpfs goes on, then bound back in at its own path.
+  held = {
+    path: os.open(path, os.O_PATH | os.O_DIRECTORY)
+    for path in prefixes
+    if any(path.startswith(directory + '/') for directory in covered)
+  }
   _mount('tmpfs', '/tmp', 'tmpfs', _MS_NOSUID | _MS_NODEV, 'mode=0755,size=1m')
-  for shared in _HIDDEN:  # the host's other scratch places and its daemons' sockets
-    if os.path.isdir(shared) and not os.path.islink(shared):
-      _mount('tmpfs', shared, 'tmpfs', _MS_NOSUID | _MS_NODEV, 'mode=0755,size=64k')
-  _expose(sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}))
+  for shared in covered[1:]:
+    _mount('tmpfs', shared, 'tmpfs', _MS_NOSUID | _MS_NODEV, 'mode=0755,size=64k')
+  for path, fd in held.items():
+    os.makedirs(path, 0o755, exist_ok=True)
+    _mount(f'/proc/self/fd/{fd}', path, None, _MS_BIND | _MS_REC)
+    os.close(fd)
+  _expose(prefixes)
   with open('/proc/self/mountinfo') as f:
     lines = f.read().splitlines()
   for line in lines:

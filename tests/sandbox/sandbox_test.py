@@ -1,6 +1,7 @@
 """The sandbox's API: verdicts, values, files, commands, limits-only mode, and its own failures."""
 
 import ast
+import json
 import logging
 import os
 import signal
@@ -329,3 +330,30 @@ def test_isolation_is_found_once_and_logged_in_one_line(caplog):
   else:
     assert box.isolation == 'limits-only'
     assert lines[0].startswith(f'sandbox: isolation=limits-only ({reason}')
+
+
+def test_an_interpreter_under_tmp_stays_reachable(tmp_path):
+  """A virtualenv under /tmp (a CI checkout there): the sandbox covers /tmp with its own tmpfs,
+  yet the programs and commands it runs by that interpreter's path still start."""
+  import subprocess
+  import sys
+  import sysconfig
+
+  venv = tmp_path / 'venv'
+  subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True)
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  script = (
+    'import json, sys\n'
+    f'sys.path[:0] = [{repo!r}, {sysconfig.get_paths()["purelib"]!r}]\n'  # earl_jax, absl
+    'from earl_jax.sandbox import Program, Sandbox, SandboxConfig, TestCase\n'
+    'with Sandbox(SandboxConfig(workers=1)) as box:\n'
+    '  verdict = box.check(Program("def f():\\n  return 7\\n"), [TestCase("f()", 7)])\n'
+    '  command = box.run_command({}, ["python", "-c", "print(6 * 7)"])\n'
+    '  print(json.dumps([box.isolation, verdict.status, command.exit_code, command.output]))\n'
+  )
+  run = subprocess.run(
+    [str(venv / 'bin' / 'python'), '-c', script], capture_output=True, text=True, timeout=120
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  isolation, status, exit_code, output = json.loads(run.stdout.splitlines()[-1])
+  assert (status, exit_code, output.strip()) == ('pass', 0, '42'), (isolation, output)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from earl_jax.errors import UserError
-from experiments import wire_padding
+from experiments import wire_replay
 
 
 def _step(step, rollout, experience, bucket, longest):
@@ -29,7 +29,7 @@ def test_replayed_moves_follow_the_runs_layouts_buckets_and_context(tmp_path):
     _step(2, 'dp8.tp1', 'dp2.tp4', 512, 480),
   ]
   path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
-  moves = wire_padding.replayed_moves(str(path), 0, 16, seed=1)
+  moves = wire_replay.replayed_moves(str(path), 0, 16, seed=1)
   assert [(m['step'], m['src'], m['dst'], m['bucket']) for m in moves] == [
     (1, 'dp4.tp2', 'dp2.tp4', 256),
     (2, 'dp8.tp1', 'dp2.tp4', 512),
@@ -38,7 +38,7 @@ def test_replayed_moves_follow_the_runs_layouts_buckets_and_context(tmp_path):
     lengths = move['lengths']
     assert lengths.shape == (16,) and (lengths % 60 == 0).all()  # whole turns
     assert lengths.min() >= 60 and lengths.max() == longest <= move['bucket']
-  again = wire_padding.replayed_moves(str(path), 1, 16, seed=1)
+  again = wire_replay.replayed_moves(str(path), 1, 16, seed=1)
   assert len(again) == 1 and np.array_equal(again[0]['lengths'], moves[0]['lengths'])
 
 
@@ -46,6 +46,6 @@ def test_replayed_moves_refuse_a_file_without_train_steps(tmp_path):
   path = tmp_path / 'metrics.jsonl'
   path.write_text(json.dumps({'step': 0, 'eval/win_rate': 0.0}) + '\n')
   with pytest.raises(UserError, match='holds no train steps'):
-    wire_padding.replayed_moves(str(path), 0, 16, seed=0)
+    wire_replay.replayed_moves(str(path), 0, 16, seed=0)
   with pytest.raises(UserError, match='cannot be read'):
-    wire_padding.replayed_moves(str(tmp_path / 'missing.jsonl'), 0, 16, seed=0)
+    wire_replay.replayed_moves(str(tmp_path / 'missing.jsonl'), 0, 16, seed=0)
