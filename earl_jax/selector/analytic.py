@@ -16,15 +16,11 @@ from earl_jax.stage import Stage
 
 MiB = 1 << 20
 
-# The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS).
-# Measured with 8 fake CPU devices (XLA:CPU). Experience and train, with the looped blockwise
-# attention (`models/attention.py`), refitted by `scripts/fit_analytic.py` on 240 programs of
-# 'tiny', 'small-kv' and 'tiny-game' (4 layouts, T = 128..2048, 8..64 rows): for peaks >= 8 MiB
-# per device the largest errors are 26% (experience) and 20% (train), below 8 MiB 1.1 MiB.
-# Rollout, with the [B, K, S, Dh] cache (decode copies none of it): on 120 programs of the same
-# three models (4 layouts, S = 256..4096, 16 / 64 rows, P = 1 / 16) +0.1% to +5.6% for peaks
-# >= 8 MiB, at most +1.4 MiB below. Tested on a subset in tests/selector/analytic_test.py. Where a
-# stage is compiled, XLA's own figure decides (a program it refuses is marked and left out).
+# The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS),
+# a bound over the programs `scripts/fit_analytic.py` fits it on (the measured errors are in
+# docs/results.md, "Fig. 3 at the paper's scale"); tests/selector/analytic_test.py checks a
+# subset. Where a stage is compiled, XLA's own figure decides (a program it refuses is marked
+# and left out).
 ANALYTIC_REL_ERROR = 0.30
 ANALYTIC_ABS_ERROR = 3 * MiB
 
