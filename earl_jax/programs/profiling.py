@@ -293,6 +293,19 @@ def run(
   return profile
 
 
+def _cell(stage, bucket, rows, parallel: ParallelConfig, entry, **measured) -> Cell:
+  """The profile cell of a compiled `entry`: its peak and compile time, plus what `measured`."""
+  return Cell(
+    stage=stage,
+    config=parallel.name,
+    bucket=bucket,
+    rows=rows,
+    peak_bytes=entry.memory.peak,
+    compile_ms=entry.lower_ms + entry.compile_ms,
+    **measured,
+  )
+
+
 def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, progress):
   entries, feasible = {}, []
   for c in candidates:
@@ -301,16 +314,7 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
     if config.budget_bytes is None or memory_lib.fits(entry.memory.peak, config.budget_bytes):
       feasible.append(c)
     else:
-      cell = Cell(
-        stage=stage,
-        config=c.name,
-        bucket=bucket,
-        rows=rows,
-        peak_bytes=entry.memory.peak,
-        oom=True,
-        throughput=None,
-        compile_ms=entry.lower_ms + entry.compile_ms,
-      )
+      cell = _cell(stage, bucket, rows, c, entry, oom=True, throughput=None)
       cells[(stage, bucket, rows, c.name)] = cell
       if progress:
         progress(cell)
@@ -338,16 +342,15 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
   for c in feasible:
     entry = entries[c]
     median_s = statistics.median(times[c]) / 1e3
-    cell = Cell(
-      stage=stage,
-      config=c.name,
-      bucket=bucket,
-      rows=rows,
-      peak_bytes=entry.memory.peak,
+    cell = _cell(
+      stage,
+      bucket,
+      rows,
+      c,
+      entry,
       oom=False,
       throughput=entry.program.tokens / median_s / c.num_devices,
       times_ms=tuple(times[c]),
-      compile_ms=entry.lower_ms + entry.compile_ms,
     )
     cells[(stage, bucket, rows, c.name)] = cell
     if progress:
