@@ -8,13 +8,15 @@ move_summary(history)                           # per stage move over the run (s
 writer.close()
 """
 
+import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from earl_jax.rollout.trajectories import EpisodeStats
@@ -101,6 +103,50 @@ def read_jsonl(path: str) -> list[dict]:
       if i < len(lines) - 1:
         raise
   return out
+
+
+@dataclasses.dataclass
+class StageTimer:
+  """Seconds per stage of one step, in the order they ran, and the seconds spent measuring the
+  profile (logged as 'profile' after the stages)."""
+
+  times: dict[str, float] = dataclasses.field(default_factory=dict)
+  profile_s: float = 0.0
+
+  def __call__(self, name: str, fn: Callable, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    self.add(name, time.perf_counter() - t0)
+    return out
+
+  def add(self, name: str, seconds: float) -> None:
+    self.times[name] = self.times.get(name, 0.0) + seconds
+
+
+def move_record(report: Any, seconds: float) -> dict[str, Any]:
+  """One stage-to-stage move of the step record, from its `dispatch.DispatchReport`."""
+  sent = report.scheduled_sent
+  return {
+    'strategy': report.strategy,
+    'bytes': int(report.min_bytes or 0),
+    # What the layout-aware rounds put on the wire, padding included (their capacities).
+    'wire_bytes': int(sum(sent) if sent is not None else report.min_bytes or 0),
+    'ms': 1e3 * seconds,
+    # This process's outputs written into recycled buffers (DispatchConfig.recycle_buffers).
+    'recycled_bytes': int(report.recycled_bytes),
+  }
+
+
+def eval_record(episodes: EpisodeStats) -> dict[str, float]:
+  """The evaluation's metrics: greedy games (or tasks) from fixed seeds."""
+  rates = episodes.outcome_rates()
+  return {
+    'eval/win_rate': episodes.win_rate(),
+    'eval/invalid_rate': rates.get('invalid', 0.0),
+    'eval/draw_rate': rates.get('draw', 0.0),
+    'eval/return_mean': float(np.mean(episodes.returns)),
+    'eval/episode_len_mean': float(np.mean(episodes.lengths)),
+  }
 
 
 def step_record(

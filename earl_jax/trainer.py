@@ -4,8 +4,8 @@ One step (`Trainer.step`), every stage on its own mesh over the same devices (co
 
   1. plan       the Parallelism Selector picks each stage's ParallelConfig and context bucket
                 from the previous step's statistics (rollout) or this step's (experience, train);
-                a layout whose program XLA refuses is marked and the next one taken
-                (`placement.decide_compiled`);
+                a layout whose program XLA refuses is marked and the next one taken; the
+                program of each decision (`planning.StagePlanner`);
   2. reshard    parameters move device to device onto the rollout and experience meshes, and the
                 train state (parameters + optimizer moments) when the train mesh changes
                 (`placement.StagePlacement`);
@@ -30,42 +30,37 @@ decision is taken from statistics that every process holds alike.
 Construction is explicit, each part built from what the one before returned: the model and
 tokenizer (and the config's checks that need them), the run directory (checked, and the
 checkpoint a resume continues from; the workdir is written only once all is built), the stage
-programs (`programs.Executables`), the profile (measured by `programs.profiling`, unless one is
-passed in), the selector on it, the parameters and train state on the first train layout, the
-engines.
+programs, the profile (measured by `programs.profiling`, unless one is passed in) and the
+selector on it (`assembly`), the parameters and train state on the first train layout
+(`placement`), the engines.
 
   trainer = Trainer(ExperimentConfig(...), workdir='runs/default')
   summary = trainer.run()
 """
 
 import dataclasses
-import functools
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
+from earl_jax import assembly, metrics
 from earl_jax import dispatch as dispatch_lib
-from earl_jax import metrics
-from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.config import ParallelConfig
 from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
-from earl_jax.metrics import format_line, move_summary
-from earl_jax.models import hf_import, tokenizer
-from earl_jax.placement import StagePlacement, decide_compiled
-from earl_jax.programs import Executables, StageSpec, profiling
+from earl_jax.metrics import StageTimer, format_line, move_summary
+from earl_jax.placement import StagePlacement
+from earl_jax.planning import StagePlanner
+from earl_jax.programs import Executables
 from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
-from earl_jax.rollout import engine
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
-from earl_jax.rundir import ResumeError, ResumePoint, RunDir, WorkdirError, check_writable
+from earl_jax.rundir import ResumeError, ResumePoint, RunDir, WorkdirError
 from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.profile import Profile
 from earl_jax.sharding import mesh as mesh_lib
@@ -74,24 +69,6 @@ from earl_jax.stage import Stage
 
 class NonFiniteError(UserError):
   """`max_skipped_in_a_row` steps in a row had a loss, gradient or update that was not finite."""
-
-
-@dataclasses.dataclass
-class StageTimer:
-  """Seconds per stage of one step, in the order they ran, and the seconds spent measuring the
-  profile (logged as 'profile' after the stages)."""
-
-  times: dict[str, float] = dataclasses.field(default_factory=dict)
-  profile_s: float = 0.0
-
-  def __call__(self, name: str, fn: Callable, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args, **kwargs))
-    self.add(name, time.perf_counter() - t0)
-    return out
-
-  def add(self, name: str, seconds: float) -> None:
-    self.times[name] = self.times.get(name, 0.0) + seconds
 
 
 @dataclasses.dataclass
@@ -131,15 +108,16 @@ class Trainer:
     workdir: where metrics, checkpoints and plots go.
     resume: continue from the latest checkpoint in `workdir`.
     log_fn: receives every log line (default: absl logging).
-    profile: a measured start-up profile to decide on (default: `measure_profile()`, which
-      reuses `config.selector.profile.cache` when it matches).
+    profile: a measured start-up profile to decide on (default: measured by
+      `assembly.RunProfile.start`, which reuses `config.selector.profile.cache` when it
+      matches).
     """
     self.config = config
     self.workdir = workdir
     self.log = log_fn or (lambda line: logging.info('%s', line))
     # The model, the tokenizer and what needs them, then the workdir and the checkpoint to
     # resume, are checked before anything is written or compiled.
-    self.model_cfg, self.tokenizer = self._load_model_config()
+    self.model_cfg, self.tokenizer = assembly.load_model(config)
     config.check_tokenizer(self.tokenizer, self.model_cfg.vocab_size)
     self.run_dir, resume_point = RunDir.open(workdir, config, resume=resume, log=self.log)
     self.devices = mesh_lib.canonical_devices()
@@ -148,28 +126,38 @@ class Trainer:
     self.profile_s = 0.0  # spent measuring profile cells during the run
     self.num_groups = config.rollout.num_episodes // config.rollout.group_size
 
-    self.spec = StageSpec.for_rollout(
-      config.rollout,
-      self.tokenizer,
-      self.model_cfg.vocab_size,
-      micro_batches=config.micro_batches,
-      optim=config.optim,
-      loss=config.loss,
-      packed=config.pack,
-    )
+    self.spec = assembly.stage_spec(config, self.tokenizer, self.model_cfg)
     # One AOT-compiled program per (stage, layout, bucket, rows), shared by everything below.
     self.executables = Executables(self.model_cfg, spec=self.spec)
-    # Measures the profiled stages (and what a lazy profile lacks), preferring the cells of the
-    # checkpoint a resume continues from.
-    self.profiler = self._profiler(None if resume_point is None else resume_point.profile)
-    # The measured profile the selector ranks its profiled stages by (None: analytic only).
-    self.profile = profile if profile is not None else self.measure_profile()
-    self.selector = self._make_selector()
+    # The measured profile the selector ranks its profiled stages by (and what a lazy profile
+    # lacks, measured as decisions need it), preferring the cells of the checkpoint a resume
+    # continues from.
+    self.profiling = assembly.RunProfile.start(
+      config,
+      model=self.model_cfg,
+      spec=self.spec,
+      executables=self.executables,
+      base=None if resume_point is None else resume_point.profile,
+      given=profile,
+    )
+    self.selector = assembly.make_selector(
+      config,
+      self.model_cfg,
+      self.spec,
+      self.profiling.profile,
+      len(self.devices),
+      self._switch_cost,
+    )
     self.switches: list[dict] = []
     self.placement = StagePlacement.initialize(
       config, self.model_cfg, self.executables, self._initial_decisions()[Stage.TRAIN].config
     )
-    self.engine, self.eval_engine = self._make_engines()
+    self.engine, self.eval_engine = assembly.make_engines(
+      config, self.model_cfg, self.tokenizer, self.executables
+    )
+    self.planner = StagePlanner(
+      config, self.selector, self.profiling, self.executables, self.placement, log=self.log
+    )
     self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
 
     self.global_step = 0
@@ -191,106 +179,18 @@ class Trainer:
   # ----------------------------------------------------------------------------------------------
   # Construction.
 
-  def _load_model_config(self) -> tuple[ModelConfig, tokenizer.Tokenizer]:
-    """The model's shapes and the tokenizer: from a HF directory, or a preset."""
-    cfg = self.config
-    if cfg.model_dir:
-      model = hf_import.load_config(
-        cfg.model_dir, param_dtype=cfg.param_dtype, dtype=cfg.param_dtype
-      )
-      return model, tokenizer.load_tokenizer(cfg.model_dir)
-    model = ModelConfig.preset(cfg.model).replace(
-      param_dtype=cfg.param_dtype, dtype=cfg.param_dtype
-    )
-    return model, tokenizer.load_tokenizer(cfg.tokenizer)
-
-  def _profiler(self, base: Profile | None) -> profiling.RunProfiler | None:
-    """How this run measures its profiled stages (None: it profiles none)."""
-    if not self.config.selector.profile.stages:
-      return None
-    return profiling.RunProfiler.for_selector(
-      self.config.selector,
-      model=self.model_cfg,
-      buckets=self.config.buckets,
-      rows=self.config.rollout.num_episodes,
-      spec=self.spec,
-      executables=self.executables,
-      base=base,
-    )
-
-  def _make_selector(self) -> selector_lib.Selector:
-    """The selector on the measured profile (its stages) and the analytic model (the others)."""
-    return selector_lib.Selector(
-      self.config.selector,
-      buckets=self.config.buckets,
-      rows=self.config.rollout.num_episodes,
-      model=self.model_cfg,
-      num_devices=len(self.devices),
-      profile=self.profile,
-      spec=self.spec,
-      switch_cost=self._switch_cost,  # consulted from the second decision on
-    )
-
-  def measure_profile(self) -> Profile | None:
-    """The start-up profile of `config.selector.profile.stages` (None when it names none).
-
-    Compiles and times every candidate program of those stages at every bucket (with
-    `profile.lazy`: none; each bucket is measured when a decision first needs it), or loads
-    what the cache holds when it was made for exactly this setup.
-    """
-    if self.profiler is None:
-      return None
-    return self.profiler.start(measure=not self.config.selector.profile.lazy)
-
-  def _measure_missing(self, stage: Stage, stats: selector_lib.StepStats | None) -> float:
-    """Measures the buckets a lazy profile lacks for the coming decision of `stage`; returns
-    the seconds spent."""
-    if self.profiler is None or not self.config.selector.profile.lazy:
-      return 0.0
-    profile, seconds = self.profiler.measure_missing(self.selector, stage, stats)
-    self.profile = profile or self.profile
-    return seconds
-
   def _initial_decisions(self) -> dict[Stage, selector_lib.Decision]:
     """The first decision of every stage (no statistics yet), recording nothing."""
     for stage in self.selector.stages:
-      self.profile_s += self._measure_missing(stage, None)
+      self.profile_s += self.profiling.measure_missing(self.selector, stage, None)
     return self.selector.initial_decisions()
 
   def _switch_cost(self, stage: Stage, src: ParallelConfig, dst: ParallelConfig, bucket, rows):
     """What moving `stage` from `src` to `dst` would stall a step, in ms (the profiled compile
     time unless compiled, and for train the state's move): the selector's switch gate."""
     del src
-    cell = None if self.profile is None else self.profile.cells.get((stage, bucket, rows, dst.name))
-    compile_ms = cell.compile_ms if cell is not None and cell.compile_ms else 0.0
+    compile_ms = self.profiling.compile_ms(stage, bucket, rows, dst.name)
     return self.placement.switch_cost_ms(stage, dst, bucket, rows, compile_ms=compile_ms)
-
-  def _make_engines(self) -> tuple[engine.RolloutEngine, engine.RolloutEngine]:
-    """The training engine, and the evaluation engine (fixed seeds, greedy, its own episodes)."""
-    cfg = self.config
-    train = engine.RolloutEngine(
-      self.model_cfg,
-      self.tokenizer,
-      cfg.env,
-      cfg.rollout,
-      cfg.buckets,
-      programs=self.executables,
-    )
-    eval_rollout = dataclasses.replace(
-      cfg.rollout,
-      num_episodes=cfg.eval_episodes,
-      group_size=1,
-      sampling=dataclasses.replace(cfg.rollout.sampling, greedy=True),
-    )
-    evaluation = engine.RolloutEngine(
-      self.model_cfg,
-      self.tokenizer,
-      cfg.eval_env,
-      eval_rollout,
-      cfg.buckets,
-      programs=self.executables,
-    )
-    return train, evaluation
 
   def _resume(self, point: ResumePoint) -> list[dict]:
     """Restores the checkpoint `point` names (or an older one that reads); returns the metrics
@@ -306,26 +206,6 @@ class Trainer:
     self.history = [metrics.summary_fields(r) for r in restored.rows]
     return restored.rows
 
-  # ----------------------------------------------------------------------------------------------
-  # Compiled programs and decisions.
-
-  def _executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
-    """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
-    return self.executables.get(
-      decision.stage,
-      decision.config,
-      bucket,
-      rows or decision.rows,
-      budget=self.selector.budget_bytes,
-      margin=self.config.selector.safety_margin,
-    )
-
-  def _decide(self, stage: Stage, stats, build: Callable, timer: StageTimer):
-    """The stage's decision and what `build` makes of it, after measuring what a lazy profile
-    lacks for it (counted in `timer.profile_s`); see `placement.decide_compiled`."""
-    timer.profile_s += self._measure_missing(stage, stats)
-    return decide_compiled(self.selector, stage, stats, build, log=self.log)
-
   def _advantages(self, parallel: ParallelConfig):
     """`advantages.with_advantages` jitted for the train mesh of `parallel` (one per layout)."""
     if parallel not in self._advantage_fns:
@@ -333,16 +213,6 @@ class Trainer:
         self.placement.mesh(parallel), self.num_groups, self.config.advantages
       )
     return self._advantage_fns[parallel]
-
-  def _row_multiple(self) -> int:
-    """Packed rows split over the batch shards of every experience and train candidate (so any
-    layout the selector picks, or falls back to, takes them) and over the micro-batches."""
-    shards = [
-      c.batch_shards
-      for stage in (Stage.EXPERIENCE, Stage.TRAIN)
-      for c in self.selector.profile(stage).candidates(stage)
-    ]
-    return math.lcm(self.config.micro_batches, *shards)
 
   # ----------------------------------------------------------------------------------------------
   # One step, stage by stage.
@@ -352,13 +222,9 @@ class Trainer:
     cache starts at the planned bucket and grows if an episode outgrows it); the statistics of
     the whole batch, merged over the processes."""
     cfg = self.config
-    decision, _ = self._decide(
-      Stage.ROLLOUT,
-      self.prev_stats,
-      # The engine's program: its rows are the rollout's slots.
-      lambda d: self._executable(d, d.run_bucket, cfg.rollout.slots),
-      timer,
-    )
+    plan = self.planner.rollout(self.prev_stats)
+    timer.profile_s += plan.profile_s
+    decision = plan.decision
     params = timer('reshard', self.placement.params_on, decision.config)
     t0 = time.perf_counter()
     traj = self.engine.run(
@@ -390,17 +256,7 @@ class Trainer:
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
     timer.add('dispatch', seconds)
-    moves[name] = {
-      'strategy': report.strategy,
-      'bytes': int(report.min_bytes or 0),
-      # What the layout-aware rounds put on the wire, padding included (their capacities).
-      'wire_bytes': int(
-        sum(report.scheduled_sent) if report.scheduled_sent is not None else report.min_bytes or 0
-      ),
-      'ms': 1e3 * seconds,
-      # This process's outputs written into recycled buffers (DispatchConfig.recycle_buffers).
-      'recycled_bytes': int(report.recycled_bytes),
-    }
+    moves[name] = metrics.move_record(report, seconds)
     return out
 
   def _experience(self, rollout: _Rollout, timer: StageTimer, moves: dict):
@@ -409,12 +265,9 @@ class Trainer:
     computed there and every rank packs its episodes; old (and reference) log-probs."""
     cfg = self.config
     roll_layout = self.placement.layout(rollout.decision.config)
-    decision, (logprobs, perm, packed) = self._decide(
-      Stage.EXPERIENCE,
-      rollout.stats,
-      lambda d: self._experience_program(d, rollout, roll_layout),
-      timer,
-    )
+    plan = self.planner.experience(rollout.stats, rollout.episodes.lengths, roll_layout)
+    timer.profile_s += plan.profile_s
+    decision, logprobs, packed = plan.decision, plan.program, plan.packed
     bucket = decision.run_bucket  # it holds the longest episode (x the headroom): every row fits
     batch = timer(
       'put',
@@ -425,7 +278,7 @@ class Trainer:
       exclude=('overflow',) if cfg.overlong_filter else (),
     )
     layout = self.placement.layout(decision.config)
-    batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves, perm)
+    batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves, plan.perm)
     args = (batch.tokens,)
     if packed is not None:
       mesh = self.placement.mesh(decision.config)
@@ -442,56 +295,17 @@ class Trainer:
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
     return _Experience(batch=batch, layout=layout, bucket=bucket, decision=decision), packed
 
-  def _experience_program(self, decision, rollout: _Rollout, roll_layout: dispatch_lib.Layout):
-    """The experience program of `decision`, and (with packing) the balancing permutation and
-    the packing of its ranks, all fixed before the batch moves."""
-    perm = packed = None
-    if self.config.pack:
-      lengths = rollout.episodes.lengths
-      if self.config.balance:  # real tokens balanced over the ranks that pack them
-        like = jax.eval_shape(
-          functools.partial(Batch.zeros, len(lengths), decision.run_bucket, xp=jnp)
-        )
-        perm = dispatch_lib.balanced_permutation(
-          lengths, roll_layout, self.placement.layout(decision.config), like=like
-        )
-        lengths = lengths[perm]
-      packed = packing.plan(
-        lengths,
-        ranks=decision.config.batch_shards,
-        bucket=decision.run_bucket,
-        row_multiple=self._row_multiple(),
-      )
-    rows = None if packed is None else packed.rows
-    return self._executable(decision, decision.run_bucket, rows), perm, packed
-
   def _train_program(self, stats, bucket: int, rows: int | None, timer: StageTimer):
-    """6a. The train plan; the train state switched if the layout changed; the neighbouring
-    buckets' programs precompiled in the background. Returns (decision, program, switch ms)."""
-
-    def build(decision):
-      if decision.config == self.placement.train_config:
-        return self._executable(decision, decision.run_bucket, rows), None
-      return self.placement.switch_train(
-        decision,
-        bucket,
-        rows,
-        step=self.global_step,
-        budget=self.selector.budget_bytes,
-        margin=self.config.selector.safety_margin,
-      )
-
-    decision, (update, switch) = self._decide(Stage.TRAIN, stats, build, timer)
+    """6a. The train plan (the train state switched if the layout changed). Returns (decision,
+    program, switch ms)."""
+    plan = self.planner.train(stats, bucket, rows, step=self.global_step)
+    timer.profile_s += plan.profile_s
     switch_ms = 0.0
-    if switch is not None:
-      self.switches.append(switch.as_dict())
-      switch_ms = switch.stall_ms
+    if plan.switch is not None:
+      self.switches.append(plan.switch.as_dict())
+      switch_ms = plan.switch.stall_ms
       timer.add('reshard', switch_ms / 1e3)
-    for stage, config, neighbour, _ in self.selector.lookahead(decision)[1:]:
-      self.executables.precompile(
-        stage, config, neighbour, rows or decision.rows, tree=self.placement.state
-      )
-    return decision, update, switch_ms
+    return plan.decision, plan.program, switch_ms
 
   def _to_train(self, exp: _Experience, rollout: _Rollout, train_decision, timer, moves) -> Batch:
     """6b. The batch from the experience layout to the train layout (unpacked: optionally
@@ -574,15 +388,7 @@ class Trainer:
       seed=self.config.eval_seed,
       greedy=True,
     )
-    episodes = EpisodeStats.gather(traj)
-    rates = episodes.outcome_rates()
-    return {
-      'eval/win_rate': episodes.win_rate(),
-      'eval/invalid_rate': rates.get('invalid', 0.0),
-      'eval/draw_rate': rates.get('draw', 0.0),
-      'eval/return_mean': float(np.mean(episodes.returns)),
-      'eval/episode_len_mean': float(np.mean(episodes.lengths)),
-    }
+    return metrics.eval_record(EpisodeStats.gather(traj))
 
   def save(self) -> None:
     """Checkpoints the train state with what a resume needs to decide as this run would: the
@@ -677,13 +483,4 @@ def _step_seed(seed: int, step: int) -> int:
   return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
-__all__ = [
-  'ExperimentConfig',
-  'NonFiniteError',
-  'ResumeError',
-  'Trainer',
-  'WorkdirError',
-  'check_writable',
-  'format_line',
-  'move_summary',
-]
+__all__ = ['NonFiniteError', 'ResumeError', 'Trainer', 'WorkdirError']

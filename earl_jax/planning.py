@@ -1,0 +1,175 @@
+"""Where each stage's layout is chosen and its program built, step by step.
+
+`StagePlanner` asks the selector for a stage's decision from the statistics it reads (after
+measuring what a lazy profile lacks for it), and builds what the decision runs: the stage's
+AOT-compiled program, refused before it runs when it exceeds the memory budget (the selector
+then decides again: `placement.decide_compiled`); for the experience stage, the balancing
+permutation and the packing of its ranks; for the train stage, the train state switched to a
+new layout and the neighbouring buckets' programs precompiled in the background.
+
+  planner = StagePlanner(config, selector, profiling, executables, placement, log=print)
+  plan = planner.rollout(prev_stats)                   # plan.decision, plan.program
+  plan = planner.experience(stats, lengths, roll_layout)  # + plan.perm, plan.packed
+  plan = planner.train(stats, bucket, rows, step=7)    # + plan.switch
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from earl_jax import dispatch as dispatch_lib
+from earl_jax.assembly import RunProfile
+from earl_jax.experiment import ExperimentConfig
+from earl_jax.placement import StagePlacement, decide_compiled
+from earl_jax.programs import Executables, SwitchRecord
+from earl_jax.rl import packing
+from earl_jax.rl.batch import Batch
+from earl_jax.selector import selector as selector_lib
+from earl_jax.stage import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A stage's decision and what it runs.
+
+  Attributes:
+    decision: the selector's decision (layout, bucket, rows), committed.
+    program: the stage's compiled program.
+    profile_s: seconds spent measuring what a lazy profile lacked for this decision.
+    perm: (experience) the row permutation that balances real tokens over the ranks, or None.
+    packed: (experience) how the ranks pack their episodes (`packing.plan`), or None.
+    switch: (train) the move of the train state to a new layout, or None.
+  """
+
+  decision: selector_lib.Decision
+  program: Any
+  profile_s: float = 0.0
+  perm: np.ndarray | None = None
+  packed: packing.PackPlan | None = None
+  switch: SwitchRecord | None = None
+
+
+class StagePlanner:
+  """The decision of each stage and the program it runs (see the module docstring)."""
+
+  def __init__(
+    self,
+    config: ExperimentConfig,
+    selector: selector_lib.Selector,
+    profiling: RunProfile,
+    executables: Executables,
+    placement: StagePlacement,
+    *,
+    log: Callable[[str], None],
+  ):
+    self.config = config
+    self.selector = selector
+    self.profiling = profiling
+    self.executables = executables
+    self.placement = placement
+    self.log = log
+
+  def executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
+    """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
+    return self.executables.get(
+      decision.stage,
+      decision.config,
+      bucket,
+      rows or decision.rows,
+      budget=self.selector.budget_bytes,
+      margin=self.config.selector.safety_margin,
+    )
+
+  def _decide(
+    self, stage: Stage, stats, build: Callable
+  ) -> tuple[selector_lib.Decision, Any, float]:
+    """The stage's decision, what `build` makes of it, and the seconds spent measuring what a
+    lazy profile lacked for it; see `placement.decide_compiled`."""
+    profile_s = self.profiling.measure_missing(self.selector, stage, stats)
+    decision, built = decide_compiled(self.selector, stage, stats, build, log=self.log)
+    return decision, built, profile_s
+
+  def rollout(self, stats: selector_lib.StepStats | None) -> Plan:
+    """The rollout plan from the previous step's statistics (None: the first step); the
+    engine's program, whose rows are the rollout's slots."""
+    slots = self.config.rollout.slots
+    decision, program, profile_s = self._decide(
+      Stage.ROLLOUT, stats, lambda d: self.executable(d, d.run_bucket, slots)
+    )
+    return Plan(decision, program, profile_s)
+
+  def experience(
+    self,
+    stats: selector_lib.StepStats,
+    lengths: np.ndarray,
+    roll_layout: dispatch_lib.Layout,
+  ) -> Plan:
+    """The experience plan from this step's statistics, and (with packing) the balancing
+    permutation and the packing of its ranks, all fixed before the batch moves. `lengths`:
+    every episode's length, in the batch's row order on `roll_layout`."""
+    decision, (program, perm, packed), profile_s = self._decide(
+      Stage.EXPERIENCE, stats, lambda d: self._experience_program(d, lengths, roll_layout)
+    )
+    return Plan(decision, program, profile_s, perm=perm, packed=packed)
+
+  def _experience_program(self, decision, lengths: np.ndarray, roll_layout: dispatch_lib.Layout):
+    perm = packed = None
+    if self.config.pack:
+      if self.config.balance:  # real tokens balanced over the ranks that pack them
+        like = jax.eval_shape(
+          functools.partial(Batch.zeros, len(lengths), decision.run_bucket, xp=jnp)
+        )
+        perm = dispatch_lib.balanced_permutation(
+          lengths, roll_layout, self.placement.layout(decision.config), like=like
+        )
+        lengths = lengths[perm]
+      packed = packing.plan(
+        lengths,
+        ranks=decision.config.batch_shards,
+        bucket=decision.run_bucket,
+        row_multiple=self._row_multiple(),
+      )
+    rows = None if packed is None else packed.rows
+    return self.executable(decision, decision.run_bucket, rows), perm, packed
+
+  def _row_multiple(self) -> int:
+    """Packed rows split over the batch shards of every experience and train candidate (so any
+    layout the selector picks, or falls back to, takes them) and over the micro-batches."""
+    shards = [
+      c.batch_shards
+      for stage in (Stage.EXPERIENCE, Stage.TRAIN)
+      for c in self.selector.profile(stage).candidates(stage)
+    ]
+    return math.lcm(self.config.micro_batches, *shards)
+
+  def train(
+    self, stats: selector_lib.StepStats, bucket: int, rows: int | None, *, step: int
+  ) -> Plan:
+    """The train plan; the train state switched if the layout changed (`plan.switch`); the
+    neighbouring buckets' programs precompiled in the background. `rows`: the packed rows (None:
+    one per episode)."""
+
+    def build(decision):
+      if decision.config == self.placement.train_config:
+        return self.executable(decision, decision.run_bucket, rows), None
+      return self.placement.switch_train(
+        decision,
+        bucket,
+        rows,
+        step=step,
+        budget=self.selector.budget_bytes,
+        margin=self.config.selector.safety_margin,
+      )
+
+    decision, (update, switch), profile_s = self._decide(Stage.TRAIN, stats, build)
+    for stage, config, neighbour, _ in self.selector.lookahead(decision)[1:]:
+      self.executables.precompile(
+        stage, config, neighbour, rows or decision.rows, tree=self.placement.state
+      )
+    return Plan(decision, update, profile_s, switch=switch)
