@@ -131,6 +131,8 @@ SIGNAL_GRACE_S = 120.0
 _KEPT_LINES = 10_000
 _TAIL_LINES = 25
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# A process that exits with 128 + one of these stopped on request, not in failure.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def launch_local(
@@ -283,17 +285,22 @@ class _Group:
     """Waits until every child exited with 0 (None), one failed, the timeout struck or a
     forwarded signal stopped them (the error to raise)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
-    forwarded, kill_at = None, math.inf
+    forwarded, signalled, kill_at = None, True, math.inf
     while True:
       codes = [p.poll() for p in self.procs]
       if self.signals and forwarded is None:
         forwarded = self.signals[0]
         self._signal_all(forwarded)
         kill_at = time.monotonic() + SIGNAL_GRACE_S
+      if forwarded is None and (stop := _stop_on_request(codes)) is not None:
+        # A process stopped at a step boundary on a signal of its own (a scheduler's SIGTERM to
+        # one host): the others stop at the same step, having agreed on it. They are waited for.
+        forwarded, signalled = stop, False
+        kill_at = time.monotonic() + SIGNAL_GRACE_S
       if forwarded is not None and (len(self.signals) > 1 or time.monotonic() > kill_at):
         self._kill_all()
       if forwarded is not None and all(c is not None for c in codes):
-        return self._signalled(forwarded, codes)
+        return self._signalled(forwarded, codes, passed_on=signalled)
       if forwarded is None:
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
@@ -375,13 +382,23 @@ class _Group:
     lines += [_tail(r) for r in results[:4]]
     return LaunchError('\n'.join(lines))
 
-  def _signalled(self, signum: int, codes: Sequence[int | None]) -> LaunchError:
+  def _signalled(self, signum: int, codes: Sequence[int | None], *, passed_on: bool) -> LaunchError:
     name = signal.Signals(signum).name
     how = ', '.join(f'{i}: {_how(c)}' for i, c in enumerate(codes))
+    origin = 'passed on to' if passed_on else 'received by one of'
     return LaunchError(
-      f'{name}: passed on to the {self.num_processes} processes, which stopped ({how})',
+      f'{name}: {origin} the {self.num_processes} processes, which stopped ({how})',
       exit_code=128 + signum,
     )
+
+
+def _stop_on_request(codes: Sequence[int | None]) -> int | None:
+  """The signal a process that exited with 128 + SIGTERM or SIGINT stopped on (the trainer's
+  exit after a stop at a step boundary, `earl_jax.preemption`), or None."""
+  for code in codes:
+    if code is not None and code - 128 in _STOP_SIGNALS:
+      return code - 128
+  return None
 
 
 def _how(returncode: int | None) -> str:

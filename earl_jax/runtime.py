@@ -9,6 +9,7 @@ if __name__ == '__main__':
 """
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -60,11 +61,11 @@ def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = Non
   """`absl.app.run(main)`, with every user error ending the program in one line.
 
   A bad flag, an `app.UsageError`, or a `earl_jax.errors.UserError` raised while parsing or
-  inside `main` (bad
-  config values, presets, checkpoints, model directories, meshes), prints
+  inside `main` (bad config values, presets, checkpoints, model directories, meshes), prints
   `error: <message>` to stderr and exits with code 2, absl's `UsageError` convention, instead of
-  a traceback. `--debug` (or `--verbosity=1` and up) shows the traceback. Other exceptions are
-  internal errors and keep theirs.
+  a traceback. A KeyboardInterrupt (Ctrl-C where nothing handles it, or the second one during
+  training) prints one line and exits with 130 at once. `--debug` (or `--verbosity=1` and up)
+  shows the traceback. Other exceptions are internal errors and keep theirs.
   """
   from absl import app, flags
 
@@ -95,6 +96,18 @@ def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = Non
       if debugging():
         raise
       _exit_with(e)
+    except KeyboardInterrupt:
+      if debugging():
+        raise
+      # At once, as asked: os._exit leaves the background threads (a checkpoint being
+      # written, whose temporary folder a resume never reads) instead of joining them.
+      print(
+        'interrupted: stopped at once; --resume continues from the last complete checkpoint',
+        file=sys.stderr,
+        flush=True,
+      )
+      sys.stdout.flush()
+      os._exit(128 + signal.SIGINT)
 
   app.run(main_or_exit, flags_parser=parse_or_exit)
 

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from earl_jax import assembly, metrics
+from earl_jax import assembly, metrics, preemption
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.config import ParallelConfig
 from earl_jax.errors import UserError
@@ -416,22 +416,43 @@ class Trainer:
     bar.update(1)
 
   def run(self, progress: bool = True) -> dict:
-    """Trains to `config.steps`, evaluating and checkpointing on the way; returns a summary."""
-    cfg = self.config
+    """Trains to `config.steps`, evaluating and checkpointing on the way; returns a summary.
+
+    Raises:
+      preemption.Stopped: SIGTERM or SIGINT asked the run to stop; it stopped at the end of a
+        step, every process at the same one, and saved it.
+      NonFiniteError: too many non-finite steps in a row.
+    """
     from tqdm import tqdm  # only the loop needs it
 
     t0 = time.perf_counter()
-    if self.global_step == 0 and cfg.eval_every:
+    if self.global_step == 0 and self.config.eval_every:
       record = {'step': 0, **self.evaluate()}
       self.history.append(metrics.summary_fields(record))
       self.writer.write(0, record)
       self.log(f'step    0 | eval win {record["eval/win_rate"]:.3f}')
     bar = tqdm(
-      total=cfg.steps,
+      total=self.config.steps,
       initial=self.global_step,
       disable=not (progress and self.is_main),
       leave=False,
     )
+    at_once = False
+    with preemption.StopRequests() as stops:
+      try:
+        self._loop(t0, bar, progress, stops)
+      except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the save under way
+        at_once = True
+        raise
+      finally:
+        bar.close()
+        if not at_once:
+          self._finish()
+    return self._summary(time.perf_counter() - t0)
+
+  def _loop(self, t0: float, bar: Any, progress: bool, stops: preemption.StopRequests) -> None:
+    """Steps to `config.steps`, each evaluated, logged and checkpointed on its cadence."""
+    cfg = self.config
     skipped, in_a_row = int(self.placement.state.skipped), 0
     while self.global_step < cfg.steps:
       record = self.step()
@@ -443,20 +464,20 @@ class Trainer:
       record['step'] = self.global_step
       record['wall_s'] = time.perf_counter() - t0
       self._log_step(record, bar, progress)
-      if cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last):
+      saved = cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last)
+      if saved:
         self.save()
+      if signum := stops.agreed():
+        if not saved:
+          self.save()
+        raise preemption.Stopped(self.global_step, signum, saved=bool(cfg.checkpoint_every))
       if cfg.max_skipped_in_a_row and in_a_row >= cfg.max_skipped_in_a_row:
-        bar.close()
-        self._finish()
         raise NonFiniteError(
           f'steps {self.global_step - in_a_row + 1}-{self.global_step}: {in_a_row} steps in a '
           'row were skipped because the loss, the gradients or the update were not finite '
           f'(max_skipped_in_a_row={cfg.max_skipped_in_a_row}); the parameters are those of the '
           'last kept step; expected finite updates: lower optim.learning_rate or check the data.'
         )
-    bar.close()
-    self._finish()
-    return self._summary(time.perf_counter() - t0)
 
   def _summary(self, wall_s: float) -> dict:
     evals = [r['eval/win_rate'] for r in self.history if 'eval/win_rate' in r]

@@ -9,11 +9,13 @@
 
 Prints one line per step (win rate, return, context lengths, tokens/s, the plan of every stage,
 stage times), writes metrics.jsonl + TensorBoard events and Orbax checkpoints under --workdir,
-and finishes with PNG plots of the learning curve and the context lengths.
+and finishes with PNG plots of the learning curve and the context lengths. SIGTERM or Ctrl-C
+stops it at the end of the step, saved (exit code 143 or 130); a second Ctrl-C stops at once.
 """
 
 import json
 import os
+import sys
 
 from absl import flags, logging
 
@@ -42,7 +44,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
   env = distributed.initialize_from_env()
   runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
-  from earl_jax import plotting, rundir, trainer  # after the runtime is set up
+  from earl_jax import plotting, preemption, rundir, trainer  # after the runtime is set up
 
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join('runs', config.name)
@@ -56,7 +58,12 @@ def main(argv):
   if t.is_main:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(config.to_json(), f, indent=2)
-  summary = t.run()
+  try:
+    summary = t.run()
+  except preemption.Stopped as stopped:  # SIGTERM or Ctrl-C: the step is saved
+    if t.is_main:
+      print(stopped, flush=True)
+    sys.exit(stopped.exit_code)
   if t.is_main:
     paths = plotting.plot_training(os.path.join(workdir, 'metrics.jsonl'), workdir)
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:

@@ -108,6 +108,20 @@ def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, signum):
   assert not any(_alive(p) for p in pids)
 
 
+def test_workers_that_stop_on_a_signal_of_their_own_are_not_a_failure(tmp_path):
+  """A scheduler signals the workers, not the launcher: they stop on request (128 + SIGTERM, as
+  the trainer exits after saving), and the launcher says so with the same exit code."""
+  launcher = _start(tmp_path, 'wait')
+  pids = _worker_pids(tmp_path, 2)
+  os.kill(pids[1], signal.SIGTERM)
+  time.sleep(0.5)  # the other one stops a little later (at the same step, in the trainer)
+  os.kill(pids[0], signal.SIGTERM)
+  _, err = launcher.communicate(timeout=30)
+  assert launcher.returncode == 143, err
+  assert 'SIGTERM: received by one of the 2 processes, which stopped' in err, err
+  assert 'failed' not in err, err
+
+
 def test_a_user_error_in_the_workers_is_printed_once_with_exit_code_2(tmp_path):
   launcher = _start(tmp_path, 'error', num_processes=3)
   _, err = launcher.communicate(timeout=30)

@@ -178,12 +178,136 @@ def _final_checksums(workdir) -> list[int]:
   raise AssertionError(f'no meta in {ckpts / str(step)}')
 
 
-def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path):
+# The run the fault tests interrupt, and its uninterrupted reference (made once).
+RUN = ['--config.steps=4', '--config.eval_every=2']
+KEEP = ('step', 'win_rate', 'return_mean', 'loss/loss', 'eval/win_rate')
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """The workdir of `RUN`, uninterrupted, checkpointed at every step."""
+  workdir = tmp_path_factory.mktemp('reference') / 'ref'
+  ref = _run([*RUN, '--config.checkpoint_every=1', f'--workdir={workdir}'])
+  assert ref.returncode == 0, ref.stderr[-2000:]
+  return workdir
+
+
+def _rows(workdir) -> list[dict]:
+  return [{k: r.get(k) for k in KEEP} for r in metrics.read_jsonl(str(workdir / 'metrics.jsonl'))]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+  """`python -m <args>` from the project root, as a user starts it, in its own process group."""
+  env = {**os.environ, 'PYTHONPATH': ROOT}
+  env.pop('XLA_FLAGS', None)
+  return subprocess.Popen(
+    [sys.executable, '-m', *args],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    process_group=0,
+  )
+
+
+def _wait_for_step(workdir, proc: subprocess.Popen, step: int) -> None:
+  """Until metrics.jsonl has a row of `step` (the loop is running, its handlers installed)."""
+  path = workdir / 'metrics.jsonl'
+  deadline = time.monotonic() + 300
+  while not (path.exists() and any(r.get('step') == step for r in metrics.read_jsonl(str(path)))):
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    assert time.monotonic() < deadline, 'the run did not reach the step'
+    time.sleep(0.05)
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_a_saved_step_then_resume_equals_an_uninterrupted_run(
+  tmp_path, reference, signum
+):
+  """SIGTERM (a scheduler's preemption) or Ctrl-C: the run finishes its step, saves it (though
+  no checkpoint was due), says so in one line and exits 128 + the signal; --resume ends where
+  the uninterrupted run ends, bitwise."""
+  workdir = tmp_path / 'stopped'
+  run = [*RUN, '--config.checkpoint_every=100', f'--workdir={workdir}']
+  proc = _start(['experiments.train', '--config=smoke', *run])
+  _wait_for_step(workdir, proc, 1)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signum, err[-2000:]
+  name = signal.Signals(signum).name
+  stopped = [line for line in out.splitlines() if line.startswith('stopped at step')]
+  assert len(stopped) == 1 and 'Traceback' not in err, (out[-1000:], err[-2000:])
+  step = int(stopped[0].split()[3])
+  assert stopped[0] == f'stopped at step {step} by {name}; checkpoint saved; resume with --resume'
+  assert 1 <= step < 4 and sorted(os.listdir(workdir / 'checkpoints')) == [str(step)]
+  resumed = _run([*run, '--resume'])
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert _rows(workdir) == _rows(reference)
+  assert _final_checksums(workdir) == _final_checksums(reference)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+  workdir = tmp_path / 'run'
+  proc = _start(
+    ['experiments.train', '--config=smoke', '--config.steps=50', f'--workdir={workdir}']
+  )
+  _wait_for_step(workdir, proc, 1)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.2)
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130 and time.monotonic() - t0 < 10, err[-2000:]
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert lines[-1].startswith('interrupted: stopped at once') and 'Traceback' not in err, lines
+
+
+def _process_id(pid: int) -> int:
+  """The JAX process index the launcher gave the worker `pid` (from its environment)."""
+  with open(f'/proc/{pid}/environ', 'rb') as f:
+    env = dict(v.split(b'=', 1) for v in f.read().split(b'\0') if b'=' in v)
+  return int(env[b'EARL_PROCESS_ID'])
+
+
+@pytest.mark.multiprocess
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_path, reference):
+  """SIGTERM to worker 1 alone (a scheduler preempting one host): both processes stop at the
+  same step and save it, the launcher exits 143; --resume on two processes ends where the
+  one-process run ends."""
+  workdir = tmp_path / 'two'
+  train = [sys.executable, '-m', 'experiments.train', '--config=smoke', *RUN]
+  train += ['--config.checkpoint_every=100', f'--workdir={workdir}']
+  launch = ['earl_jax.launch', '-n', '2', '-d', '4', '--', *train]
+  proc = _start(launch)
+  _wait_for_step(workdir, proc, 1)
+  workers = subprocess.run(
+    ['pgrep', '-P', str(proc.pid)], capture_output=True, text=True, check=True
+  ).stdout.split()
+  assert len(workers) == 2, workers
+  by_id = {_process_id(int(pid)): int(pid) for pid in workers}
+  os.kill(by_id[1], signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 143, err[-3000:]
+  assert 'received by one of the 2 processes' in err and 'exit code 143' in err, err[-2000:]
+  stopped = [line for line in out.splitlines() if line.startswith('stopped at step')]
+  assert len(stopped) == 1, out[-2000:]
+  step = int(stopped[0].split()[3])
+  assert 1 <= step < 4 and sorted(os.listdir(workdir / 'checkpoints')) == [str(step)]
+  again = _start([*launch, '--resume'])
+  _, err = again.communicate(timeout=300)
+  assert again.returncode == 0, err[-3000:]
+  rows, ref = _rows(workdir), _rows(reference)
+  assert [r['step'] for r in rows] == [r['step'] for r in ref]
+  for a, b in zip(rows, ref):
+    for k in KEEP:
+      assert a[k] == pytest.approx(b[k], abs=1e-5), (a['step'], k, a[k], b[k])
+
+
+def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
   """A real training process killed with SIGKILL while Orbax writes a checkpoint; `--resume`
   continues from the newest complete one, and ends where an uninterrupted run ends, bitwise."""
-  run = ['--config.steps=4', '--config.checkpoint_every=1', '--config.eval_every=2']
-  ref = _run([*run, f'--workdir={tmp_path}/ref'])
-  assert ref.returncode == 0, ref.stderr[-2000:]
+  run = [*RUN, '--config.checkpoint_every=1']
 
   workdir = tmp_path / 'killed'
   env = {**os.environ, 'PYTHONPATH': ROOT}
@@ -211,10 +335,5 @@ def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path):
 
   resumed = _run([*run, f'--workdir={workdir}', '--resume'])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  keep = ('step', 'win_rate', 'return_mean', 'loss/loss', 'eval/win_rate')
-
-  def rows(d):
-    return [{k: r.get(k) for k in keep} for r in metrics.read_jsonl(str(d / 'metrics.jsonl'))]
-
-  assert rows(workdir) == rows(tmp_path / 'ref')
-  assert _final_checksums(workdir) == _final_checksums(tmp_path / 'ref')
+  assert _rows(workdir) == _rows(reference)
+  assert _final_checksums(workdir) == _final_checksums(reference)

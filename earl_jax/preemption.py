@@ -1,0 +1,92 @@
+"""Stopping a run at a step boundary when it is asked to (preemption, Ctrl-C).
+
+A cluster scheduler or a preemptible VM sends SIGTERM some seconds before it kills a job; a
+user presses Ctrl-C (SIGINT). Inside `StopRequests`, the first of either is only recorded: the
+loop finishes its step, every process agrees on the stop at the same step (`agreed`, a
+collective that makes any process's request every process's), the run saves that step and ends
+with `Stopped`, whose exit code is the conventional 128 + the signal's number. A second Ctrl-C
+stops at once (KeyboardInterrupt); further SIGTERMs are ignored, the stop being under way.
+
+JAX's own preemption service (`multihost_utils.reached_preemption_sync_point`) plays the same
+part for SIGTERM alone: its notifier is a C++ SIGTERM handler, which a Python handler replaces,
+and it does not see Ctrl-C. Here both signals are handled in Python and the processes agree
+through one small all-gather per step (`distributed.process_max`), on one process none.
+
+  with StopRequests() as stops:
+    while training:
+      step()
+      if signum := stops.agreed():
+        save()
+        raise Stopped(step, signum, saved=True)
+"""
+
+import os
+import signal
+import threading
+import types
+
+from earl_jax import distributed
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):  # noqa: N818 (a stop on request: not an error)
+  """The run stopped at a step boundary because it was asked to (SIGTERM or SIGINT).
+
+  Attributes:
+    step: the last step done (and saved, with `saved`).
+    signum: the signal that asked for the stop.
+    saved: whether a checkpoint of `step` was written.
+    exit_code: 128 + `signum`, the shell's convention for a process ended by a signal.
+  """
+
+  def __init__(self, step: int, signum: int, *, saved: bool):
+    self.step = step
+    self.signum = signum
+    self.saved = saved
+    self.exit_code = 128 + signum
+    name = signal.Signals(signum).name
+    if saved:
+      line = f'stopped at step {step} by {name}; checkpoint saved; resume with --resume'
+    else:
+      line = f'stopped at step {step} by {name}; this run keeps no checkpoints (checkpoint_every=0)'
+    super().__init__(line)
+
+
+class StopRequests:
+  """Records SIGTERM and SIGINT while inside (see the module docstring); the handlers that were
+  there before are put back on exit. Outside the main thread (where Python cannot install signal
+  handlers) it records nothing and the signals keep their usual effect."""
+
+  def __init__(self):
+    self.signum = 0  # the first signal received (0: none)
+    self._previous: dict[int, object] = {}
+
+  def __enter__(self) -> 'StopRequests':
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+  def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+    del frame
+    if self.signum:
+      if signum == signal.SIGINT:  # the second Ctrl-C: at once
+        raise KeyboardInterrupt
+      return
+    self.signum = signum
+    # os.write, not print: a handler may run in the middle of another write to the stream.
+    os.write(
+      2,
+      f'\n{signal.Signals(signum).name}: stopping at the end of this step, after saving it '
+      '(Ctrl-C again to stop at once)\n'.encode(),
+    )
+
+  def agreed(self) -> int:
+    """The signal that stops every process at this step, or 0 to go on: the same on every
+    process (a collective: every process calls it once per step)."""
+    return distributed.process_max([self.signum])[0]
