@@ -13,7 +13,12 @@ restored arrays against their checksums: a corrupted checkpoint is an error, nev
   step, state, meta = ckpt.restore_newest_readable(lambda meta: abstract_state, on_skip=print)
 """
 
+import contextlib
+import errno
+import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,9 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
-from earl_jax.errors import UserError
+from earl_jax import distributed
+from earl_jax.errors import UserError, os_errno, storage_error
 
 
 class CheckpointError(UserError):
@@ -31,6 +38,8 @@ class CheckpointError(UserError):
 
 
 CHECKSUMS = 'array_checksums'
+# Room kept free beyond a checkpoint's bytes: Orbax's own files (manifests, the OCDBT index).
+_SLACK_BYTES = 1 << 20
 
 
 def _reason(error: Exception) -> str:
@@ -56,6 +65,17 @@ def _leaf_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
   return out
 
 
+def _agree(problem: BaseException | None) -> None:
+  """Raises `problem`, or, where another process has one, an OSError saying so: every process
+  of a multi-controller run takes the same path through a save (a collective)."""
+  code = 0 if problem is None else os_errno(problem) or errno.EIO
+  worst = distributed.process_max([code])[0]
+  if problem is not None:
+    raise problem
+  if worst:
+    raise OSError(worst, f'{os.strerror(worst)} (on another process)')
+
+
 def checksums(tree: Any) -> list[int]:
   """One 32-bit checksum per array of `tree`, from its bits: the same on any mesh or process."""
   return [int(c) for c in jax.device_get(_leaf_checksums(jax.tree.leaves(tree)))]
@@ -64,7 +84,12 @@ def checksums(tree: Any) -> list[int]:
 class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    self._manager = ocp.CheckpointManager(
+    self._writing_step: int | None = None  # the save under way (or the last one)
+    with self._writing():  # the folder is made here
+      self._manager = self._open(max_to_keep, async_save)
+
+  def _open(self, max_to_keep: int, async_save: bool) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -80,11 +105,68 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict) -> None:
+    """Saves `step` in the background (after the previous save's end, whose failure it raises).
+
+    Raises:
+      StorageError: this save or the one before could not be written (no space, read-only, not
+        permitted); the checkpoints already complete are kept.
+    """
     meta = {**meta, CHECKSUMS: checksums(state)}
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-    )
+    self._writing_step = step
+    with self._writing():
+      _agree(self._room_problem(state, meta))  # every process saves, or none
+      self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+      )
+
+  def _room_problem(self, state: Any, meta: dict) -> OSError | None:
+    """Why a save cannot be written (ENOSPC, EROFS, EACCES), found before it starts: here the
+    failure is one line; inside Orbax's writer threads it is dozens of tracebacks. The space
+    needed is the arrays' bytes (every shard: an upper bound) and the metadata's."""
+    needed = sum(x.nbytes for x in jax.tree.leaves(state)) + len(json.dumps(meta)) + _SLACK_BYTES
+    try:
+      fd, probe = tempfile.mkstemp(dir=self.directory, prefix='.write_check_')
+      os.close(fd)
+      os.remove(probe)
+      free = shutil.disk_usage(self.directory).free
+    except OSError as e:
+      return e
+    if free < needed:
+      text = f'{os.strerror(errno.ENOSPC)}: {needed >> 10} KiB needed, {free >> 10} KiB free'
+      return OSError(errno.ENOSPC, text)
+    return None
+
+  def check(self) -> None:
+    """Raises StorageError at once when the save in the background has failed, on any process
+    (a collective: every process calls it at the same point)."""
+    with self._writing():
+      try:
+        self._manager.check_for_errors()
+      except Exception as e:
+        _agree(e)
+        raise
+      _agree(None)
+
+  @contextlib.contextmanager
+  def _writing(self) -> Iterator[None]:
+    """Storage failures of the save under way (or the one before) as one-line StorageErrors."""
+    try:
+      yield
+    except Exception as e:
+      names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+      complete = sorted(int(n) for n in names if n.isdigit())
+      kept = (
+        f'the checkpoints already complete are kept (newest: step {complete[-1]})'
+        if complete
+        else 'no checkpoint was complete before it'
+      )
+      step = self._writing_step
+      what = 'a checkpoint' if step is None else f'checkpoint step {step}'
+      error = storage_error(e, what, self.directory, kept)
+      if error is None:
+        raise
+      raise error from None
 
   def read_meta(self, step: int | None = None) -> dict:
     step = self._step(step)
@@ -113,6 +195,46 @@ class Checkpointer:
           'not match their checksums (corrupted data): expected the arrays as saved.'
         )
     return out['state'], meta
+
+  def state_shapes(self, step: int | None = None) -> Any:
+    """The saved state's tree (nested dicts, as Orbax stores a pytree) of `jax.ShapeDtypeStruct`s,
+    read from the checkpoint's metadata at `step` (default: latest) without restoring an array."""
+    step = self._step(step)
+    path = os.path.join(self.directory, str(step), 'state')
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path)).tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+  def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, dict]:
+    """Only the `params` field of a saved train state at `step` (default: latest), laid out as
+    `abstract_params`' shardings say (its dtypes must be the saved ones), and the step's meta.
+
+    The rest of the state (optimizer moments, counters) is not read. The parameters are
+    verified against their checksums: they are the first leaves of the state's, in order.
+    """
+    step = self._step(step)
+    target = {'params': abstract_params}
+    out = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+          item=target,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True,
+        ),
+        meta=ocp.args.JsonRestore(),
+      ),
+    )
+    params, meta = out['state']['params'], dict(out['meta'])
+    expected = meta.pop(CHECKSUMS, None)
+    if expected is not None:
+      got = checksums(params)
+      if got != expected[: len(got)]:
+        bad = sum(a != b for a, b in zip(got, expected))
+        raise CheckpointError(
+          f'checkpoint step {step} in {self.directory}: {bad} of {len(got)} parameter arrays do '
+          'not match their checksums (corrupted data): expected the arrays as saved.'
+        )
+    return params, meta
 
   def readable_metas(
     self, steps: list[int] | None = None, *, on_skip: Callable[[int, str], None]
@@ -177,7 +299,9 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the save under way; StorageError if it failed."""
+    with self._writing():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.wait_until_finished()

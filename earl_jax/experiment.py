@@ -5,7 +5,7 @@ Presets live in `experiments/configs/train.py`; any field is set from the comman
 notebooks and tests import it without the trainer.
 
   config = ExperimentConfig(rollout=RolloutConfig(num_episodes=64), steps=60)
-  config.fingerprint()          # what --resume checks
+  config_diff(saved.to_json(), config.to_json())   # the fields that refuse a --resume
 """
 
 import dataclasses
@@ -32,6 +32,10 @@ class ExperimentConfig:
       folder name.
     model: a ModelConfig preset (ignored when model_dir is set).
     model_dir: a HF Qwen2 checkpoint directory (weights + tokenizer), e.g. for GPU runs.
+    init_from: a supervised warm start (`experiments/sft.py`): its checkpoints folder (or the
+      run folder that holds one), e.g. 'runs/sft/checkpoints'. The parameters of its latest step
+      initialize the policy (and the reference policy of a KL term) instead of `init_seed` or
+      `model_dir`'s weights; the model shape must be this run's. None: no warm start.
     param_dtype: parameter and compute dtype.
     tokenizer: 'game' (the built-in character tokenizer of the board games), 'code' (the
       character tokenizer of the code tasks: printable ASCII, tab, newline) or a directory with
@@ -77,6 +81,7 @@ class ExperimentConfig:
   name: str = 'default'
   model: str = 'tiny-game'
   model_dir: str | None = None
+  init_from: str | None = None
   param_dtype: DType = 'float32'
   tokenizer: str = 'game'
   env: envs.EnvConfig | envs.CodeEnvConfig = dataclasses.field(default_factory=envs.EnvConfig)
@@ -127,6 +132,13 @@ class ExperimentConfig:
         )
     if self.model_dir is None:
       ModelConfig.preset(self.model)  # raises for an unknown preset
+    if self.init_from is not None and (
+      not isinstance(self.init_from, str) or not self.init_from.strip()
+    ):
+      raise ConfigError(
+        f'ExperimentConfig.init_from={self.init_from!r}: expected the path of a warm start '
+        "checkpoints folder (e.g. 'runs/sft/checkpoints') or None."
+      )
     if self.rollout.num_episodes % self.micro_batches:
       raise ConfigError(
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
@@ -177,13 +189,95 @@ class ExperimentConfig:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
   def fingerprint(self) -> str:
-    """Identifies the run for --resume: everything but the step count, the evaluation and
-    checkpoint cadence and the stopping rule."""
+    """Identifies the computation for --resume: `to_json` without what a resume may change
+    (`_IGNORED_ON_RESUME`, and `init_seed` where the restored state leaves it unread)."""
     d = self.to_json()
-    cadence = ('steps', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'name')
-    for key in (*cadence, 'max_skipped_in_a_row'):
-      d.pop(key, None)
+    d = _computation(d, _ignored_on_resume(d))
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# What a resume from a checkpoint may change: the fields that do not change the trained parameters
+# from that checkpoint on. The step count, the evaluation and checkpoint cadence, the stopping
+# rule and the name; the evaluation's size and seed (they change which greedy games measure the
+# policy, not the policy: evaluation only reads the parameters, and touches the training only
+# through the compile cache, as `eval_every` does and as a resumed process starting with an empty
+# one does anyway); and the profile cache's path (the checkpoint's profile is preferred to the
+# file's cells; missing cells are measured, as they would be without the file). `eval_env` stays:
+# it changes what eval/win_rate means.
+_IGNORED_ON_RESUME = (
+  'steps',
+  'eval_every',
+  'checkpoint_every',
+  'keep_checkpoints',
+  'name',
+  'max_skipped_in_a_row',
+  'eval_episodes',
+  'eval_seed',
+  'selector.profile.cache',
+)
+
+
+def _ignored_on_resume(d: dict) -> set[str]:
+  """`_IGNORED_ON_RESUME`, plus `init_seed` when the restored state makes it unused: the restore
+  replaces the initial parameters, and only a KL term's reference policy (not checkpointed, made
+  from the initial parameters) reads them; a `model_dir` or `init_from` run never reads it."""
+  loss = d.get('loss') if isinstance(d.get('loss'), dict) else {}
+  kl_coef = loss.get('kl_coef', 0.0)
+  initialized = not (d.get('model_dir') or d.get('init_from'))  # else loaded, not initialized
+  uses_init = initialized and isinstance(kl_coef, (int, float)) and kl_coef > 0
+  return set(_IGNORED_ON_RESUME) | (set() if uses_init else {'init_seed'})
+
+
+def _computation(d: dict, ignored: set[str], prefix: str = '') -> dict:
+  """`d` (a `to_json`) without the dotted paths `ignored`."""
+  out = {}
+  for key, value in d.items():
+    path = f'{prefix}{key}'
+    if path not in ignored:
+      out[key] = _computation(value, ignored, f'{path}.') if isinstance(value, dict) else value
+  return out
+
+
+def config_diff(
+  saved: dict, current: dict, *, defaults: dict | None = None, limit: int = 5
+) -> list[str]:
+  """The fields that differ between two `to_json`s and refuse a resume (what the fingerprint
+  hashes; `init_seed` only where both configs read it), as 'optim.learning_rate: 0.003 -> 0.001'
+  lines in path order: at most `limit`, then 'and N more'. Empty: the resume may continue.
+
+  A field `saved` lacks (one added to the code since it was saved) is unchanged where `current`
+  holds its value in `defaults` (e.g. `ExperimentConfig().to_json()`): a new field's default
+  keeps what the code did before it.
+  """
+  ignored = _ignored_on_resume(saved) | _ignored_on_resume(current)
+  a, b = _computation(saved, ignored), _computation(current, ignored)
+  lines = _diff(a, b, defaults or {}, '')
+  return lines if len(lines) <= limit else [*lines[:limit], f'and {len(lines) - limit} more']
+
+
+def _diff(a: object, b: object, default: object, path: str) -> list[str]:
+  if isinstance(a, dict) and isinstance(b, dict):
+    d = default if isinstance(default, dict) else {}
+    return [
+      line
+      for k in sorted(set(a) | set(b))
+      for line in _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), d.get(k, _ABSENT), f'{path}{k}.')
+    ]
+  if a is _ABSENT and b == default and b is not _ABSENT:
+    return []
+  if a == b or (a != a and b != b):  # NaN equals NaN here: the same setting
+    return []
+  return [f'{path.rstrip(".")}: {a!r} -> {b!r}']
+
+
+class _Absent:
+  """A field one config's JSON lacks."""
+
+  def __repr__(self) -> str:
+    return '(absent)'
+
+
+_ABSENT = _Absent()
 
 
 def _check_name(name: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from earl_jax.errors import storage_error
 from earl_jax.rollout.trajectories import EpisodeStats
 from earl_jax.stage import STAGES
 
@@ -68,13 +69,17 @@ class MetricsWriter:
     if not self.enabled:
       return
     clean = {k: _scalar(v) for k, v in record.items()}
-    with open(self.path, 'a') as f:
-      f.write(json.dumps({**clean, 'step': step}) + '\n')
-    if self._tb is not None:
-      for k, v in clean.items():
-        if isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
+    try:
+      with open(self.path, 'a') as f:
+        f.write(json.dumps({**clean, 'step': step}) + '\n')
+      if self._tb is not None:
+        for k, v in clean.items():
+          if isinstance(v, (int, float)):
+            self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+    except OSError as e:
+      kept = 'the rows before it and the checkpoints are kept'
+      raise storage_error(e, f'the metrics of step {step}', self.path, kept) or e from None
 
   def rewrite(self, records: list[Mapping[str, Any]]) -> None:
     """Replaces metrics.jsonl with `records` (each has its 'step'), e.g. after a resume."""
@@ -88,7 +93,12 @@ class MetricsWriter:
 
   def close(self) -> None:
     if self._tb is not None:
-      self._tb.close()
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:
+        kept = 'metrics.jsonl and the checkpoints are kept'
+        raise storage_error(e, 'the TensorBoard events', tb.logdir, kept) or e from None
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -103,6 +113,83 @@ def read_jsonl(path: str) -> list[dict]:
       if i < len(lines) - 1:
         raise
   return out
+
+
+def resume_history(path: str, step: int) -> tuple[list[dict], str | None]:
+  """The metrics rows a resume from the checkpoint at `step` keeps, and one line saying what it
+  cannot keep (None: the history up to `step` is whole).
+
+  Kept: every readable row of a step <= `step`, in step order, the last one written where a step
+  repeats. Each row is one whole JSON object, written by the one run that holds the workdir, so a
+  bad neighbour says nothing against it (cutting the history at the first bad line would drop a
+  long learning curve for one flipped byte). Unreadable: a line that is not UTF-8, not JSON, or
+  not an object with an int 'step'; a last line without its newline is a row cut short by a run
+  killed while writing it (after its last checkpoint), dropped without a word. Missing:
+  steps 1..`step` without a row (step 0, the first evaluation, is optional). Rows after `step`
+  (what a run that died logged after its checkpoint) are dropped without a word.
+  """
+  try:
+    with open(path, 'rb') as f:
+      lines = f.read().split(b'\n')
+  except FileNotFoundError:
+    lines, read_error = [b''], 'the file is missing'
+  except OSError as e:
+    lines, read_error = [b''], f'the file is unreadable ({e.strerror})'
+  else:
+    read_error = None
+  by_step, bad = {}, []
+  for number, line in enumerate(lines[:-1], 1):  # lines[-1]: after the last newline
+    if not line.strip():
+      continue
+    row = _row(line)
+    if row is None:
+      bad.append(number)
+    elif row['step'] <= step:
+      by_step.setdefault(row['step'], []).append(row)
+  rows = [by_step[s][-1] for s in sorted(by_step)]
+  problems = [read_error] if read_error else []
+  if bad:
+    problems.append(f'{_plural("line", bad)} {_spans(bad)} unreadable')
+  missing = [s for s in range(1, step + 1) if s not in by_step]
+  if missing:
+    problems.append(f'{_plural("step", missing)} {_spans(missing)} missing')
+  repeated = [s for s, found in by_step.items() if len(found) > 1]
+  if repeated:
+    text = f'{_plural("step", repeated)} {_spans(sorted(repeated))}'
+    problems.append(f'{text} logged more than once (the last kept)')
+  if not problems:
+    return rows, None
+  return rows, (
+    f'metrics.jsonl of {os.path.dirname(path) or "."}: {"; ".join(problems)}; resuming from '
+    f'step {step} with the {len(rows)} readable rows up to it.'
+  )
+
+
+def _row(line: bytes) -> dict | None:
+  """The record of one metrics.jsonl line, or None where it is not one."""
+  try:
+    row = json.loads(line.decode('utf-8'))
+  except ValueError:  # UnicodeDecodeError and JSONDecodeError
+    return None
+  step = row.get('step') if isinstance(row, dict) else None
+  return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _plural(word: str, items: list) -> str:
+  return word if len(items) == 1 else f'{word}s'
+
+
+def _spans(numbers: list[int], limit: int = 5) -> str:
+  """'2-4, 7, 9': sorted numbers as runs, at most `limit` of them, then 'and N more'."""
+  runs: list[list[int]] = []
+  for n in numbers:
+    if runs and n == runs[-1][1] + 1:
+      runs[-1][1] = n
+    else:
+      runs.append([n, n])
+  text = [str(a) if a == b else f'{a}-{b}' for a, b in runs[:limit]]
+  more = sum(b - a + 1 for a, b in runs[limit:])
+  return ', '.join(text) + (f' and {more} more' if more else '')
 
 
 @dataclasses.dataclass

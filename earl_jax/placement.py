@@ -10,12 +10,18 @@ kept, so that the selector's switch gate can price the next one (`switch_cost_ms
 stage's program is built, and a program that XLA's memory analysis refuses marks its layout
 infeasible and the stage is decided again.
 
+A warm start (`ExperimentConfig.init_from`, the checkpoints of `experiments/sft.py` or of a run
+of the main job) gives the initial parameters: `check_warm_start` compares its saved shapes with
+the model from metadata alone, `load_warm_start` reads only its parameters onto the train layout.
+
+  check_warm_start(config.init_from, model)           # metadata only: before anything compiles
   placement = StagePlacement.initialize(config, model, executables, train_config)
   decision, program = decide_compiled(selector, Stage.ROLLOUT, stats, build, log=print)
   params = placement.params_on(decision.config)       # drop it when the stage is done
   program, record = placement.switch_train(decision, bucket, rows, step=7, budget=b)
 """
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from earl_jax import checkpointing, distributed
 from earl_jax import dispatch as dispatch_lib
-from earl_jax import distributed
 from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.models import hf_import, qwen2
 from earl_jax.programs import Executables, SwitchRecord
@@ -35,6 +42,7 @@ from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import train_step
 from earl_jax.rl.batch import Batch
 from earl_jax.selector import selector as selector_lib
+from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
 Built = TypeVar('Built')
@@ -103,11 +111,18 @@ class StagePlacement:
     executables: Executables,
     train_config: ParallelConfig,
   ) -> 'StagePlacement':
-    """Parameters (a HF checkpoint's, or initialized from `config.init_seed`) and the train
-    state (moments sharded like their parameters) on `train_config`'s mesh; the reference
-    policy is a copy of the parameters when the loss has a KL term."""
+    """Parameters (a warm start's, `config.init_from`; a HF checkpoint's; or initialized from
+    `config.init_seed`) and the train state (fresh moments sharded like their parameters) on
+    `train_config`'s mesh; the reference policy is a copy of the parameters when the loss has a
+    KL term.
+
+    Raises:
+      WarmStartError: `init_from` is missing, holds no checkpoint, or one of another model shape.
+    """
     train_mesh = executables.mesh(train_config)
-    if config.model_dir:
+    if config.init_from:
+      params = load_warm_start(config.init_from, model, train_mesh)
+    elif config.model_dir:
       _, params = hf_import.load_params(config.model_dir, model, train_mesh)
     else:
       _, params = qwen2.init_model(model, train_mesh, seed=config.init_seed)
@@ -234,3 +249,155 @@ class StagePlacement:
     if stage == Stage.TRAIN and self._reshard_ms_per_byte is not None:
       cost += self._reshard_ms_per_byte * tree_bytes(self._state)
     return cost
+
+
+# -- warm start -------------------------------------------------------------------------------------
+
+
+class WarmStartError(UserError):
+  """An `ExperimentConfig.init_from` that does not hold a warm start of the run's model."""
+
+
+# The ModelConfig fields that decide the parameters' shapes, with their dimension letters.
+_SHAPE_FIELDS = (
+  ('vocab_size', 'V'),
+  ('hidden_size', 'D'),
+  ('intermediate_size', 'F'),
+  ('num_layers', 'L'),
+  ('num_heads', 'H'),
+  ('num_kv_heads', 'K'),
+  ('head_dim', 'Dh'),
+  ('tie_word_embeddings', None),
+  ('qkv_bias', None),
+)
+
+
+def warm_start_dir(init_from: str) -> str:
+  """The checkpoints folder `init_from` names: the folder itself, or the `checkpoints/` of the
+  run folder it names.
+
+  Raises:
+    WarmStartError: `init_from` is not an existing folder.
+  """
+  if not os.path.isdir(init_from):
+    raise WarmStartError(
+      f'init_from={init_from!r} does not exist or is not a folder: expected the checkpoints '
+      'folder of a warm start run (e.g. runs/sft/checkpoints; run experiments/sft.py first).'
+    )
+  nested = os.path.join(init_from, 'checkpoints')
+  return nested if os.path.isdir(nested) else init_from
+
+
+def check_warm_start(init_from: str | None, model: ModelConfig) -> tuple[Any, int] | None:
+  """Checks that `init_from` holds a checkpoint whose parameters have `model`'s shapes, from its
+  metadata alone (no array is read, nothing compiles): a Trainer calls it before compiling.
+
+  Returns:
+    None without `init_from`; else (the saved parameters' ShapeDtypeStructs, keyed by dotted
+    parameter name, and the latest step), what `load_warm_start` restores.
+
+  Raises:
+    WarmStartError: a missing folder, no checkpoint in it, or parameters of another shape (the
+      differing dimension named, from the checkpoint's `meta['model']` when it has one).
+  """
+  if init_from is None:
+    return None
+  directory = warm_start_dir(init_from)
+  ckpt = checkpointing.Checkpointer(directory, async_save=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise WarmStartError(
+        f'init_from={init_from!r}: no checkpoint in {ckpt.directory}: expected the checkpoints '
+        'of a warm start run (experiments/sft.py writes them every checkpoint_every steps).'
+      )
+    meta, saved = ckpt.read_meta(step), ckpt.state_shapes(step)
+  finally:
+    ckpt.close()
+  if not isinstance(saved, dict) or 'params' not in saved:
+    raise WarmStartError(
+      f'init_from={init_from!r}: step {step} in {directory} holds no train state parameters: '
+      'expected a checkpoint of experiments/sft.py or experiments/train.py.'
+    )
+  saved_params = _by_name(saved['params'])
+  _check_model_fields(init_from, step, meta.get('model'), model)
+  _check_param_shapes(init_from, step, saved_params, _by_name(_abstract_params(model)), model)
+  return saved_params, step
+
+
+def load_warm_start(init_from: str, model: ModelConfig, mesh: jax.sharding.Mesh):
+  """The parameters of `init_from`'s latest checkpoint, checked (`check_warm_start`) and
+  restored onto `mesh` with the model's parameter shardings, in `model.param_dtype`. Only the
+  parameters are read (not the optimizer moments)."""
+  saved, step = check_warm_start(init_from, model)
+  _, abstract = qwen2.abstract_model(model, mesh)
+  target = jax.tree_util.tree_map_with_path(
+    lambda path, a: jax.ShapeDtypeStruct(a.shape, saved[_name(path)].dtype, sharding=a.sharding),
+    abstract,
+  )
+  ckpt = checkpointing.Checkpointer(warm_start_dir(init_from), async_save=False)
+  try:
+    params, _ = ckpt.restore_params(target, step)
+  finally:
+    ckpt.close()
+  dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
+  if dtypes != {np.dtype(model.param_dtype)}:  # e.g. a float32 warm start of a bfloat16 run
+    shardings = qwen2.state_shardings(abstract)
+    cast = lambda p: jax.tree.map(lambda x: x.astype(model.param_dtype), p)  # noqa: E731
+    params = jax.jit(cast, out_shardings=shardings, donate_argnums=0)(params)
+  return params
+
+
+def _abstract_params(model: ModelConfig):
+  """The model's parameter ShapeDtypeStructs (on a data-parallel mesh: only shapes are read)."""
+  mesh = mesh_lib.make_mesh(ParallelConfig(dp=len(mesh_lib.canonical_devices())))
+  return qwen2.abstract_model(model, mesh)[1]
+
+
+def _name(path) -> str:
+  """A parameter's dotted name ('layers.0.mlp.up_proj'), the same for an nnx.State and for the
+  nested dicts Orbax stores it as."""
+  parts = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path]
+  return '.'.join(parts[:-1] if parts and parts[-1] == 'value' else parts)
+
+
+def _by_name(tree) -> dict[str, Any]:
+  return {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_model_fields(init_from: str, step: int, saved: Any, model: ModelConfig) -> None:
+  """Raises WarmStartError naming every shape field of the checkpoint's model (its meta) that
+  differs from `model`'s."""
+  if not isinstance(saved, dict):
+    return  # no model in the meta (an RL checkpoint): the parameter shapes decide
+  differ = [
+    f'{field}{f" ({letter})" if letter else ""}={saved[field]!r} (here {getattr(model, field)!r})'
+    for field, letter in _SHAPE_FIELDS
+    if field in saved and saved[field] != getattr(model, field)
+  ]
+  if differ:
+    raise WarmStartError(
+      f'init_from={init_from!r}: step {step} is a checkpoint of model {saved.get("name")!r} with '
+      f"{', '.join(differ)}: expected a warm start of this run's model {model.name!r} (the same "
+      'shapes).'
+    )
+
+
+def _check_param_shapes(
+  init_from: str, step: int, saved: dict[str, Any], want: dict[str, Any], model: ModelConfig
+) -> None:
+  """Raises WarmStartError naming the first parameters of another shape in the checkpoint, or
+  missing from it, or extra."""
+  problems = [
+    f'{n} has shape {tuple(saved[n].shape)} (here {tuple(a.shape)})'
+    for n, a in want.items()
+    if n in saved and tuple(saved[n].shape) != tuple(a.shape)
+  ]
+  problems += [f'{n} is missing' for n in want if n not in saved]
+  problems += [f'{n} is not in this model' for n in saved if n not in want]
+  if problems:
+    more = f' and {len(problems) - 3} more' if len(problems) > 3 else ''
+    raise WarmStartError(
+      f'init_from={init_from!r}: step {step} does not hold parameters of model {model.name!r}: '
+      f'{"; ".join(problems[:3])}{more}: expected a warm start of the same shapes.'
+    )

@@ -48,6 +48,7 @@ from absl import logging
 
 from earl_jax import assembly, metrics, preemption
 from earl_jax import dispatch as dispatch_lib
+from earl_jax import placement as placement_lib
 from earl_jax.config import ParallelConfig
 from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
@@ -119,57 +120,59 @@ class Trainer:
     # resume, are checked before anything is written or compiled.
     self.model_cfg, self.tokenizer = assembly.load_model(config)
     config.check_tokenizer(self.tokenizer, self.model_cfg.vocab_size)
+    placement_lib.check_warm_start(config.init_from, self.model_cfg)  # metadata only
     self.run_dir, resume_point = RunDir.open(workdir, config, resume=resume, log=self.log)
-    self.devices = mesh_lib.canonical_devices()
-    self.is_main = jax.process_index() == 0
-    self._advantage_fns: dict[ParallelConfig, Any] = {}
-    self.profile_s = 0.0  # spent measuring profile cells during the run
-    self.num_groups = config.rollout.num_episodes // config.rollout.group_size
+    with self.run_dir.released_on_error():  # a run that fails while being built frees it
+      self.devices = mesh_lib.canonical_devices()
+      self.is_main = jax.process_index() == 0
+      self._advantage_fns: dict[ParallelConfig, Any] = {}
+      self.profile_s = 0.0  # spent measuring profile cells during the run
+      self.num_groups = config.rollout.num_episodes // config.rollout.group_size
 
-    self.spec = assembly.stage_spec(config, self.tokenizer, self.model_cfg)
-    # One AOT-compiled program per (stage, layout, bucket, rows), shared by everything below.
-    self.executables = Executables(self.model_cfg, spec=self.spec)
-    # The measured profile the selector ranks its profiled stages by (and what a lazy profile
-    # lacks, measured as decisions need it), preferring the cells of the checkpoint a resume
-    # continues from.
-    self.profiling = assembly.RunProfile.start(
-      config,
-      model=self.model_cfg,
-      spec=self.spec,
-      executables=self.executables,
-      base=None if resume_point is None else resume_point.profile,
-      given=profile,
-    )
-    self.selector = assembly.make_selector(
-      config,
-      self.model_cfg,
-      self.spec,
-      self.profiling.profile,
-      len(self.devices),
-      self._switch_cost,
-    )
-    self.switches: list[dict] = []
-    self.placement = StagePlacement.initialize(
-      config, self.model_cfg, self.executables, self._initial_decisions()[Stage.TRAIN].config
-    )
-    self.engine, self.eval_engine = assembly.make_engines(
-      config, self.model_cfg, self.tokenizer, self.executables
-    )
-    self.planner = StagePlanner(
-      config, self.selector, self.profiling, self.executables, self.placement, log=self.log
-    )
-    self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
+      self.spec = assembly.stage_spec(config, self.tokenizer, self.model_cfg)
+      # One AOT-compiled program per (stage, layout, bucket, rows), shared by everything below.
+      self.executables = Executables(self.model_cfg, spec=self.spec)
+      # The measured profile the selector ranks its profiled stages by (and what a lazy profile
+      # lacks, measured as decisions need it), preferring the cells of the checkpoint a resume
+      # continues from.
+      self.profiling = assembly.RunProfile.start(
+        config,
+        model=self.model_cfg,
+        spec=self.spec,
+        executables=self.executables,
+        base=None if resume_point is None else resume_point.profile,
+        given=profile,
+      )
+      self.selector = assembly.make_selector(
+        config,
+        self.model_cfg,
+        self.spec,
+        self.profiling.profile,
+        len(self.devices),
+        self._switch_cost,
+      )
+      self.switches: list[dict] = []
+      self.placement = StagePlacement.initialize(
+        config, self.model_cfg, self.executables, self._initial_decisions()[Stage.TRAIN].config
+      )
+      self.engine, self.eval_engine = assembly.make_engines(
+        config, self.model_cfg, self.tokenizer, self.executables
+      )
+      self.planner = StagePlanner(
+        config, self.selector, self.profiling, self.executables, self.placement, log=self.log
+      )
+      self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
 
-    self.global_step = 0
-    self.prev_stats: selector_lib.StepStats | None = None
-    self.history: list[dict] = []
-    resumed_rows = None if resume_point is None else self._resume(resume_point)
-    # After a resume, TensorBoard hides what a run that died logged after the checkpoint.
-    self.writer = metrics.MetricsWriter(
-      workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
-    )
-    if resumed_rows is not None:
-      self.writer.rewrite(resumed_rows)
+      self.global_step = 0
+      self.prev_stats: selector_lib.StepStats | None = None
+      self.history: list[dict] = []
+      resumed_rows = None if resume_point is None else self._resume(resume_point)
+      # After a resume, TensorBoard hides what a run that died logged after the checkpoint.
+      self.writer = metrics.MetricsWriter(
+        workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
+      )
+      if resumed_rows is not None:
+        self.writer.rewrite(resumed_rows)
 
   @property
   def state(self):
@@ -446,7 +449,9 @@ class Trainer:
         raise
       finally:
         bar.close()
-        if not at_once:
+        if at_once:
+          self.run_dir.release()  # no waiting for the save
+        else:
           self._finish()
     return self._summary(time.perf_counter() - t0)
 
@@ -467,6 +472,7 @@ class Trainer:
       saved = cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last)
       if saved:
         self.save()
+      self.run_dir.check()  # a save that failed in the background stops the run now
       if signum := stops.agreed():
         if not saved:
           self.save()
@@ -494,10 +500,13 @@ class Trainer:
     }
 
   def _finish(self) -> None:
-    """Waits for the checkpoint being written and the background compiles; closes the logs."""
-    self.run_dir.wait()
-    self.writer.close()
-    self.executables.wait()
+    """Closes the logs, waits for the background compiles and for the checkpoint being written
+    (last: its failure is raised once the rest is closed), and frees the workdir."""
+    try:
+      self.writer.close()
+      self.executables.wait()
+    finally:
+      self.run_dir.close()  # waits for the save, then releases the lock
 
 
 def _step_seed(seed: int, step: int) -> int:

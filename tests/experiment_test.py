@@ -6,7 +6,7 @@ import json
 import pytest
 
 from earl_jax.config import BucketConfig
-from earl_jax.experiment import ExperimentConfig
+from earl_jax.experiment import ExperimentConfig, config_diff
 from earl_jax.testing.configs import smoke_experiment
 
 
@@ -22,6 +22,79 @@ def test_fingerprint_ignores_the_schedule_but_not_the_run():
   # The JSON form is plain data (stages and other enums as their names).
   text = json.dumps(base.to_json())
   assert '"stages": []' in text and json.loads(text)['rollout']['num_episodes'] == 8
+
+
+def _replace(config, path, value):
+  """`config` with the dotted field `path` set to `value`."""
+  head, _, rest = path.partition('.')
+  inner = _replace(getattr(config, head), rest, value) if rest else value
+  return dataclasses.replace(config, **{head: inner})
+
+
+@pytest.mark.parametrize(
+  ('path', 'value'),
+  [
+    ('steps', 99),
+    ('eval_every', 7),
+    ('checkpoint_every', 5),
+    ('keep_checkpoints', 1),
+    ('max_skipped_in_a_row', 0),
+    ('name', 'other'),
+    ('eval_episodes', 16),
+    ('eval_seed', 7),
+    ('selector.profile.cache', '/tmp/profile.json'),
+  ],
+)
+def test_what_a_resume_may_change(path, value):
+  """The schedule, the evaluation's size and seeds and the profile cache's path do not change
+  the trained parameters from a checkpoint on: neither the fingerprint nor the diff sees them."""
+  base = smoke_experiment()
+  changed = _replace(base, path, value)
+  assert changed.fingerprint() == base.fingerprint()
+  assert config_diff(base.to_json(), changed.to_json()) == []
+
+
+def test_what_refuses_a_resume_is_named_field_by_field():
+  base = smoke_experiment()
+  lr = _replace(base, 'optim.learning_rate', 0.001)
+  assert lr.fingerprint() != base.fingerprint()
+  assert config_diff(base.to_json(), lr.to_json()) == ['optim.learning_rate: 0.003 -> 0.001']
+  # Lists whole, strings quoted, fields absent from an older config's JSON as such.
+  other = _replace(
+    _replace(lr, 'buckets', BucketConfig(lengths=(64, 256))), 'eval_env.parse', 'lenient'
+  )
+  saved = base.to_json()
+  del saved['overlong_filter']
+  assert config_diff(saved, other.to_json()) == [
+    'buckets.lengths: [64, 128] -> [64, 256]',
+    "eval_env.parse: 'strict' -> 'lenient'",
+    'optim.learning_rate: 0.003 -> 0.001',
+    'overlong_filter: (absent) -> False',
+  ]
+  assert config_diff(saved, other.to_json(), limit=2)[2:] == ['and 2 more']
+  # A field added to the code since the checkpoint, at its default, keeps what the code did.
+  defaults = ExperimentConfig().to_json()
+  assert config_diff(saved, lr.to_json(), defaults=defaults) == [
+    'optim.learning_rate: 0.003 -> 0.001'
+  ]
+  filtered = _replace(lr, 'overlong_filter', True).to_json()
+  assert config_diff(saved, filtered, defaults=defaults)[1] == 'overlong_filter: (absent) -> True'
+  # The initialisation's seed counts only where the restored run reads it: for the reference
+  # policy of a KL term (made from the initial parameters), never with a model_dir.
+  assert base.loss.kl_coef > 0 and base.model_dir is None
+  assert config_diff(base.to_json(), _replace(base, 'init_seed', 3).to_json()) == [
+    'init_seed: 0 -> 3'
+  ]
+  no_kl = _replace(base, 'loss.kl_coef', 0.0)
+  assert _replace(no_kl, 'init_seed', 3).fingerprint() == no_kl.fingerprint()
+  assert config_diff(no_kl.to_json(), _replace(no_kl, 'init_seed', 3).to_json()) == []
+  # Loaded parameters (a warm start, a HF checkpoint) make it unread too.
+  warm = _replace(base, 'init_from', 'runs/sft')
+  assert config_diff(warm.to_json(), _replace(warm, 'init_seed', 3).to_json()) == []
+  # Between a config that reads it and one that does not, only the field that differs is named.
+  assert config_diff(base.to_json(), _replace(no_kl, 'init_seed', 3).to_json()) == [
+    'loss.kl_coef: 0.01 -> 0.0'
+  ]
 
 
 @pytest.mark.parametrize(

@@ -139,3 +139,73 @@ def test_the_writer_round_trips_and_drops_a_cut_last_line(tmp_path):
   assert metrics.read_jsonl(str(tmp_path / 'metrics.jsonl')) == [
     {'a': 1.5, 'b': None, 'c': 'x', 'step': 1}
   ]
+
+
+def _history(tmp_path, content: bytes, step: int):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_bytes(content)
+  rows, note = metrics.resume_history(str(path), step)
+  return [r['step'] for r in rows], note
+
+
+def _lines(steps) -> bytes:
+  return b''.join(b'{"step": %d, "win_rate": 0.5}\n' % s for s in steps)
+
+
+def test_a_whole_history_resumes_without_a_word(tmp_path):
+  # Rows after the checkpoint (logged by the run that died) and a last row cut short are dropped.
+  steps, note = _history(tmp_path, _lines(range(7)) + b'{"step": 7, "win', 4)
+  assert steps == [0, 1, 2, 3, 4] and note is None
+  # Step 0 (the first evaluation) is optional; blank lines are no rows.
+  assert _history(tmp_path, _lines([1, 2]) + b'\n' + _lines([3]), 3) == ([1, 2, 3], None)
+
+
+def test_a_damaged_history_keeps_its_readable_rows_and_says_what_is_lost(tmp_path):
+  where = f'metrics.jsonl of {tmp_path}'
+  # A garbled line in the middle costs only its own step.
+  content = _lines([0, 1]) + b'{"step": 2, "win_ra\n' + _lines([3, 4, 5])
+  assert _history(tmp_path, content, 4) == (
+    [0, 1, 3, 4],
+    f'{where}: line 3 unreadable; step 2 missing; resuming from step 4 with the 4 readable rows '
+    'up to it.',
+  )
+  # A truncated file: the steps it lost are named.
+  assert _history(tmp_path, _lines([0, 1]), 4) == (
+    [0, 1],
+    f'{where}: steps 2-4 missing; resuming from step 4 with the 2 readable rows up to it.',
+  )
+  # Binary garbage (not UTF-8), JSON that is no row, and rows in any order; a repeated step
+  # keeps its last row (two runs wrote this file).
+  content = (
+    _lines([1, 2, 3])
+    + b'\x89PNG\r\n\x1a\n\xff\xfe\x00garbage\n'
+    + b'[1, 2]\n{"step": "4"}\n{"step": true}\n'
+    + _lines([6, 5])
+    + b'{"step": 2, "win_rate": 0.75}\n'
+  )
+  (tmp_path / 'metrics.jsonl').write_bytes(content)
+  rows, note = metrics.resume_history(str(tmp_path / 'metrics.jsonl'), 6)
+  assert [r['step'] for r in rows] == [1, 2, 3, 5, 6] and rows[1]['win_rate'] == 0.75
+  assert note == (
+    f'{where}: lines 4-9 unreadable; step 4 missing; step 2 logged more than once (the '
+    'last kept); resuming from step 6 with the 5 readable rows up to it.'
+  )
+  # Many lost rows: the first runs, then how many more.
+  content = b''.join(b'x\n' if s % 2 else b'{"step": %d}\n' % s for s in range(1, 21))
+  assert _history(tmp_path, content, 20)[1] == (
+    f'{where}: lines 1, 3, 5, 7, 9 and 5 more unreadable; steps 1, 3, 5, 7, 9 and 5 more '
+    'missing; resuming from step 20 with the 10 readable rows up to it.'
+  )
+
+
+def test_a_missing_or_unreadable_history_file_is_said(tmp_path):
+  rows, note = metrics.resume_history(str(tmp_path / 'metrics.jsonl'), 2)
+  assert rows == [] and note == (
+    f'metrics.jsonl of {tmp_path}: the file is missing; steps 1-2 missing; resuming from step 2 '
+    'with the 0 readable rows up to it.'
+  )
+  (tmp_path / 'metrics.jsonl').mkdir()
+  rows, note = metrics.resume_history(str(tmp_path / 'metrics.jsonl'), 2)
+  assert rows == [] and note.startswith(
+    f'metrics.jsonl of {tmp_path}: the file is unreadable (Is a directory); steps 1-2 missing'
+  )

@@ -264,27 +264,41 @@ def train_step(
       grad_fn, batch, micro_batches, loss_config.aggregation
     )
 
+  new_state, grad_norm, finite = apply_gradients(state, loss, grads, optimizer)
+  if loss_config.uses_entropy:
+    coef = state.entropy_coef
+    adapted = losses.adapt_entropy_coef(coef, aux['entropy'], loss_config)
+    new_state = new_state.replace(entropy_coef=jnp.where(finite, adapted, coef))
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'finite': finite.astype(jnp.float32), **aux}
+  if loss_config.uses_entropy:
+    metrics['entropy_coef'] = state.entropy_coef
+  return new_state, metrics
+
+
+def apply_gradients(
+  state: TrainState, loss: Float[Array, ''], grads: Any, optimizer: optax.GradientTransformation
+) -> tuple[TrainState, Float[Array, ''], Bool[Array, '']]:
+  """(the state after one optimizer update with `grads`, the gradients' global norm, whether the
+  update was kept).
+
+  The update is kept only if the loss, the gradients and what the update made are all finite: a
+  finite gradient times an overflowing rate would otherwise turn the parameters into inf / NaN.
+  A skipped update leaves parameters and moments exactly as they were and counts in `skipped`;
+  `entropy_coef` is passed on unchanged.
+  """
   grad_norm = optax.tree.norm(grads)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  # Kept only if the loss, the gradients and what the update made are all finite: a finite
-  # gradient times an overflowing rate would otherwise turn the parameters into inf / NaN.
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt))
   keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-  coef = state.entropy_coef
-  if loss_config.uses_entropy:
-    coef = keep(losses.adapt_entropy_coef(coef, aux['entropy'], loss_config), coef)
   new_state = TrainState(
     params=jax.tree.map(keep, new_params, state.params),
     opt_state=jax.tree.map(keep, new_opt, state.opt_state),
     step=state.step + finite.astype(jnp.int32),
     skipped=state.skipped + (~finite).astype(jnp.int32),
-    entropy_coef=coef,
+    entropy_coef=state.entropy_coef,
   )
-  metrics = {'loss': loss, 'grad_norm': grad_norm, 'finite': finite.astype(jnp.float32), **aux}
-  if loss_config.uses_entropy:
-    metrics['entropy_coef'] = state.entropy_coef
-  return new_state, metrics
+  return new_state, grad_norm, finite
 
 
 def _accumulate_micro_batches(

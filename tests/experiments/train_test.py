@@ -79,6 +79,7 @@ BAD_INPUTS = [
   ('used workdir', ['--workdir={tmp}/used'], 'holds a run'),
   ('workdir name too long', ['--workdir={tmp}/' + 'w' * 256], 'w' * 256),
   ('empty workdir', ['--workdir='], '--workdir'),
+  ('missing warm start', ['--config.init_from={tmp}/nope'], 'does not exist or is not a folder'),
 ]
 
 
@@ -302,6 +303,62 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_
   for a, b in zip(rows, ref):
     for k in KEEP:
       assert a[k] == pytest.approx(b[k], abs=1e-5), (a['step'], k, a[k], b[k])
+
+
+def _mount(args: list[str], *, skip: bool = True) -> None:
+  r = subprocess.run(['mount', *args], capture_output=True, text=True)
+  if r.returncode and skip:
+    pytest.skip(f'cannot mount here (root can mount a tmpfs): {r.stderr.strip()}')
+  assert r.returncode == 0, r.stderr
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+  lines = [line for line in r.stderr.replace('\r', '\n').splitlines() if line.strip()]
+  lines = [line for line in lines if 'it/s]' not in line and 's/it]' not in line]  # tqdm
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: '), lines[-20:]
+  return lines[0]
+
+
+def test_a_full_or_read_only_disk_stops_the_run_in_one_line_and_resume_continues(
+  tmp_path, reference
+):
+  """A save that cannot be written (a full tmpfs, then a read-only checkpoints folder) stops the
+  run at that step with one line naming the path and the OS error; the checkpoints already
+  complete are kept, and --resume continues once the disk is writable again."""
+  if os.geteuid() != 0:
+    pytest.skip('mounting a tmpfs needs root')
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  _mount(['-t', 'tmpfs', '-o', 'size=16m', 'tmpfs', str(disk)])
+  try:
+    workdir = disk / 'run'
+    run = [*RUN, '--config.checkpoint_every=1', f'--workdir={workdir}']
+    first = _run([*run, '--config.steps=2'])
+    assert first.returncode == 0, first.stderr[-2000:]
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    (disk / 'filler').write_bytes(b'\0' * (free - (256 << 10)))  # 256 KiB left: no checkpoint
+    full = _run([*run, '--resume'])
+    line = _one_error_line(full)
+    assert f'checkpoint step 3 could not be written to {workdir}/checkpoints' in line, line
+    assert 'No space left on device' in line and 'ENOSPC' in line, line
+    assert 'the checkpoints already complete are kept (newest: step 2)' in line, line
+    assert sorted(os.listdir(workdir / 'checkpoints')) == ['1', '2']
+    os.remove(disk / 'filler')
+    ckpts = str(workdir / 'checkpoints')
+    _mount(['--bind', ckpts, ckpts], skip=False)
+    try:
+      _mount(['-o', 'remount,ro,bind', ckpts], skip=False)
+      read_only = _run([*run, '--resume'])
+    finally:
+      subprocess.run(['umount', ckpts], check=True)
+    line = _one_error_line(read_only)
+    assert 'checkpoint step 3 could not be written' in line and 'EROFS' in line, line
+    resumed = _run([*run, '--resume'])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _rows(workdir) == _rows(reference)
+    assert _final_checksums(workdir) == _final_checksums(reference)
+  finally:
+    subprocess.run(['umount', '-l', str(disk)], check=False)
 
 
 def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, reference):

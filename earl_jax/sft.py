@@ -1,0 +1,706 @@
+"""The supervised warm start of code RL: next-token training on the tasks' reference solutions.
+
+An example is the first turn of a code episode exactly as the RL rollout plays it: the
+observation `CodeEnv.reset` shows (the task's prompt), rendered by the tokenizer's
+`turn_prompt_ids(observation, first=True)` (a HF tokenizer's chat template), then the task's
+reference completion and the end-of-turn token: the reply the environment parses
+(`code_env.extract_code`, `program_source`) and passes. `tokenizer.conversation_ids` builds it
+as the rollout engine builds a turn, and its `generated` flags are the loss mask: the prompt
+carries no loss, the reply and its end-of-turn token do.
+
+  config = SFTConfig(steps=300)
+  run = SFTRun(config, workdir='runs/sft')    # checks everything before anything compiles
+  summary = run.run()                         # Orbax checkpoints in runs/sft/checkpoints
+  # then RL from it: ExperimentConfig(..., init_from='runs/sft/checkpoints')
+
+The layout is the selector's decision for the train stage (its analytic model, as the RL job's
+first train decision without a profile) from the training examples' lengths, on a mesh of
+`sharding.mesh`; it holds for the whole run. A step takes B = `batch_size` examples of an
+endless stream (each epoch a seeded permutation, so a resumed run sees the same batches), padded
+to the smallest bucket that holds the longest; each bucket's train and held-out programs are
+compiled ahead of time on first use, with explicit shardings and the train state donated.
+Checkpoints hold the RL job's `TrainState` (AdamW moments of `optim`), with the model's shape in
+their meta, so that `placement.load_warm_start` can check and restore them onto any layout.
+
+Dimension letters as in `earl_jax.config`; E is the number of examples.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
+
+from earl_jax import buckets as buckets_lib
+from earl_jax import checkpointing, metrics, rundir
+from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
+from earl_jax.envs import base as envs
+from earl_jax.envs import code_env
+from earl_jax.errors import ConfigError, UserError
+from earl_jax.models import hf_import, qwen2
+from earl_jax.models import tokenizer as tokenizer_lib
+from earl_jax.programs import StageSpec
+from earl_jax.rl import train_step
+from earl_jax.selector import selector as selector_lib
+from earl_jax.selector.selector import ProfileSettings, SelectorConfig
+from earl_jax.sharding import mesh as mesh_lib
+from earl_jax.sharding import rules
+from earl_jax.stage import Stage
+
+# The tasks whose episodes `CodeEnv` plays (and whose tasks have reference completions).
+SFT_TASKS = ('functions', 'humaneval')
+# What a resume may change: how long, how often it evaluates, logs and saves, and its name.
+_CADENCE = ('name', 'steps', 'log_every', 'eval_every', 'pass_episodes', 'checkpoint_every')
+_CADENCE += ('keep_checkpoints',)
+
+
+class SFTRunError(UserError):
+  """A workdir that holds another run, or a --resume without a checkpoint of this config."""
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+  """One supervised warm start; presets live in experiments/configs/sft.py.
+
+  Attributes:
+    name: a label, and the folder of the default workdir (runs/<name>).
+    model: a ModelConfig preset (ignored when model_dir is set); the RL run that starts from the
+      warm start must use the same.
+    model_dir: a HF Qwen2 checkpoint directory (weights + tokenizer) to fine-tune instead.
+    param_dtype: parameter and compute dtype.
+    tokenizer: 'code' (the character tokenizer of the code tasks) or a directory with
+      tokenizer.json (ignored when model_dir is set: the model's own).
+    env: the training tasks: a 'functions' or 'humaneval' CodeEnvConfig (its split).
+    eval_env: the held-out tasks (the 'heldout' split by default): the held-out loss, and the
+      greedy first-turn pass rate with `pass_episodes`.
+    buckets: the sequence-length buckets a batch is padded to (the largest holds every example).
+    batch_size: B, examples per step (a multiple of the chosen layout's batch shards).
+    optim: AdamW, its schedule and clipping (the RL job's `OptimConfig`).
+    selector: the selector that decides the train layout (analytic only: no profile stages).
+    steps: optimizer steps.
+    log_every: print a line every this many steps (0: never).
+    eval_every: held-out loss every this many steps, and at the start and the end (0: never).
+    pass_episodes: greedy episodes of `eval_env` played at each evaluation through the RL
+      rollout engine and the sandbox, for the pass rate (0: none).
+    max_new_tokens: the reply limit of those episodes.
+    checkpoint_every: save an Orbax checkpoint every this many steps and at the end (0: never).
+    keep_checkpoints: the newest checkpoints kept.
+    seed: seeds the order of the examples (and of the pass-rate episodes).
+    init_seed: seeds the random initialisation (ignored with model_dir).
+  """
+
+  name: str = 'sft'
+  model: str = 'tiny'
+  model_dir: str | None = None
+  param_dtype: DType = 'float32'
+  tokenizer: str = 'code'
+  env: envs.CodeEnvConfig = dataclasses.field(default_factory=envs.CodeEnvConfig)
+  eval_env: envs.CodeEnvConfig = dataclasses.field(
+    default_factory=lambda: envs.CodeEnvConfig(split='heldout')
+  )
+  buckets: BucketConfig = dataclasses.field(
+    default_factory=lambda: BucketConfig(lengths=(128, 192, 256))
+  )
+  batch_size: int = 32
+  optim: train_step.OptimConfig = dataclasses.field(default_factory=train_step.OptimConfig)
+  selector: SelectorConfig = dataclasses.field(
+    default_factory=lambda: SelectorConfig(profile=ProfileSettings(stages=()))
+  )
+  steps: int = 200
+  log_every: int = 10
+  eval_every: int = 50
+  pass_episodes: int = 0
+  max_new_tokens: int = 64
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  seed: int = 0
+  init_seed: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name.strip() or '/' in self.name:
+      raise ConfigError(f'SFTConfig.name={self.name!r}: expected a non-empty folder name.')
+    check_positive(self, 'batch_size', 'steps', 'keep_checkpoints', 'max_new_tokens')
+    for field in ('log_every', 'eval_every', 'pass_episodes', 'checkpoint_every'):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f'SFTConfig.{field} must be an int >= 0, got {value!r}.')
+    check_seed(self, 'seed', 'init_seed')
+    for field in ('env', 'eval_env'):
+      env = getattr(self, field)
+      if not isinstance(env, envs.CodeEnvConfig) or env.task not in SFT_TASKS:
+        raise ConfigError(
+          f'SFTConfig.{field}={env!r}: expected a CodeEnvConfig of a task in {list(SFT_TASKS)} '
+          '(tasks with reference solutions).'
+        )
+    if self.model_dir is None:
+      ModelConfig.preset(self.model)  # raises for an unknown preset
+    if self.selector.profile.stages:
+      raise ConfigError(
+        f'SFTConfig.selector.profile.stages={tuple(map(str, self.selector.profile.stages))}: '
+        'expected () (the warm start decides its train layout from the analytic model).'
+      )
+
+  def to_json(self) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  def fingerprint(self) -> str:
+    """Identifies the run for --resume: everything but the cadence (`_CADENCE`)."""
+    d = {k: v for k, v in self.to_json().items() if k not in _CADENCE}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_model(config: SFTConfig) -> tuple[ModelConfig, tokenizer_lib.Tokenizer]:
+  """The model's shapes and the tokenizer: a HF directory's, or a preset and `config.tokenizer`.
+
+  Raises:
+    ConfigError: the tokenizer's ids do not fit the model's vocabulary.
+  """
+  dtype = config.param_dtype
+  if config.model_dir:
+    model = hf_import.load_config(config.model_dir, param_dtype=dtype, dtype=dtype)
+    tokenizer = tokenizer_lib.load_tokenizer(config.model_dir)
+  else:
+    model = ModelConfig.preset(config.model).replace(param_dtype=dtype, dtype=dtype)
+    tokenizer = tokenizer_lib.load_tokenizer(config.tokenizer)
+  if tokenizer.vocab_size > model.vocab_size:
+    raise ConfigError(
+      f'SFTConfig: {tokenizer!r} has {tokenizer.vocab_size} ids, more than the '
+      f'{model.vocab_size} of model {model.name!r}: expected a model whose vocabulary holds them.'
+    )
+  return model, tokenizer
+
+
+# -- examples and batches --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  """E next-token examples, unpadded: example e is `tokens[e]` with `loss_mask[e]` (the tokens
+  the policy generates: the reply and its end-of-turn token)."""
+
+  task_ids: tuple[str, ...]
+  tokens: tuple[np.ndarray, ...]  # int32 [T_e] each
+  loss_mask: tuple[np.ndarray, ...]  # bool [T_e] each
+  pad_id: int
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def lengths(self) -> np.ndarray:
+    return np.array([len(t) for t in self.tokens], np.int64)
+
+
+def first_turns(env: envs.CodeEnvConfig, *, seed: int = 0) -> list[tuple[Any, str]]:
+  """(task, first observation) of every task of `env`, one episode each, as `CodeEnv.reset`
+  shows them to the rollout (no program runs: the sandbox is not started)."""
+  game = code_env.CodeEnv(env)
+  observations = game.reset(len(game.tasks), seed)
+  return list(zip(game.episode_tasks, observations))
+
+
+def example_ids(
+  tokenizer: tokenizer_lib.Tokenizer, observation: str, reply: str
+) -> tuple[list[int], list[bool]]:
+  """The ids of a first turn answered by `reply`, as the rollout engine lays it out, and the
+  loss mask (True on the reply's ids and its end-of-turn id)."""
+  reply_ids = [*tokenizer.encode(reply), tokenizer.eot_id]
+  return tokenizer_lib.conversation_ids(tokenizer, [observation], [reply_ids])
+
+
+def build_examples(env: envs.CodeEnvConfig, tokenizer: tokenizer_lib.Tokenizer) -> Examples:
+  """One example per task of `env`: its first observation answered by its reference."""
+  task_ids, tokens, masks = [], [], []
+  for task, observation in first_turns(env):
+    ids, mask = example_ids(tokenizer, observation, task.reference)
+    task_ids.append(task.task_id)
+    tokens.append(np.asarray(ids, np.int32))
+    masks.append(np.asarray(mask, bool))
+  return Examples(tuple(task_ids), tuple(tokens), tuple(masks), tokenizer.pad_id)
+
+
+def batch_indices(num_examples: int, step: int, rows: int, seed: int) -> np.ndarray:
+  """int64 [B]: the examples of step `step` (from 0): B consecutive entries of an endless stream
+  in which every epoch is a permutation of the E examples seeded by (seed, epoch)."""
+  positions = np.arange(step * rows, (step + 1) * rows)
+  epochs = positions // num_examples
+  out = np.empty(rows, np.int64)
+  for epoch in np.unique(epochs).tolist():
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    chosen = epochs == epoch
+    out[chosen] = order[positions[chosen] % num_examples]
+  return out
+
+
+# Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
+# the shape annotations document it and the runtime checker skips it.
+@typing.no_type_check
+@flax.struct.dataclass
+class SFTBatch:
+  tokens: Int[Array | np.ndarray, 'B T']
+  loss_mask: Bool[Array | np.ndarray, 'B T']
+
+  @property
+  def bucket(self) -> int:
+    return self.tokens.shape[1]
+
+  @classmethod
+  def shardings(cls, mesh: jax.sharding.Mesh) -> 'SFTBatch':
+    """Rows split over data x fsdp, replicated over tensor (the RL batch's train layout)."""
+    sharding = rules.sharding(('batch', 'seq'), mesh)
+    return cls(tokens=sharding, loss_mask=sharding)
+
+  @classmethod
+  def abstract(cls, rows: int, bucket: int, shardings: 'SFTBatch') -> 'SFTBatch':
+    return cls(
+      tokens=jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=shardings.tokens),
+      loss_mask=jax.ShapeDtypeStruct((rows, bucket), jnp.bool_, sharding=shardings.loss_mask),
+    )
+
+
+def pad_batch(
+  examples: Examples, indices: Sequence[int] | np.ndarray, rows: int, table: BucketConfig
+) -> SFTBatch:
+  """Host arrays [B = rows, T]: the examples `indices` left-aligned, then padding rows (no loss),
+  T the smallest bucket of `table` that holds the longest."""
+  indices = list(indices)
+  width = max(len(examples.tokens[i]) for i in indices)
+  tokens = np.full((rows, width), examples.pad_id, np.int32)
+  mask = np.zeros((rows, width), bool)
+  for row, i in enumerate(indices):
+    tokens[row, : len(examples.tokens[i])] = examples.tokens[i]
+    mask[row, : len(examples.loss_mask[i])] = examples.loss_mask[i]
+  tokens, _ = buckets_lib.pad_to_bucket(tokens, table, axis=1, pad_value=examples.pad_id)
+  mask, _ = buckets_lib.pad_to_bucket(mask, table, axis=1, pad_value=False)
+  return SFTBatch(tokens=tokens, loss_mask=mask)
+
+
+def put_batch(batch: SFTBatch, shardings: SFTBatch) -> SFTBatch:
+  """A host batch (the same on every process) as global arrays on `shardings`."""
+  rows = np.arange(batch.tokens.shape[0])
+  put = lambda x, sh: mesh_lib.put_rows(x, rows, x.shape, sh)  # noqa: E731
+  return SFTBatch(
+    tokens=put(batch.tokens, shardings.tokens), loss_mask=put(batch.loss_mask, shardings.loss_mask)
+  )
+
+
+# -- programs --------------------------------------------------------------------------------------
+
+
+def sft_loss(
+  params: nnx.State, graphdef: nnx.GraphDef, batch: SFTBatch
+) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
+  """The mean negative log-likelihood of the masked tokens (every reply token weighs the same),
+  with the sum and the count it divides."""
+  model = nnx.merge(graphdef, params)
+  logp = qwen2.token_logprobs(model, batch.tokens)  # column t: log p(tokens[t] | tokens[:t])
+  weights = batch.loss_mask.astype(jnp.float32)
+  nll_sum, tokens = -jnp.sum(logp * weights), jnp.sum(weights)
+  return nll_sum / jnp.maximum(tokens, 1.0), {'nll_sum': nll_sum, 'tokens': tokens}
+
+
+def sft_step(
+  state: train_step.TrainState,
+  batch: SFTBatch,
+  *,
+  graphdef: nnx.GraphDef,
+  optimizer: Any,
+) -> tuple[train_step.TrainState, dict[str, Float[Array, '']]]:
+  """One AdamW update on the batch's loss (skipped, as in RL, when anything is not finite)."""
+  grad_fn = jax.value_and_grad(sft_loss, has_aux=True)
+  (loss, aux), grads = grad_fn(state.params, graphdef, batch)
+  state, grad_norm, finite = train_step.apply_gradients(state, loss, grads, optimizer)
+  return state, {
+    'loss': loss,
+    'grad_norm': grad_norm,
+    'finite': finite.astype(jnp.float32),
+    'loss_tokens': aux['tokens'],
+  }
+
+
+class Programs:
+  """The train and held-out programs of one model on one mesh, for B rows: AOT-compiled once
+  per bucket, on first use (`compiles` counts them)."""
+
+  def __init__(
+    self, model: ModelConfig, mesh: jax.sharding.Mesh, optim: train_step.OptimConfig, rows: int
+  ):
+    self.model, self.mesh, self.rows = model, mesh, rows
+    self.graphdef, abstract_params = qwen2.abstract_model(model, mesh)
+    self.optimizer = train_step.make_optimizer(optim)
+    self.abstract_state = train_step.abstract_train_state(abstract_params, self.optimizer)
+    self.batch_shardings = SFTBatch.shardings(mesh)
+    self._compiled: dict[tuple[str, int], Any] = {}
+    self.compiles = 0
+
+  def train(self, bucket: int) -> Callable[[Any, SFTBatch], tuple[Any, dict]]:
+    """(state, batch [B, bucket]) -> (state, metrics); the state is donated."""
+    return self._get('train', bucket)
+
+  def heldout(self, bucket: int) -> Callable[[Any, SFTBatch], dict]:
+    """(params, batch [B, bucket]) -> {'nll_sum', 'tokens'} of the masked tokens."""
+    return self._get('heldout', bucket)
+
+  def _get(self, kind: str, bucket: int):
+    if (kind, bucket) not in self._compiled:
+      self._compiled[kind, bucket] = self._compile(kind, bucket)
+      self.compiles += 1
+    return self._compiled[kind, bucket]
+
+  def _compile(self, kind: str, bucket: int):
+    state_sh = jax.tree.map(lambda a: a.sharding, self.abstract_state)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    batch = SFTBatch.abstract(self.rows, bucket, self.batch_shardings)
+    if kind == 'train':
+      step = functools.partial(sft_step, graphdef=self.graphdef, optimizer=self.optimizer)
+      fn = jax.jit(
+        step,
+        in_shardings=(state_sh, self.batch_shardings),
+        out_shardings=(state_sh, replicated),
+        donate_argnums=(0,),
+      )
+      args = (self.abstract_state, batch)
+    else:
+      sums = lambda params, batch: sft_loss(params, self.graphdef, batch)[1]  # noqa: E731
+      fn = jax.jit(
+        sums, in_shardings=(state_sh.params, self.batch_shardings), out_shardings=replicated
+      )
+      args = (self.abstract_state.params, batch)
+    with jax.set_mesh(self.mesh):
+      return fn.lower(*args).compile()
+
+
+def decide_layout(
+  config: SFTConfig, model: ModelConfig, lengths: Sequence[int]
+) -> selector_lib.Decision:
+  """The selector's train-stage decision for B = `batch_size` rows of examples of `lengths`."""
+  selector = selector_lib.Selector(
+    config.selector,
+    buckets=config.buckets,
+    rows=config.batch_size,
+    model=model,
+    spec=StageSpec(optim=config.optim),
+  )
+  stats = selector_lib.StepStats(episode_lengths=lengths, num_responses=config.batch_size)
+  return selector.decide(Stage.TRAIN, stats)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+class SFTRun:
+  """Runs `SFTConfig` in `workdir`: metrics.jsonl (+ TensorBoard), checkpoints/, one line per
+  `log_every` steps (see the module docstring)."""
+
+  def __init__(
+    self,
+    config: SFTConfig,
+    *,
+    workdir: str,
+    resume: bool = False,
+    log_fn: Callable[[str], None] | None = None,
+  ):
+    """Checks the model, the examples, the layout and the workdir before anything compiles.
+
+    Raises:
+      ConfigError: an example longer than the largest bucket, a layout that does not fit.
+      SFTRunError: a workdir that holds a run (without `resume`), or `resume` without a
+        checkpoint of this config.
+    """
+    self.config, self.workdir = config, workdir
+    self.log = log_fn or (lambda line: logging.info('%s', line))
+    self.model_cfg, self.tokenizer = load_model(config)
+    self.train_set = build_examples(config.env, self.tokenizer)
+    self.heldout_set = build_examples(config.eval_env, self.tokenizer)
+    for name, examples in (('env', self.train_set), ('eval_env', self.heldout_set)):
+      _check_fits(config, name, examples)
+    self.is_main = jax.process_index() == 0
+    self._check_workdir(resume)
+    self.decision = decide_layout(config, self.model_cfg, self.train_set.lengths.tolist())
+    if config.pass_episodes:
+      mesh_lib.check_batch_fits(self.decision.config, config.pass_episodes, what='pass_episodes')
+    self.mesh = mesh_lib.make_mesh(self.decision.config)
+    self.programs = Programs(self.model_cfg, self.mesh, config.optim, config.batch_size)
+    self._checkpointer: checkpointing.Checkpointer | None = None
+    self._pass_engine = None
+    self.global_step = 0
+    self.history: list[dict] = []
+    rows = self._resume() if resume else None
+    if not resume:
+      self.state = self._initial_state()
+    self.writer = metrics.MetricsWriter(
+      workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
+    )
+    if rows is not None:
+      self.writer.rewrite(rows)
+
+  # -- construction --------------------------------------------------------------------------------
+
+  def _check_workdir(self, resume: bool) -> None:
+    rundir.check_writable(self.workdir)
+    used = [n for n in ('metrics.jsonl', 'checkpoints') if _nonempty(self.workdir, n)]
+    if used and not resume:
+      raise SFTRunError(
+        f'--workdir {self.workdir} holds a run ({" and ".join(used)}): expected an unused '
+        'folder; pass --resume to continue it, or another --workdir.'
+      )
+    if resume and 'checkpoints' not in used:
+      raise SFTRunError(
+        f'--resume: no checkpoint in {os.path.abspath(self._checkpoint_dir)}: expected a run to '
+        'continue; start without --resume.'
+      )
+
+  @property
+  def _checkpoint_dir(self) -> str:
+    return os.path.join(self.workdir, 'checkpoints')
+
+  @property
+  def checkpointer(self) -> checkpointing.Checkpointer:
+    """The run's checkpoints, opened at their first use (a refused run leaves no folder)."""
+    if self._checkpointer is None:
+      self._checkpointer = checkpointing.Checkpointer(
+        self._checkpoint_dir, max_to_keep=self.config.keep_checkpoints
+      )
+    return self._checkpointer
+
+  def _initial_state(self) -> train_step.TrainState:
+    """Parameters (a HF checkpoint's, or from `init_seed`) and fresh AdamW moments."""
+    if self.config.model_dir:
+      _, params = hf_import.load_params(self.config.model_dir, self.model_cfg, self.mesh)
+    else:
+      _, params = qwen2.init_model(self.model_cfg, self.mesh, seed=self.config.init_seed)
+    return train_step.init_train_state(params, self.programs.optimizer)
+
+  def _resume(self) -> list[dict]:
+    """Restores the newest readable checkpoint of this config; returns metrics rows up to it."""
+    fingerprint = self.config.fingerprint()
+    _, meta = next(self.checkpointer.readable_metas(on_skip=self._skip_checkpoint), (None, {}))
+    if meta.get('fingerprint') != fingerprint:
+      raise SFTRunError(
+        f'--resume: the checkpoint in {self.checkpointer.directory} (step {meta.get("step")}) '
+        f'was made by another config (fingerprint {meta.get("fingerprint")} != {fingerprint}): '
+        'expected the config it was started with (only the cadence and steps may change).'
+      )
+    step, self.state, _ = self.checkpointer.restore_newest_readable(
+      lambda meta: self.programs.abstract_state, on_skip=self._skip_checkpoint
+    )
+    self.global_step = step
+    path = os.path.join(self.workdir, 'metrics.jsonl')
+    rows = metrics.read_jsonl(path) if os.path.isfile(path) else []
+    rows = [r for r in rows if r.get('step', 0) <= step]
+    self.history = list(rows)
+    self.log(f'resumed from step {step} ({self.checkpointer.directory})')
+    return rows
+
+  def _skip_checkpoint(self, step: int, reason: str) -> None:
+    self.log(f'checkpoint step {step} does not restore ({reason}); trying an older one')
+
+  # -- steps and evaluation ------------------------------------------------------------------------
+
+  def train_step(self) -> dict:
+    """One update on the next batch; its record (loss, tokens, tokens/s)."""
+    cfg = self.config
+    t0 = time.perf_counter()
+    indices = batch_indices(len(self.train_set), self.global_step, cfg.batch_size, cfg.seed)
+    host = pad_batch(self.train_set, indices, cfg.batch_size, cfg.buckets)
+    batch = put_batch(host, self.programs.batch_shardings)
+    self.state, out = self.programs.train(batch.bucket)(self.state, batch)
+    out = {k: float(v) for k, v in jax.device_get(out).items()}
+    seconds = time.perf_counter() - t0
+    tokens = int(self.train_set.lengths[indices].sum())
+    self.global_step += 1
+    return {
+      'loss': out['loss'],
+      'grad_norm': out['grad_norm'],
+      'skipped': int(out['finite'] == 0.0),
+      'bucket': batch.bucket,
+      'tokens': tokens,
+      'loss_tokens': out['loss_tokens'],
+      'tokens_per_s': tokens / seconds,
+      'step_s': seconds,
+    }
+
+  def heldout_loss(self) -> dict:
+    """The mean NLL per reply token of every held-out example (fixed order, B rows a call)."""
+    rows, n = self.config.batch_size, len(self.heldout_set)
+    nll = count = 0.0
+    for start in range(0, n, rows):
+      host = pad_batch(
+        self.heldout_set, range(start, min(start + rows, n)), rows, self.config.buckets
+      )
+      batch = put_batch(host, self.programs.batch_shardings)
+      out = jax.device_get(self.programs.heldout(batch.bucket)(self.state.params, batch))
+      nll, count = nll + float(out['nll_sum']), count + float(out['tokens'])
+    return {'heldout/loss': nll / max(count, 1.0), 'heldout/tokens': count}
+
+  def pass_rate(self) -> dict:
+    """Greedy episodes of `eval_env` played by the RL rollout engine (the sandbox judges them):
+    the share that pass every hidden test, and the mean reward."""
+    from earl_jax.rollout.trajectories import EpisodeStats
+
+    engine = self._pass_engine or self._make_pass_engine()
+    self._pass_engine = engine
+    traj = engine.run(self.state.params, self.mesh, seed=self.config.seed, greedy=True)
+    stats = EpisodeStats.gather(traj)
+    return {
+      'heldout/pass_rate': float(np.mean([o == 'win' for o in stats.outcomes])),
+      'heldout/reward': float(np.mean(stats.returns)),
+    }
+
+  def _make_pass_engine(self):
+    from earl_jax.programs import Executables
+    from earl_jax.rollout import engine, sampler
+
+    cfg, examples = self.config, self.heldout_set
+    # A first turn's prompt: an example without its reply (the masked tokens).
+    prompt = max(len(m) - int(m.sum()) for m in examples.loss_mask)
+    P = _round_up(prompt, 32)
+    rollout = engine.RolloutConfig(
+      num_episodes=cfg.pass_episodes,
+      sampling=sampler.SamplingConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
+      prompt_buckets=(P,),
+    )
+    spec = StageSpec.for_rollout(rollout, self.tokenizer, self.model_cfg.vocab_size)
+    programs = Executables(self.model_cfg, spec=spec)
+    cache = BucketConfig(lengths=(_round_up(P + cfg.max_new_tokens, 64),))
+    return engine.RolloutEngine(
+      self.model_cfg, self.tokenizer, cfg.eval_env, rollout, cache, programs=programs
+    )
+
+  def evaluate(self) -> dict:
+    out = self.heldout_loss()
+    if self.config.pass_episodes:
+      out.update(self.pass_rate())
+    return out
+
+  def save(self) -> None:
+    """Checkpoints the train state (every process) with the model's shape in its meta."""
+    meta = {
+      'step': self.global_step,
+      'kind': 'sft',
+      'fingerprint': self.config.fingerprint(),
+      'config': self.config.to_json(),
+      'model': dataclasses.asdict(self.model_cfg),
+      'optim': dataclasses.asdict(self.config.optim),
+      'train_config': self.decision.config.name,
+    }
+    self.checkpointer.save(self.global_step, self.state, meta)
+
+  # -- the loop ------------------------------------------------------------------------------------
+
+  def run(self, progress: bool = True) -> dict:
+    """Trains to `config.steps`, evaluating, logging and checkpointing on the way; returns a
+    summary."""
+    from tqdm import tqdm  # only the loop needs it
+
+    cfg, t0 = self.config, time.perf_counter()
+    shown = progress and self.is_main
+    if self.global_step == 0 and cfg.eval_every:
+      self._record({'step': 0, **self.evaluate()}, show=shown)
+    bar = tqdm(total=cfg.steps, initial=self.global_step, disable=not shown, leave=False)
+    while self.global_step < cfg.steps:
+      record = self.train_step()
+      step, last = self.global_step, self.global_step == cfg.steps
+      if cfg.eval_every and (step % cfg.eval_every == 0 or last):
+        record.update(self.evaluate())
+      record.update(step=step, wall_s=time.perf_counter() - t0)
+      line = bool(cfg.log_every) and (step % cfg.log_every == 0 or last)
+      self._record(record, show=shown and line)
+      bar.update(1)
+      if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last):
+        self.save()
+    bar.close()
+    self.close()
+    return self.summary(time.perf_counter() - t0)
+
+  def _record(self, record: dict, *, show: bool) -> None:
+    """Writes the record to metrics.jsonl and TensorBoard, and logs its line (printed above the
+    progress bar when `show`)."""
+    from tqdm import tqdm
+
+    line = format_line(record, self.history)
+    self.history.append(record)
+    self.writer.write(record['step'], record)
+    if show:
+      tqdm.write(line)
+    self.log(line)
+
+  def summary(self, wall_s: float) -> dict:
+    heldout = [r['heldout/loss'] for r in self.history if 'heldout/loss' in r]
+    passes = [r['heldout/pass_rate'] for r in self.history if 'heldout/pass_rate' in r]
+    speeds = [r['tokens_per_s'] for r in self.history if 'tokens_per_s' in r]
+    return {
+      'steps': self.global_step,
+      'wall_s': wall_s,
+      'train_config': self.decision.config.name,
+      'heldout_loss_first': heldout[0] if heldout else None,
+      'heldout_loss_last': heldout[-1] if heldout else None,
+      'pass_rate_first': passes[0] if passes else None,
+      'pass_rate_last': passes[-1] if passes else None,
+      'tokens_per_s': float(np.median(speeds)) if speeds else None,
+      'skipped_steps': int(self.state.skipped),
+      'compiles': self.programs.compiles,
+      'checkpoints': self._checkpoint_dir if self._checkpointer is not None else None,
+    }
+
+  def close(self) -> None:
+    """Waits for the checkpoint being written; closes the logs."""
+    if self._checkpointer is not None:
+      self._checkpointer.wait()
+    self.writer.close()
+
+
+def format_line(record: dict, history: Sequence[dict] = ()) -> str:
+  """One step's line: train loss, the latest held-out loss (and pass rate), tokens/s, time."""
+  parts = [f'step {record["step"]:4d}']
+  if 'loss' in record:
+    parts.append(f'loss {record["loss"]:.3f}')
+  latest = next((r for r in reversed([*history, record]) if 'heldout/loss' in r), None)
+  if latest is not None:
+    parts.append(f'heldout {latest["heldout/loss"]:.3f}')
+    if 'heldout/pass_rate' in latest:
+      parts.append(f'pass {latest["heldout/pass_rate"]:.3f}')
+  if 'tokens_per_s' in record:
+    parts.append(f'{record["tokens_per_s"]:,.0f} tok/s')
+  if 'wall_s' in record:
+    parts.append(f'{record["wall_s"]:.0f} s')
+  return ' | '.join(parts)
+
+
+def _check_fits(config: SFTConfig, field: str, examples: Examples) -> None:
+  if not len(examples):
+    raise ConfigError(f'SFTConfig.{field}: no tasks: expected a split with at least one task.')
+  longest = int(examples.lengths.argmax())
+  if examples.lengths[longest] > config.buckets.max_length:
+    raise ConfigError(
+      f'SFTConfig.buckets.lengths={config.buckets.lengths}: the largest is shorter than the '
+      f'example of {examples.task_ids[longest]} in {field} ({examples.lengths[longest]} tokens): '
+      f'expected a largest bucket >= {int(examples.lengths.max())}.'
+    )
+
+
+def _nonempty(workdir: str, name: str) -> bool:
+  path = os.path.join(workdir, name)
+  if os.path.isdir(path):
+    return bool(os.listdir(path))
+  return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
