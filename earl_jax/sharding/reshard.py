@@ -8,7 +8,8 @@ The source is donated: leaves whose per-device shards keep their shape are alias
 are freed right after the copy, so the old layout does not outlive the switch. A move whose
 compiled program would hold more temporary memory than its output (XLA rebuilding whole leaves on
 every device, e.g. fsdp rows to tp columns replicated over dp) goes through a fully sharded
-intermediate layout instead, when that holds less (`_spread`).
+intermediate layout instead, when that holds less (`_spread`). XLA's warnings about the direct
+move's rematerialization are held back: the move is measured and staged here.
 
 A `Resharder` owns the compiled moves, keyed by (tree structure, source layout, target layout,
 donation), in a bounded least-recently-used table: the object that owns a run's meshes owns its
@@ -20,9 +21,15 @@ moves too, and nothing outlives it.
   params, ms = resharder.timed(params, targets)
 """
 
+import contextlib
 import math
+import os
+import sys
+import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -68,6 +75,33 @@ def _spread(target: Any, shape: tuple[int, ...]) -> NamedSharding | None:
       spec[d] = (*axes(spec[d]), *free)
       return NamedSharding(target.mesh, P(*spec))
   return None
+
+
+# What XLA's SPMD partitioner writes (C++ logging, straight to file descriptor 2) for each leaf
+# of a move that it can only make by rebuilding the whole leaf on every device.
+_REMATERIALIZATION = 'Involuntary full rematerialization'
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_rematerialization_warnings() -> Iterator[None]:
+  """Inside, what is written to file descriptor 2 (by any thread) is held back, then passed on
+  without XLA's rematerialization warnings. A file descriptor, not `sys.stderr`: XLA's C++
+  logging writes to it directly."""
+  with _STDERR_LOCK, tempfile.TemporaryFile() as held:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      held.seek(0)
+      lines = held.read().decode(errors='replace').splitlines(keepends=True)
+      kept = ''.join(line for line in lines if _REMATERIALIZATION not in line)
+      if kept:
+        os.write(2, kept.encode())
 
 
 # XLA's temporaries and outputs of a compiled move; 0 where the backend gives no analysis (then
@@ -118,7 +152,10 @@ class Resharder:
           jax.jit(fn, out_shardings=out_shardings, donate_argnums=donated).lower(abstract).compile()
         )
 
-    compiled = compile_(lambda t: t)
+    # XLA reports a direct move that rebuilds whole leaves on stderr, one line per leaf; the
+    # move is measured here and staged when that holds less, so the lines say nothing new.
+    with _without_rematerialization_warnings():
+      compiled = compile_(lambda t: t)
     shapes = [x.shape for x in jax.tree.leaves(abstract)]
     stages = [_spread(t, shape) for t, shape in zip(targets, shapes)]
     if any(stages) and _temp_bytes(compiled) > _output_bytes(compiled):

@@ -2,6 +2,7 @@
 resharder owns its compiled moves and keeps a bounded number of them."""
 
 import itertools
+import os
 
 import jax
 import numpy as np
@@ -151,6 +152,20 @@ def test_a_move_to_replicated_tp_params_does_not_rebuild_every_leaf():
   assert not reshard.needs_reshard(moved, target)
   for got, want in zip(_host(moved), expected):
     np.testing.assert_array_equal(got, want)
+
+
+def test_xla_rematerialization_warnings_are_held_back_and_other_lines_passed_on(capfd):
+  """XLA's C++ logging writes to file descriptor 2 directly; while the resharder measures a
+  direct move, its rematerialization lines are dropped and every other line still appears."""
+  with reshard._without_rematerialization_warnings():
+    os.write(2, b'W1203 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. x\n')
+    os.write(2, b'another warning\n')
+  err = capfd.readouterr().err
+  assert err == 'another warning\n', err
+  src, dst = ParallelConfig(fsdp=8), ParallelConfig(dp=4, tp=2)
+  _, params = qwen2.init_model(CFG, mesh_lib.make_mesh(src), seed=3)
+  reshard.Resharder()(params, builders.param_shardings(CFG, dst))
+  assert 'rematerialization' not in capfd.readouterr().err
 
 
 def test_no_move_is_a_no_op():
