@@ -113,15 +113,24 @@ class RunDir:
 
   @classmethod
   def open(
-    cls, workdir: str, config: ExperimentConfig, *, resume: bool, log: Callable[[str], None]
+    cls,
+    workdir: str,
+    config: ExperimentConfig,
+    *,
+    resume: bool,
+    log: Callable[[str], None],
+    set_aside_used: bool = False,
   ) -> tuple['RunDir', ResumePoint | None]:
     """Checks that `workdir` can be written and holds no other run (or, with `resume`, a
     checkpoint of this config) and takes its lock (process 0), before anything else is written;
     returns the run directory (`close` it) and, with `resume`, the point it continues from.
 
+    With `set_aside_used` (`--move_aside`), a workdir that holds a run is first renamed to
+    `<workdir>.<UTC time>` (`move_aside`), after every other check of the run has passed.
+
     Raises:
       WorkdirError: not writable, locked by a live run (or another host's), or a run is there
-        (without `resume`).
+        (without `resume` or `set_aside_used`).
       ResumeError: `resume` without a readable checkpoint of this config.
     """
     check_writable(workdir)
@@ -130,6 +139,10 @@ class RunDir:
       logging.warning('%s', line)
       log(line)
 
+    if set_aside_used and not resume:
+      aside = move_aside(workdir, log=warn)
+      if aside is not None:
+        warn(f'moved the run in {workdir} to {aside}')
     lock = _on_process_0(workdir, lambda: WorkdirLock.acquire(workdir, log=warn))
     try:
       run_dir = cls(workdir, config, _open_checkpoints(workdir, config, resume), log=log, lock=lock)

@@ -103,12 +103,15 @@ class Trainer:
     resume: bool = False,
     log_fn: Callable[[str], None] | None = None,
     profile: Profile | None = None,
+    move_aside: bool = False,
   ):
     """Args:
     config: the run.
     workdir: where metrics, checkpoints and plots go.
     resume: continue from the latest checkpoint in `workdir`.
     log_fn: receives every log line (default: absl logging).
+    move_aside: a workdir that holds a run is renamed to `<workdir>.<time>` (once the model,
+      the tokenizer and the config have passed their checks) and the run starts afresh.
     profile: a measured start-up profile to decide on (default: measured by
       `assembly.RunProfile.start`, which reuses `config.selector.profile.cache` when it
       matches).
@@ -121,7 +124,9 @@ class Trainer:
     self.model_cfg, self.tokenizer = assembly.load_model(config)
     config.check_tokenizer(self.tokenizer, self.model_cfg.vocab_size)
     placement_lib.check_warm_start(config.init_from, self.model_cfg)  # metadata only
-    self.run_dir, resume_point = RunDir.open(workdir, config, resume=resume, log=self.log)
+    self.run_dir, resume_point = RunDir.open(
+      workdir, config, resume=resume, log=self.log, set_aside_used=move_aside
+    )
     with self.run_dir.released_on_error():  # a run that fails while being built frees it
       self.devices = mesh_lib.canonical_devices()
       self.is_main = jax.process_index() == 0

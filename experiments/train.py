@@ -44,17 +44,19 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
   env = distributed.initialize_from_env()
   runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
-  from earl_jax import plotting, preemption, rundir, trainer  # after the runtime is set up
+  from earl_jax import plotting, preemption, trainer  # after the runtime is set up
 
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join('runs', config.name)
-  if _MOVE_ASIDE.value and not _RESUME.value:
-    aside = rundir.move_aside(workdir)
-    if aside is not None:
-      print(f'earl_jax: moved the run in {workdir} to {aside}', flush=True)
   print(f'earl_jax: {config.name} -> {workdir}', flush=True)
   # Checks the workdir (and the checkpoint to resume) before anything compiles.
-  t = trainer.Trainer(config, workdir=workdir, resume=_RESUME.value, log_fn=logging.info)
+  t = trainer.Trainer(
+    config,
+    workdir=workdir,
+    resume=_RESUME.value,
+    log_fn=logging.info,
+    move_aside=_MOVE_ASIDE.value,
+  )
   if t.is_main:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(config.to_json(), f, indent=2)

@@ -77,6 +77,11 @@ BAD_INPUTS = [
   ('resume without a checkpoint', ['--resume'], 'no checkpoint in'),
   ('workdir under a file', ['--workdir={tmp}/a_file/run'], 'is a file'),
   ('used workdir', ['--workdir={tmp}/used'], 'holds a run'),
+  (
+    'set aside for a bad tokenizer',
+    ['--move_aside', '--workdir={tmp}/used', '--config.tokenizer=gpt9'],
+    "Unknown tokenizer 'gpt9'",
+  ),
   ('workdir name too long', ['--workdir={tmp}/' + 'w' * 256], 'w' * 256),
   ('empty workdir', ['--workdir='], '--workdir'),
   ('missing warm start', ['--config.init_from={tmp}/nope'], 'does not exist or is not a folder'),
