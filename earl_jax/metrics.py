@@ -224,16 +224,40 @@ def move_record(report: Any, seconds: float) -> dict[str, Any]:
   }
 
 
+def env_record(
+  episodes: EpisodeStats, *, step_s: float | None = None, processes: int = 1
+) -> dict[str, float]:
+  """What the environment reported per episode (`TextEnv.episode_stats`), over the batch:
+  `env/<name>`, the mean over the episodes of a name ending in '_rate', else the sum (a count,
+  or seconds when it ends in '_s'); with `step_s`, seconds also as `env/<name>_share`, their
+  share of the step per process (the sum over `processes` x `step_s`)."""
+  out = {}
+  for name, values in episodes.env_stats.items():
+    rate = name.endswith('_rate')
+    out[f'env/{name}'] = float(np.mean(values) if rate else np.sum(values))
+    if step_s and name.endswith('_s'):
+      out[f'env/{name}_share'] = out[f'env/{name}'] / (processes * step_s)
+  return out
+
+
 def eval_record(episodes: EpisodeStats) -> dict[str, float]:
-  """The evaluation's metrics: greedy games (or tasks) from fixed seeds."""
+  """The evaluation's metrics: greedy games (or tasks) from fixed seeds, with what the
+  environment reported (`env_record`: a code task's first-turn and final pass rates, programs
+  run, ...) as `eval/<name>`."""
   rates = episodes.outcome_rates()
-  return {
+  record = {
     'eval/win_rate': episodes.win_rate(),
     'eval/invalid_rate': rates.get('invalid', 0.0),
     'eval/draw_rate': rates.get('draw', 0.0),
     'eval/return_mean': float(np.mean(episodes.returns)),
     'eval/episode_len_mean': float(np.mean(episodes.lengths)),
   }
+  if episodes.env_stats:  # the turns too: a code task's repairs
+    context = episodes.context_stats()
+    record['eval/turns_mean'] = context['turns_mean']
+    record['eval/turn_len_mean'] = context['turn_len_mean']
+  record.update({f'eval/{k[4:]}': v for k, v in env_record(episodes).items()})
+  return record
 
 
 def step_record(
@@ -251,6 +275,7 @@ def step_record(
   rss_bytes: int | None,
   programs: int,
   rollout: Mapping[str, float] | None = None,
+  processes: int = 1,
 ) -> dict[str, Any]:
   """The record of one train step, in the order metrics.jsonl holds its keys.
 
@@ -269,6 +294,8 @@ def step_record(
     programs: compiled programs held.
     rollout: the rollout schedule's statistics (`Trajectories.rollout_stats`: slots, padded
       fractions of decode and prefill, slot occupancy and the drain; `rollout/...`).
+    processes: the run's processes (the share of the step of the environment's seconds,
+      `env_record`).
   """
   rates = episodes.outcome_rates()
   return {
@@ -278,6 +305,7 @@ def step_record(
     # Episodes that would have outgrown the largest bucket (the context cap): truncated there.
     'overflow_rate': rates.get('overflow', 0.0),
     **{f'ctx/{k}': v for k, v in episodes.context_stats().items()},
+    **env_record(episodes, step_s=step_s, processes=processes),
     'bucket': bucket,
     'tokens': episodes.tokens,
     'generated_tokens': episodes.generated_tokens,
@@ -300,11 +328,20 @@ def step_record(
 
 def summary_fields(record: Mapping[str, Any]) -> dict[str, Any]:
   """What the run's summary reads from a step's record (the full record is on disk)."""
-  return {
-    k: v
-    for k, v in record.items()
-    if k in ('step', 'eval/win_rate') or k.startswith(('plan/', 'dispatch/'))
-  }
+  return {k: v for k, v in record.items() if k == 'step' or k.startswith(_SUMMARY_PREFIXES)}
+
+
+_SUMMARY_PREFIXES = ('eval/', 'plan/', 'dispatch/')
+
+
+def eval_line(record: Mapping[str, Any]) -> str:
+  """The line of the evaluation before the first step: 'step    0 | eval win 0.125' (and a code
+  task's pass rates, first turn > final)."""
+  line = f'step {record["step"]:4d} | eval win {record["eval/win_rate"]:.3f}'
+  if 'eval/pass_final_rate' in record:
+    first = record.get('eval/pass_first_rate', float('nan'))
+    line += f' | pass {first:.3f}>{record["eval/pass_final_rate"]:.3f}'
+  return line
 
 
 # The stage-to-stage moves of a step: name -> (source stage, target stage), and the step line's
@@ -360,6 +397,17 @@ def _move_text(record: Mapping[str, Any], name: str) -> str:
   return f'{_MOVE_SHORT[name]} {_size(moved)}{ratio} {record[f"dispatch/{name}/ms"]:.0f}ms'
 
 
+def _pass_text(r: Mapping[str, Any]) -> str:
+  """'pass 0.41>0.47 turns 1.6 eval 0.40>0.45': a code task's pass rates, first turn > final
+  (the train rollouts', then the evaluation's at evaluation steps), and its turns per episode."""
+  text = f'pass {r.get("env/pass_first_rate", float("nan")):.2f}>{r["env/pass_final_rate"]:.2f}'
+  text += f' turns {r.get("ctx/turns_mean", 0):.1f}'
+  if 'eval/pass_final_rate' in r:
+    first = r.get('eval/pass_first_rate', float('nan'))
+    text += f' eval {first:.2f}>{r["eval/pass_final_rate"]:.2f}'
+  return text
+
+
 def format_line(record: Mapping[str, Any]) -> str:
   """The one-line summary of a step."""
   r = record
@@ -370,6 +418,8 @@ def format_line(record: Mapping[str, Any]) -> str:
   ]
   if 'eval/win_rate' in r:
     parts.append(f'eval {r["eval/win_rate"]:.3f}')
+  if 'env/pass_final_rate' in r:
+    parts.append(_pass_text(r))
   parts.append(
     f'ctx turn {r.get("ctx/turn_len_mean", 0):.0f} ep {r.get("ctx/episode_len_mean", 0):.0f}'
     f'/{r.get("ctx/episode_len_max", 0):.0f}'
@@ -379,6 +429,12 @@ def format_line(record: Mapping[str, Any]) -> str:
     parts.append(
       f'slots {r["rollout/slots"]:.0f} occ {r["rollout/slot_occupancy"]:.2f} pad dec '
       f'{r["rollout/decode_padded"]:.2f} pre {r["rollout/prefill_padded"]:.2f}'
+    )
+  if 'env/sandbox_s' in r:
+    parts.append(
+      f'sandbox {r["env/sandbox_s"]:.2f}s {r.get("env/sandbox_s_share", 0):.0%} prog '
+      f'{r.get("env/programs", 0):.0f} timeout {r.get("env/timeouts", 0):.0f} crash '
+      f'{r.get("env/crashes", 0):.0f}'
     )
   parts.append('plan ' + ' '.join(f'{s[0]}={r.get(f"plan/{s}", "?")}' for s in STAGES))
   moves = [_move_text(r, name) for name in MOVES if f'dispatch/{name}/bytes' in r]

@@ -282,7 +282,8 @@ def warm_start_dir(init_from: str) -> str:
   if not os.path.isdir(init_from):
     raise WarmStartError(
       f'init_from={init_from!r} does not exist or is not a folder: expected the checkpoints '
-      'folder of a warm start run (e.g. runs/sft/checkpoints; run experiments/sft.py first).'
+      'folder of a warm start; run it first, e.g. `python experiments/sft.py --config=code` '
+      "(it writes runs/code_sft/checkpoints, the `code` preset's init_from)."
     )
   nested = os.path.join(init_from, 'checkpoints')
   return nested if os.path.isdir(nested) else init_from

@@ -41,7 +41,7 @@ class Plan:
   Attributes:
     decision: the selector's decision (layout, bucket, rows), committed.
     program: the stage's compiled program.
-    profile_s: seconds spent measuring what a lazy profile lacked for this decision.
+    profile_s: seconds the plan waited for the profile (cells measured before it).
     perm: (experience) the row permutation that balances real tokens over the ranks, or None.
     packed: (experience) how the ranks pack their episodes (`packing.plan`), or None.
     switch: (train) the move of the train state to a new layout, or None.
@@ -89,20 +89,23 @@ class StagePlanner:
   def _decide(
     self, stage: Stage, stats, build: Callable
   ) -> tuple[selector_lib.Decision, Any, float]:
-    """The stage's decision, what `build` makes of it, and the seconds spent measuring what a
-    lazy profile lacked for it; see `placement.decide_compiled`."""
+    """The stage's decision, what `build` makes of it, and the seconds it waited for the
+    profile (a lazy profile without the prior measures what it lacks; with it, the cells
+    wanted are only sent to compile); see `placement.decide_compiled`."""
     profile_s = self.profiling.measure_missing(self.selector, stage, stats)
     decision, built = decide_compiled(self.selector, stage, stats, build, log=self.log)
     return decision, built, profile_s
 
   def rollout(self, stats: selector_lib.StepStats | None) -> Plan:
     """The rollout plan from the previous step's statistics (None: the first step); the
-    engine's program, whose rows are the rollout's slots."""
+    engine's program, whose rows are the rollout's slots. First, while the devices are idle
+    (the previous step is done), the profile cells measured between steps."""
     slots = self.config.rollout.slots
+    between_s = self.profiling.between_steps(self.selector, stats)
     decision, program, profile_s = self._decide(
       Stage.ROLLOUT, stats, lambda d: self.executable(d, d.run_bucket, slots)
     )
-    return Plan(decision, program, profile_s)
+    return Plan(decision, program, between_s + profile_s)
 
   def experience(
     self,

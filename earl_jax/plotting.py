@@ -39,7 +39,10 @@ def _series(rows: list[dict], key: str) -> list[tuple]:
 
 
 def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
-  """Win rate of the train rollouts and of the evaluations, and the invalid-reply rate."""
+  """Win rate of the train rollouts and of the evaluations, and the invalid-reply rate (a code
+  task's run: `_plot_pass_rates`)."""
+  if any('env/pass_final_rate' in r for r in rows):
+    return _plot_pass_rates(plt, rows, path)
   fig, ax = plt.subplots(figsize=(7, 4))
   train = _series(rows, 'win_rate')
   evals = _series(rows, 'eval/win_rate')
@@ -56,6 +59,38 @@ def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
   ax.set_title('Win rate against the opponent')
   ax.grid(alpha=0.3)
   ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _plot_pass_rates(plt, rows: list[dict], path: str) -> str:
+  """A code task's pass rates, first attempt and final, of the train rollouts and of the
+  evaluations; beside them the context per turn and per episode as training goes on."""
+  fig, (ax, ctx_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  for key, label, style in (
+    ('env/pass_first_rate', 'train, first attempt (sampled)', ':'),
+    ('env/pass_final_rate', 'train, final (sampled)', '-'),
+    ('eval/pass_first_rate', 'eval, first attempt (greedy)', 'o:'),
+    ('eval/pass_final_rate', 'eval, final (greedy)', 'o-'),
+  ):
+    series = _series(rows, key)
+    if series:
+      ax.plot(*zip(*series), style, label=label, alpha=0.6 if key.startswith('env/') else 1.0)
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_ylabel('pass rate (every hidden test)')
+  ax.set_title('Pass rates, first attempt and final')
+  for key, label in (('ctx/turn_len_mean', 'per turn'), ('ctx/episode_len_mean', 'per episode')):
+    series = _series(rows, key)
+    if series:
+      ctx_ax.plot(*zip(*series), label=label)
+  ctx_ax.set_ylabel('tokens')
+  ctx_ax.set_title('Context (train rollouts)')
+  for a in (ax, ctx_ax):
+    a.set_xlabel('step')
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

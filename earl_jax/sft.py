@@ -6,7 +6,10 @@ observation `CodeEnv.reset` shows (the task's prompt), rendered by the tokenizer
 reference completion and the end-of-turn token: the reply the environment parses
 (`code_env.extract_code`, `program_source`) and passes. `tokenizer.conversation_ids` builds it
 as the rollout engine builds a turn, and its `generated` flags are the loss mask: the prompt
-carries no loss, the reply and its end-of-turn token do.
+carries no loss, the reply and its end-of-turn token do. With `SFTConfig.repair_examples` a
+task also gives a repair example: a near miss as the first reply, the environment's feedback on
+it, then the reference (the loss on that last reply alone), so that the RL job's repair turns
+start in distribution.
 
   config = SFTConfig(steps=300)
   run = SFTRun(config, workdir='runs/sft')    # checks everything before anything compiles
@@ -87,6 +90,10 @@ class SFTConfig:
     tokenizer: 'code' (the character tokenizer of the code tasks) or a directory with
       tokenizer.json (ignored when model_dir is set: the model's own).
     env: the training tasks: a 'functions' or 'humaneval' CodeEnvConfig (its split).
+    repair_examples: also one repair example per 'functions' task (`repair_turns`): its first
+      turn answered by a near miss (another task's reference), the feedback the environment
+      shows for it (`env`'s feedback settings), and the reference; the loss is on the last
+      reply alone. The RL job's repair turns then start in distribution.
     eval_env: the held-out tasks (the 'heldout' split by default): the held-out loss, and the
       greedy first-turn pass rate with `pass_episodes`.
     buckets: the sequence-length buckets a batch is padded to (the largest holds every example).
@@ -111,6 +118,7 @@ class SFTConfig:
   param_dtype: DType = 'float32'
   tokenizer: str = 'code'
   env: envs.CodeEnvConfig = dataclasses.field(default_factory=envs.CodeEnvConfig)
+  repair_examples: bool = False
   eval_env: envs.CodeEnvConfig = dataclasses.field(
     default_factory=lambda: envs.CodeEnvConfig(split='heldout')
   )
@@ -148,6 +156,13 @@ class SFTConfig:
           f'SFTConfig.{field}={env!r}: expected a CodeEnvConfig of a task in {list(SFT_TASKS)} '
           '(tasks with reference solutions).'
         )
+    if self.repair_examples not in (True, False) or (
+      self.repair_examples and self.env.task != 'functions'
+    ):
+      raise ConfigError(
+        f'SFTConfig.repair_examples={self.repair_examples!r} with env.task={self.env.task!r}: '
+        "expected a bool, True only for 'functions' (its near misses are other tasks' bodies)."
+      )
     if self.model_dir is None:
       ModelConfig.preset(self.model)  # raises for an unknown preset
     if self.selector.profile.stages:
@@ -224,14 +239,58 @@ def example_ids(
   return tokenizer_lib.conversation_ids(tokenizer, [observation], [reply_ids])
 
 
-def build_examples(env: envs.CodeEnvConfig, tokenizer: tokenizer_lib.Tokenizer) -> Examples:
-  """One example per task of `env`: its first observation answered by its reference."""
+def near_miss(task: Any, tasks: Sequence[Any]) -> str:
+  """A wrong reply close to `task`'s, as the tiny model's errors are (a constant or a letter
+  copied wrong): the reference of another task of `tasks` of the same 'functions' template, or
+  of the same argument when the template has one task; picked by a hash of the task id."""
+  template = task.task_id.rsplit('/', 1)[0]
+  signature = task.prompt.split('\n', 1)[0]
+  others = [t for t in tasks if t.reference != task.reference]
+  siblings = [t for t in others if t.task_id.rsplit('/', 1)[0] == template] or [
+    t for t in others if t.prompt.split('\n', 1)[0] == signature
+  ]
+  digest = int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16)
+  return siblings[digest % len(siblings)].reference
+
+
+def repair_turns(
+  env: envs.CodeEnvConfig, *, sandbox: code_env.ProgramChecker | None = None, seed: int = 0
+) -> list[tuple[Any, str, str, str]]:
+  """(task, first observation, near miss, the observation after it) of every task of `env`
+  whose near miss (`near_miss`, among `env`'s own tasks) fails its public tests: the feedback
+  its sandbox verdict makes, then the prompt again (`CodeEnv` in two turns)."""
+  game = code_env.CodeEnv(env.replace(max_turns=2), sandbox=sandbox)
+  observations = game.reset(len(game.tasks), seed)
+  tasks = game.episode_tasks
+  wrong = [near_miss(task, game.tasks) for task in tasks]
+  result = game.step(wrong)
+  turns = zip(tasks, observations, wrong, result.observations, result.dones)
+  return [(task, obs, miss, feedback) for task, obs, miss, feedback, done in turns if not done]
+
+
+def build_examples(
+  env: envs.CodeEnvConfig,
+  tokenizer: tokenizer_lib.Tokenizer,
+  *,
+  repair: bool = False,
+  sandbox: code_env.ProgramChecker | None = None,
+) -> Examples:
+  """One example per task of `env`: its first observation answered by its reference; with
+  `repair`, also one per `repair_turns` (task id '<id>#repair'): the near miss and the feedback,
+  then the reference, the loss on that last reply alone."""
   task_ids, tokens, masks = [], [], []
   for task, observation in first_turns(env):
     ids, mask = example_ids(tokenizer, observation, task.reference)
     task_ids.append(task.task_id)
     tokens.append(np.asarray(ids, np.int32))
     masks.append(np.asarray(mask, bool))
+  for task, observation, miss, feedback in repair_turns(env, sandbox=sandbox) if repair else ():
+    replies = [[*tokenizer.encode(text), tokenizer.eot_id] for text in (miss, task.reference)]
+    ids, mask = tokenizer_lib.conversation_ids(tokenizer, [observation, feedback], replies)
+    attempt = len(tokenizer.turn_prompt_ids(observation, first=True)) + len(replies[0])
+    task_ids.append(f'{task.task_id}#repair')
+    tokens.append(np.asarray(ids, np.int32))
+    masks.append(np.asarray([False] * attempt + mask[attempt:], bool))
   return Examples(tuple(task_ids), tuple(tokens), tuple(masks), tokenizer.pad_id)
 
 
@@ -426,7 +485,7 @@ class SFTRun:
     self.config, self.workdir = config, workdir
     self.log = log_fn or (lambda line: logging.info('%s', line))
     self.model_cfg, self.tokenizer = load_model(config)
-    self.train_set = build_examples(config.env, self.tokenizer)
+    self.train_set = build_examples(config.env, self.tokenizer, repair=config.repair_examples)
     self.heldout_set = build_examples(config.eval_env, self.tokenizer)
     for name, examples in (('env', self.train_set), ('eval_env', self.heldout_set)):
       _check_fits(config, name, examples)

@@ -377,6 +377,7 @@ class Trainer:
       rss_bytes=memory_lib.host_rss_bytes(),
       programs=len(self.executables),
       rollout=rollout.traj.rollout_stats,
+      processes=jax.process_count(),
     )
     if packed is not None:
       record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
@@ -438,7 +439,7 @@ class Trainer:
       record = {'step': 0, **self.evaluate()}
       self.history.append(metrics.summary_fields(record))
       self.writer.write(0, record)
-      self.log(f'step    0 | eval win {record["eval/win_rate"]:.3f}')
+      self.log(metrics.eval_line(record))
     bar = tqdm(
       total=self.config.steps,
       initial=self.global_step,
@@ -491,12 +492,15 @@ class Trainer:
         )
 
   def _summary(self, wall_s: float) -> dict:
-    evals = [r['eval/win_rate'] for r in self.history if 'eval/win_rate' in r]
+    evals = [r for r in self.history if 'eval/win_rate' in r]
     return {
       'steps': self.global_step,
       'wall_s': wall_s,
-      'eval_win_rate_first': evals[0] if evals else None,
-      'eval_win_rate_last': evals[-1] if evals else None,
+      'eval_win_rate_first': evals[0]['eval/win_rate'] if evals else None,
+      'eval_win_rate_last': evals[-1]['eval/win_rate'] if evals else None,
+      # Every evaluation metric (a code task's pass rates, ...) of the first and last evaluation.
+      'eval_first': _eval_fields(evals[0]) if evals else None,
+      'eval_last': _eval_fields(evals[-1]) if evals else None,
       'skipped_steps': int(self.placement.state.skipped),
       'profile_s': self.profile_s,
       'moves': move_summary(self.history),
@@ -512,6 +516,10 @@ class Trainer:
       self.executables.wait()
     finally:
       self.run_dir.close()  # waits for the save, then releases the lock
+
+
+def _eval_fields(record: dict) -> dict:
+  return {k[5:]: v for k, v in record.items() if k.startswith('eval/')} | {'step': record['step']}
 
 
 def _step_seed(seed: int, step: int) -> int:

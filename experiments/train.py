@@ -1,4 +1,4 @@
-"""The main job: agentic RL on Connect Four with the EARL loop (selector + dispatcher).
+"""The main job: agentic RL with the EARL loop (selector + dispatcher): Connect Four, or code.
 
   python -m experiments.train                                  # the embedded default
   python experiments/train.py                                  # the same
@@ -70,12 +70,7 @@ def main(argv):
     paths = plotting.plot_training(os.path.join(workdir, 'metrics.jsonl'), workdir)
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       json.dump(summary, f, indent=2, default=str)
-    first, last = summary['eval_win_rate_first'], summary['eval_win_rate_last']
-    evals = (
-      f'eval win rate vs {config.eval_env.opponent}: {first:.3f} -> {last:.3f}'
-      if first is not None
-      else 'no evaluation'
-    )
+    evals = _evals(config, summary)
     moved = summary['moves']['experience_train']
     print(
       f'done: {summary["steps"]} steps in {summary["wall_s"]:.0f} s; {evals}; skipped steps: '
@@ -84,6 +79,24 @@ def main(argv):
       f'{moved["bytes_moved_steps"]}; plots: {", ".join(paths)}',
       flush=True,
     )
+
+
+def _evals(config, summary: dict) -> str:
+  """'eval win rate vs random: 0.31 -> 0.62', or a code task's pass rates, first and last."""
+  first, last = summary['eval_first'], summary['eval_last']
+  if first is None:
+    return 'no evaluation'
+  if 'pass_final_rate' in first:
+    task = config.eval_env.task  # HumanEval has one set of tasks, the generated ones splits
+    tasks = task if task == 'humaneval' else f'{config.eval_env.split} {task}'
+    return (
+      f'eval ({tasks}, greedy) first-turn pass rate '
+      f'{first.get("pass_first_rate", float("nan")):.3f} -> '
+      f'{last.get("pass_first_rate", float("nan")):.3f}, final pass rate '
+      f'{first["pass_final_rate"]:.3f} -> {last["pass_final_rate"]:.3f}'
+    )
+  against = getattr(config.eval_env, 'opponent', None)
+  return f'eval win rate vs {against}: {first["win_rate"]:.3f} -> {last["win_rate"]:.3f}'
 
 
 if __name__ == '__main__':

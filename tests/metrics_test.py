@@ -1,6 +1,8 @@
 """The step record, the step line and the run's move summary (values from the trainer's
 formatting before it moved here), and the JSONL writer's round trip."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,66 @@ def test_the_step_record_keys_in_order():
   assert plans == ['plan/rollout', 'plan/experience', 'plan/train']
   tail = ['time/rollout_s', 'time/train_s', 'time/step_s', 'host/rss_mib', 'host/programs']
   assert list(record)[-5:] == tail and record['host/rss_mib'] == 3.0
+
+
+def _code_episodes() -> EpisodeStats:
+  """Four code episodes as `EpisodeStats.gather` hands them on, with their environment's
+  reports (`CodeEnv.episode_stats`)."""
+  return EpisodeStats(
+    lengths=np.array([150, 400, 420, 380], np.int32),
+    returns=np.array([1.0, 1.0, 0.4, 1.0], np.float32),
+    turns=np.array([1, 2, 3, 2], np.int32),
+    generated=np.array([20, 40, 60, 40], np.int32),
+    outcomes=['win', 'win', 'loss', 'win'],
+    env_stats={
+      'pass_first_rate': np.array([1.0, 0, 0, 0]),
+      'pass_final_rate': np.array([1.0, 1, 0, 1]),
+      'programs': np.array([1.0, 2, 3, 2]),
+      'timeouts': np.array([0.0, 0, 1, 0]),
+      'crashes': np.array([0.0, 1, 0, 0]),
+      'sandbox_s': np.array([0.1, 0.2, 0.5, 0.2]),
+    },
+  )
+
+
+def test_environment_reports_in_the_record_the_line_and_the_evaluation():
+  episodes = _code_episodes()
+  record = metrics.step_record(
+    episodes=episodes,
+    bucket=512,
+    train_metrics={},
+    skipped_steps=0,
+    moves={},
+    kernels=0,
+    switch_ms=0.0,
+    plans={Stage.ROLLOUT: 'a@1', Stage.EXPERIENCE: 'a@1', Stage.TRAIN: 'a@1'},
+    times={'rollout': 2.0},
+    step_s=2.0,
+    rss_bytes=None,
+    programs=1,
+    processes=2,
+  )
+  # '_rate': the mean over the episodes; else the sum; seconds also as their share of the step
+  # per process.
+  assert record['env/pass_first_rate'] == 0.25 and record['env/pass_final_rate'] == 0.75
+  assert record['env/programs'] == 8 and record['env/timeouts'] == record['env/crashes'] == 1
+  assert record['env/sandbox_s'] == pytest.approx(1.0)
+  assert record['env/sandbox_s_share'] == pytest.approx(0.25)
+  assert record['ctx/turns_mean'] == 2.0 and record['ctx/turn_len_mean'] == 1350 / 8
+  evals = metrics.eval_record(episodes)
+  line = metrics.format_line({**record, **evals, 'step': 3})
+  assert line.startswith(
+    'step    3 | win 0.750 | ret +0.850 | eval 0.750 | pass 0.25>0.75 turns 2.0 eval 0.25>0.75 | '
+    'ctx turn 169 ep 338/420 | '
+  )
+  assert ' | sandbox 1.00s 25% prog 8 timeout 1 crash 1 | plan ' in line
+  assert evals['eval/pass_first_rate'] == 0.25 and evals['eval/programs'] == 8
+  assert evals['eval/turns_mean'] == 2.0 and evals['eval/turn_len_mean'] == 1350 / 8
+  assert metrics.eval_line({**evals, 'step': 0}) == 'step    0 | eval win 0.750 | pass 0.250>0.750'
+  # A board game reports nothing: its record, evaluation and line have none of it.
+  board = metrics.eval_record(dataclasses.replace(episodes, env_stats={}))
+  assert not any(k.startswith(('eval/pass', 'eval/turn')) for k in board)
+  assert metrics.eval_line({**board, 'step': 0}) == 'step    0 | eval win 0.750'
 
 
 def test_the_writer_round_trips_and_drops_a_cut_last_line(tmp_path):

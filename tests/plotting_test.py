@@ -39,3 +39,23 @@ def test_plot_training_writes_every_png(tmp_path):
   names = sorted(p.rsplit('/', 1)[1] for p in paths)
   assert names == ['context_lengths.png', 'learning_curve.png', 'stage_layouts.png']
   assert all((tmp_path / n).stat().st_size > 10_000 for n in names)
+
+
+def _png_width(path) -> int:
+  with open(path, 'rb') as f:
+    return int.from_bytes(f.read(24)[16:20], 'big')  # the IHDR chunk's width
+
+
+def test_a_code_run_plots_its_pass_rates_beside_the_context(tmp_path):
+  rows = _rows()
+  for row in rows[1:]:
+    row.update({'env/pass_first_rate': 0.2, 'env/pass_final_rate': 0.3})
+  rows.append({'step': 4, 'eval/pass_first_rate': 0.25, 'eval/pass_final_rate': 0.35})
+  for folder, series in (('code', rows), ('game', _rows())):
+    (tmp_path / folder).mkdir()
+    path = tmp_path / folder / 'metrics.jsonl'
+    path.write_text(''.join(json.dumps(r) + '\n' for r in series))
+    plotting.plot_training(str(path), str(tmp_path / folder))
+  # Two panels (pass rates, context per turn and episode) for code; the win rate alone for games.
+  assert _png_width(tmp_path / 'code' / 'learning_curve.png') == 11 * 120
+  assert _png_width(tmp_path / 'game' / 'learning_curve.png') == 7 * 120

@@ -4,6 +4,7 @@ one line)."""
 
 import dataclasses
 import os
+import re
 import shutil
 
 import jax
@@ -65,6 +66,34 @@ def test_examples_through_a_chat_template():
   assert tok.decode(ids[len(prompt) :]) == task.reference + '<|im_end|>'
 
 
+def test_repair_examples_answer_the_feedback_of_a_near_miss_with_the_reference():
+  tok = tokenizer.load_tokenizer('code')
+  env = base.CodeEnvConfig(split='heldout', feedback_tests=1, feedback_chars=80)
+  tasks = {t.task_id: t for t in code_env.CodeEnv(env).tasks}
+  with Sandbox(SandboxConfig(workers=2, test_timeout_s=2.0, program_timeout_s=5.0)) as pool:
+    examples = sft.build_examples(env, tok, repair=True, sandbox=pool)
+  repairs = [i for i, task_id in enumerate(examples.task_ids) if task_id.endswith('#repair')]
+  assert not any(task_id.endswith('#repair') for task_id in examples.task_ids[: len(tasks)])
+  assert len(tasks) - 4 <= len(repairs) <= len(tasks)  # a near miss that passes has none
+  for i in repairs:
+    task = tasks[examples.task_ids[i].removesuffix('#repair')]
+    text, mask = tok.decode(examples.tokens[i].tolist()), examples.loss_mask[i]
+    first, attempt, feedback, reply = re.fullmatch(
+      r'<bos><obs>(.*?)<act>(.*?)<eot><obs>(.*?)<act>(.*?)<eot>', text, re.S
+    ).groups()
+    # The near miss: another held-out task's body of the same kind, which fails a public test
+    # the feedback names (one line, at most 80 characters), then the prompt again.
+    assert first == task.prompt and attempt != task.reference
+    assert attempt in {t.reference for t in tasks.values()}
+    line, rest = feedback.split('\n', 1)
+    assert rest == task.prompt and ' failed: ' in line and len(line) <= 80
+    assert line.split(' == ')[0] in {t.call for t in task.public_tests}
+    # The loss: the reference and its end-of-turn token, nothing before.
+    assert reply == task.reference and tok.decode(examples.tokens[i][mask].tolist()) == (
+      task.reference + '<eot>'
+    )
+
+
 def test_batches_are_bucketed_and_every_epoch_sees_every_example():
   tok = tokenizer.load_tokenizer('code')
   examples = sft.build_examples(base.CodeEnvConfig(split='heldout'), tok)
@@ -87,6 +116,10 @@ def test_config_errors_are_one_line():
     ({'env': base.CodeEnvConfig(task='repo_repair')}, 'tasks with reference solutions'),
     ({'model': 'huge'}, "Unknown model preset 'huge'"),
     ({'eval_every': -1}, 'eval_every must be an int >= 0'),
+    (
+      {'repair_examples': True, 'env': base.CodeEnvConfig(task='humaneval')},
+      "repair_examples=True with env.task='humaneval'",
+    ),
   ):
     with pytest.raises(ConfigError, match=fragment) as e:
       dataclasses.replace(presets.smoke(), **changes)

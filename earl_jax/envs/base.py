@@ -409,6 +409,17 @@ class TextEnv(abc.ABC):
     """Plays one agent reply per episode (and a board game's opponent answer); never raises on
     bad text."""
 
+  def episode_stats(self) -> dict[str, Float[np.ndarray, ' B']]:
+    """Numbers the environment reports per episode of the last `reset` for the run's metrics
+    (e.g. a code task's programs run), each a float per played episode; the same names for
+    every reset of one environment class (default: none).
+
+    Every step record holds each as `env/<name>`, over the whole batch (`metrics.env_record`):
+    a name ending in '_rate' is averaged over the episodes, any other summed (a count, or
+    seconds when it ends in '_s').
+    """
+    return {}
+
   @classmethod
   def step_many(
     cls, envs: Sequence['TextEnv'], actions: Sequence[Sequence[str]]

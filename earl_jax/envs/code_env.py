@@ -25,7 +25,8 @@ sandbox itself (`SandboxError`) does, since it is not the policy's doing.
 
 All the programs of a step go to the sandbox in one `check_many` batch, so its workers run them
 in parallel; every process of a run has its own pool (`shared_sandbox`) for the episodes it
-plays. Observations are printable ASCII, tab and newline (`printable`), the alphabet of the code
+plays. `episode_stats` reports, per episode, what the sandbox ran and judged (the first-turn and
+final pass, programs, time-outs, crashes, sandbox seconds): the metrics of every step line. Observations are printable ASCII, tab and newline (`printable`), the alphabet of the code
 tokenizer (HumanEval's few non-ASCII characters show as '?').
 
 Randomness: `reset(n, seed)` shuffles the tasks with the seed and gives group g (of `group_size`
@@ -37,6 +38,7 @@ import atexit
 import functools
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -45,6 +47,9 @@ import numpy as np
 from earl_jax.envs import base, code_tasks
 from earl_jax.sandbox import Program, Sandbox, SandboxConfig, TestCase, TestResult, Verdict
 
+# The per-episode counts of `CodeEpisodes.episode_stats`, and the verdicts counted as crashes.
+_COUNTS = ('programs', 'timeouts', 'crashes', 'sandbox_s')
+_KILLED = ('crash', 'memory')
 CODE_FENCE = re.compile(r'```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:^[ \t]*```|\Z)', re.S | re.M)
 _sandboxes: dict[SandboxConfig, Sandbox] = {}
 _sandboxes_lock = threading.Lock()
@@ -171,6 +176,7 @@ class CodeEpisodes(base.TextEnv):
     self._turns = np.zeros(0, np.int64)
     self._outcomes: list[base.Outcome | None] = []
     self._last: list[base.CodeStepInfo] = []
+    self._counts = np.zeros((0, len(_COUNTS)), np.float64)
 
   @property
   def sandbox(self) -> 'ProgramChecker':
@@ -207,6 +213,31 @@ class CodeEpisodes(base.TextEnv):
     self._turns = np.zeros(count, np.int64)
     self._outcomes = [None] * count
     self._last = [self._info(i) for i in range(count)]
+    self._counts = np.zeros((count, len(_COUNTS)), np.float64)
+
+  def episode_stats(self) -> dict[str, np.ndarray]:
+    """Per episode (see `base.TextEnv.episode_stats`): `pass_final_rate` 1 when its final
+    attempt passed every hidden test (outcome 'win'); `programs` it ran in the sandbox, of which
+    `timeouts` hit a time limit and `crashes` were killed (a signal, an early exit, the memory
+    limit); `sandbox_s` its share of the wall time of the sandbox calls that ran them (each
+    call's time split evenly over its programs: summed over the episodes, the seconds this
+    process waited on the sandbox)."""
+    stats = {name: self._counts[:, k].copy() for k, name in enumerate(_COUNTS)}
+    return {'pass_final_rate': np.array([o == 'win' for o in self._outcomes], float), **stats}
+
+  def _run_programs(
+    self, batch: Sequence[tuple[Program, Sequence[TestCase]]], episodes: Sequence[int]
+  ) -> list[Verdict]:
+    """The sandbox's verdicts of `batch` (one job per episode of `episodes`, in one
+    `check_many` call), counted for `episode_stats`."""
+    if not batch:
+      return []
+    t0 = time.perf_counter()
+    verdicts = self.sandbox.check_many(batch)
+    share = (time.perf_counter() - t0) / len(batch)
+    for i, verdict in zip(episodes, verdicts):
+      self._counts[i] += (1, verdict.status == 'timeout', verdict.status in _KILLED, share)
+    return verdicts
 
   def _info(self, i: int, **changes) -> base.CodeStepInfo:
     info = base.CodeStepInfo(
@@ -273,6 +304,7 @@ class CodeEnv(CodeEpisodes):
     )
     if not self.tasks:
       raise ValueError(f'CodeEnv for {config.task!r} has no tasks.')
+    self._first_pass = np.zeros(0, bool)  # per episode: its first attempt passed every test
 
   def reset(
     self, n: int, seed: int, *, group_size: int = 1, rows: Sequence[int] | None = None
@@ -280,7 +312,13 @@ class CodeEnv(CodeEpisodes):
     """Starts n episodes (or the subset `rows`); see `base.TextEnv.reset`."""
     _, task_index = assign(len(self.tasks), n, seed, group_size, rows)
     self._start([self.tasks[i] for i in task_index.tolist()])
+    self._first_pass = np.zeros(len(self._episode_tasks), bool)
     return [printable(task.prompt) for task in self._episode_tasks]
+
+  def episode_stats(self) -> dict[str, np.ndarray]:
+    """`CodeEpisodes.episode_stats` and `pass_first_rate`: 1 when the episode's first attempt
+    passed every hidden test (what a single-turn episode would have scored)."""
+    return {'pass_first_rate': self._first_pass.astype(float), **super().episode_stats()}
 
   def step(self, actions: Sequence[str]) -> base.StepResult:
     """Judges one reply per episode; see the module docstring.
@@ -307,7 +345,7 @@ class CodeEnv(CodeEpisodes):
         (Program(source=program_source(task, code)), [*task.public_tests, *task.hidden_tests])
       )
       judged.append(i)
-    verdicts = self.sandbox.check_many(batch) if batch else []
+    verdicts = self._run_programs(batch, judged)
     for i, verdict in zip(judged, verdicts):
       observations[i], rewards[i], infos[i] = self._judge(i, verdict)
     for i in active:
@@ -331,6 +369,8 @@ class CodeEnv(CodeEpisodes):
       oks = [False] * (num_public + len(task.hidden_tests))
     public_ok, hidden_ok = oks[:num_public], oks[num_public:]
     passed, total = sum(hidden_ok), len(hidden_ok)
+    if self._turns[i] == 0:
+      self._first_pass[i] = passed == total > 0
     info = self._info(
       i,
       status=verdict.status,

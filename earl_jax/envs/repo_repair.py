@@ -371,7 +371,7 @@ class RepoRepairEnv(code_env.CodeEpisodes):
         observations[i] = self._edit_or_view(i, command)
         infos[i] = self._info(i)
     programs = [self._test_run(i) for i in runs] + [self._hidden_check(i) for i in submits]
-    verdicts = self.sandbox.check_many(programs) if programs else []
+    verdicts = self._run_programs(programs, runs + submits)
     for i, verdict in zip(runs, verdicts[: len(runs)]):
       observations[i] = self._run_output(verdict)
       infos[i] = self._info(i, status=verdict.status)

@@ -8,10 +8,17 @@ repeated; the median is kept. To keep background load on a shared machine from f
 layout, the candidates of a cell are visited in `rounds` passes, in a rotating order.
 
 The result is a `selector.profile.Profile` (pure data, what the selector decides on), cached as
-JSON keyed by hardware, model, candidate set, grid, budget and measurement settings: a later run
-on the same setup reuses it, and a file made for another model or machine is detected and
-rebuilt, never trusted. This module is the one bridge from the programs to the selector's data:
-it imports `earl_jax.selector`, which never imports `earl_jax.programs`.
+JSON keyed by hardware, software, model, candidate set, grid, budget and program shapes: a later
+run on the same setup reuses it (or a table `experiments/profile.py` wrote once, on another
+machine of the same kind), and a file made for another model or machine is refused in one line,
+never trusted. This module is the one bridge from the programs to the selector's data: it
+imports `earl_jax.selector`, which never imports `earl_jax.programs`.
+
+Cheaper profiles: `run(..., rule_out=2.0)` visits the buckets shortest first and measures, at
+each, only the candidates the prior (`selector.prior`, from the cells measured so far) does not
+rule out by that factor. A run measures between steps instead (`RunProfiler.measure_cells`, the
+cells `Selector.wanted` names), its programs compiled in the background first
+(`RunProfiler.compile`).
 
   pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
   profile = profiling.run(cfg, pconfig, executables=exe, cache_path='runs/profile.json')
@@ -23,11 +30,13 @@ a profiled rollout cell times the engine's own generate program (a prompt chunk 
 """
 
 import dataclasses
+import functools
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -41,6 +50,7 @@ from earl_jax.models import qwen2
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables
+from earl_jax.selector import prior as prior_lib
 from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
 from earl_jax.selector.profile import Cell, CellKey, MeasureConfig, Profile, load_cached
@@ -144,7 +154,9 @@ def _cpu_model() -> str:
 def profile_key(
   model: ModelConfig, config: ProfileConfig, candidates: dict[Stage, list[ParallelConfig]]
 ) -> dict[str, Any]:
-  """The JSON-able identity of a profile: a cached file is reused only when this matches."""
+  """The JSON-able identity of a profile: a cached file is reused only when this matches. What
+  the figures depend on, and nothing else: how carefully they were timed (`config.measure`) is
+  not in it, so that a table measured offline with more repeats serves a run that times fewer."""
   spec = config.spec
   return {
     'hardware': hardware(),
@@ -167,7 +179,6 @@ def profile_key(
       },
       'optim_schedule': spec.optim.decay_steps > 0 or spec.optim.warmup_steps > 0,
     },
-    'measure': dataclasses.asdict(config.measure),
   }
 
 
@@ -224,12 +235,14 @@ def run(
   buckets: Sequence[int] | None = None,
   measure: bool = True,
   base: Profile | None = None,
+  rule_out: float = 0.0,
 ) -> Profile:
   """Profiles every (stage, bucket, rows, candidate), or loads a matching cached profile.
 
   Several processes of one program run it together (every process calls it): the programs are
-  SPMD, and process 0's cache and measurements are broadcast, so that every process holds the
-  same profile and takes the same decisions.
+  SPMD, and process 0's cache and measurements are broadcast (after every bucket of a stage, so
+  that what the prior rules out is the same everywhere), so that every process holds the same
+  profile and takes the same decisions.
 
   Args:
     model: the model (random weights unless `params` is given).
@@ -244,26 +257,22 @@ def run(
     measure: False: return what the cache holds (possibly no cell), measuring nothing.
     base: cells measured before, e.g. kept in a checkpoint; used when made for this setup, and
       preferred to the cache's.
+    rule_out: > 0: the buckets shortest first, each measuring only the candidates that the prior
+      from the cells measured so far does not rule out by this factor, nor put over the budget
+      (`selector.prior.to_measure`); the others keep no cell (0: every candidate).
 
   Returns:
     The profile. Every cell over budget is OOM; every other cell has a median throughput.
   """
   candidates = default_candidates(model, config)
   key = profile_key(model, config, candidates)
-  cached = None
-  if cache_path:
-    found = load_cached(cache_path, key) if jax.process_index() == 0 else None
-    data = distributed.broadcast_json(None if found is None else found.to_json())
-    cached = None if data is None else Profile.from_json(data)
-  have = cached or Profile(key=key, cells={})
-  if base is not None and base.key == key:
-    have = have.merged(base)
-  wanted = tuple(config.buckets.lengths if buckets is None else buckets)
-  missing = [
-    b for b in wanted if not all(have.covers(s, b, r) for s in config.stages for r in config.rows)
-  ]
-  if cached is not None and not missing:
-    logging.info('Reusing the profile in %s (%d cells).', cache_path, len(cached.cells))
+  have = _start(key, cache_path, base)
+  select = functools.partial(_to_measure, model, config, candidates, rule_out)
+  wanted = sorted(config.buckets.lengths if buckets is None else buckets)
+  grid = [(s, r) for s in config.stages for r in config.rows]
+  missing = [b for b in wanted if any(select(have, s, b, r) for s, r in grid)]
+  if have.cells and not missing:
+    logging.info('Reusing the profile in %s (%d cells).', cache_path, len(have.cells))
   if not missing or not measure:
     return have
   own = executables is None
@@ -272,25 +281,67 @@ def run(
     raise ValueError(f'Executables spec {exe.spec} differs from the profile spec {config.spec}.')
   t_start = time.perf_counter()
   if params is None:
-    first = next(iter(candidates.values()))[0]
-    _, params = qwen2.init_model(model, exe.mesh(first), seed=config.measure.seed)
-  cells: dict[CellKey, Cell] = {}
+    _, params = qwen2.init_model(
+      model, exe.mesh(candidates[config.stages[0]][0]), seed=config.measure.seed
+    )
   try:
     for stage in config.stages:
       for bucket in missing:
         for rows in config.rows:
-          params = _profile_cell(
-            exe, stage, bucket, rows, candidates[stage], config, params, cells, progress
-          )
+          chosen = select(have, stage, bucket, rows)
+          if chosen:
+            cells: dict[CellKey, Cell] = {}
+            params = _profile_cell(
+              exe, stage, bucket, rows, chosen, config, params, cells, progress
+            )
+            have = have.merged(_agreed(key, cells))
   finally:
     if own:
       exe.close()
-  measured = Profile(key=key, cells=cells, wall_s=time.perf_counter() - t_start)
-  measured = Profile.from_json(distributed.broadcast_json(measured.to_json()))  # process 0's
-  profile = have.merged(measured)
+  have.wall_s += time.perf_counter() - t_start
   if cache_path and jax.process_index() == 0:
-    profile.save(cache_path)
-  return profile
+    have.save(cache_path)
+  return have
+
+
+def _start(key: dict[str, Any], cache_path: str | None, base: Profile | None) -> Profile:
+  """What is measured already: process 0's cache file (when made for `key`), and `base`'s
+  measured cells over it (when made for `key`)."""
+  cached = None
+  if cache_path:
+    found = load_cached(cache_path, key) if jax.process_index() == 0 else None
+    data = distributed.broadcast_json(None if found is None else found.to_json())
+    cached = None if data is None else Profile.from_json(data)
+  have = cached or Profile(key=key, cells={})
+  if base is not None and base.key == key:
+    have = have.merged(base.measured_only())
+  return have
+
+
+def _agreed(key: dict[str, Any], cells: dict[CellKey, Cell]) -> Profile:
+  """Process 0's cells, on every process."""
+  return Profile.from_json(distributed.broadcast_json(Profile(key=key, cells=cells).to_json()))
+
+
+def _to_measure(
+  model: ModelConfig,
+  config: ProfileConfig,
+  candidates: dict[Stage, list[ParallelConfig]],
+  rule_out: float,
+  have: Profile,
+  stage: Stage,
+  bucket: int,
+  rows: int,
+) -> list[ParallelConfig]:
+  """The candidates of (stage, bucket, rows) to measure: every one without a cell, or (with
+  `rule_out`) those `selector.prior.to_measure` names on `have` completed with the prior."""
+  if not rule_out:
+    return [c for c in candidates[stage] if (stage, bucket, rows, c.name) not in have.cells]
+  full = prior_lib.complete(have, model=model, shapes=config.spec)
+  names = prior_lib.to_measure(
+    full, stage, bucket, rows, budget=config.budget_bytes, margin=0.0, factor=rule_out
+  )
+  return [ParallelConfig.parse(n) for n in names]
 
 
 def _cell(stage, bucket, rows, parallel: ParallelConfig, entry, **measured) -> Cell:
@@ -363,12 +414,17 @@ class RunProfiler:
   """How one run measures its profile: the setup, its cache file, and the cells a resumed
   checkpoint brought (preferred to the cache's, so that a resume decides on the same numbers).
 
+  Two ways: a whole bucket before the decision that needs it (`measure_missing`, blocking), or
+  chosen cells between steps: `compile` them in the background, then `measure_cells` those
+  compiled on every process (`agreed`).
+
   Attributes:
     model: the model.
     config: the profile's grid, budget and measurement settings (`profile_config`).
     executables: the run's compile cache (the measured programs are the ones that run).
     cache_path: the JSON cache to reuse and fill (None: none).
     base: cells measured before, e.g. kept in the checkpoint a run resumes.
+    compiler: the background thread of `compile`.
   """
 
   model: ModelConfig
@@ -376,6 +432,11 @@ class RunProfiler:
   executables: Executables
   cache_path: str | None = None
   base: Profile | None = None
+  compiler: futures.ThreadPoolExecutor = dataclasses.field(
+    default_factory=lambda: futures.ThreadPoolExecutor(1, thread_name_prefix='earl-profile'),
+    repr=False,
+    compare=False,
+  )
 
   @classmethod
   def for_selector(
@@ -446,3 +507,66 @@ class RunProfiler:
       selector.use_profile(profile)
       seconds += spent
     return profile, seconds
+
+  def compile(self, cell: CellKey) -> futures.Future:
+    """Starts compiling the program of `cell` on the profile's own background thread (not the
+    run's precompile thread, whose next-bucket programs must not queue behind it)."""
+    return self.compiler.submit(self._prepare, cell)
+
+  def _prepare(self, cell: CellKey) -> None:
+    """Compiles the program of `cell`; on one process of CPU devices (host memory, no
+    collective a background thread could interleave with the run's), also runs once what
+    timing it will need (random weights, the program's inputs) so that their own compiles are
+    done before the step boundary that times it."""
+    stage, bucket, rows, name = cell
+    config = ParallelConfig.parse(name)
+    entry = self.executables.get(stage, config, bucket, rows)
+    if jax.process_count() == 1 and jax.default_backend() == 'cpu':
+      seed = self.config.measure.seed
+      _, params = qwen2.init_model(self.model, self.executables.mesh(config), seed=seed)
+      builders.make_inputs(entry.program, params, seed=seed)
+
+  def compiled_here(self, cell: CellKey) -> bool:
+    """Whether this process holds the compiled program of `cell`."""
+    stage, bucket, rows, name = cell
+    return self.executables.is_ready(stage, ParallelConfig.parse(name), bucket, rows)
+
+  def agreed(self, held: Sequence[bool]) -> list[bool]:
+    """Flags every process holds for the same cells (e.g. 'compiled here'), true where they
+    are true on every process: a collective, so that every process times the same cells."""
+    missing = distributed.process_max([0 if h else 1 for h in held])
+    return [m == 0 for m in missing]
+
+  def measure_cells(
+    self,
+    profile: Profile,
+    cells: Sequence[CellKey],
+    *,
+    proceed: Callable[[Stage, int, int, list[str]], bool],
+  ) -> Profile:
+    """`profile` with `cells` measured, a (stage, bucket, rows) at a time in their order, each
+    once `proceed(stage, bucket, rows, layouts)` agrees, until it does not (it must answer alike
+    on every process: every process times the same programs together); a program not compiled
+    yet is compiled first. Process 0's figures on every process; process 0's cache file
+    updated."""
+    groups: dict[tuple[Stage, int, int], list[ParallelConfig]] = {}
+    for stage, bucket, rows, name in cells:
+      groups.setdefault((stage, bucket, rows), []).append(ParallelConfig.parse(name))
+    params, t0 = None, time.perf_counter()
+    for (stage, bucket, rows), chosen in groups.items():
+      if not proceed(stage, bucket, rows, [c.name for c in chosen]):
+        break
+      if params is None:
+        mesh = self.executables.mesh(chosen[0])
+        _, params = qwen2.init_model(self.model, mesh, seed=self.config.measure.seed)
+      measured: dict[CellKey, Cell] = {}
+      params = _profile_cell(
+        self.executables, stage, bucket, rows, chosen, self.config, params, measured, None
+      )
+      profile = profile.merged(_agreed(profile.key, measured))
+    if params is None:
+      return profile
+    profile.wall_s += time.perf_counter() - t0
+    if self.cache_path and jax.process_index() == 0:
+      profile.save(self.cache_path)
+    return profile

@@ -30,9 +30,10 @@ bucket P): the very programs the Parallelism Selector profiles and precompiles.
 
 The engine records, per episode: every token, a loss mask of exactly the tokens the policy
 generated, their sampling log-probs, the turn boundaries, the return, the turn-level and
-episode-level context lengths that EARL's Fig. 1 tracks, and its latency; and for the whole
-rollout the padded fractions of decode and prefill and the slot occupancy
-(`Trajectories.rollout_stats`).
+episode-level context lengths that EARL's Fig. 1 tracks, its latency, and what its
+environment reports of it (`TextEnv.episode_stats`: a code task's programs run and sandbox
+time; read as its cohort ends); and for the whole rollout the padded fractions of decode and
+prefill and the slot occupancy (`Trajectories.rollout_stats`).
 
   exe = Executables(model_cfg, spec=StageSpec.for_rollout(rollout_config, tokenizer, model_cfg))
   engine = RolloutEngine(model_cfg, tokenizer, env_config, rollout_config, buckets, programs=exe)
@@ -195,10 +196,11 @@ class _Episodes:
   thoughts: np.ndarray  # int32 [E]: turns that thought instead of moving (the env's hints)
   started_s: np.ndarray  # f64 [E]: when the episode took a slot (perf_counter)
   seconds: np.ndarray  # f64 [E]: from taking a slot to ending
+  env_stats: dict[str, np.ndarray]  # name -> f64 [E]: what its environment reported
   generated: int = 0
 
   @classmethod
-  def empty(cls, E: int) -> '_Episodes':
+  def empty(cls, E: int, stat_names: tuple[str, ...] = ()) -> '_Episodes':
     lists = lambda: [[] for _ in range(E)]  # noqa: E731
     return cls(
       rows=lists(),
@@ -217,6 +219,7 @@ class _Episodes:
       thoughts=np.zeros(E, np.int32),
       started_s=np.zeros(E, np.float64),
       seconds=np.zeros(E, np.float64),
+      env_stats={name: np.zeros(E, np.float64) for name in stat_names},
     )
 
   def record(self, i: int, prompt: list[int], reply: list[int], logprobs: list[float]) -> None:
@@ -292,6 +295,7 @@ class _Episodes:
       thoughts=self.thoughts.copy(),
       episode_seconds=self.seconds.astype(np.float32),
       rollout_stats=stats,
+      env_stats={name: values.copy() for name, values in self.env_stats.items()},
     )
 
 
@@ -406,6 +410,8 @@ class RolloutEngine:
     # task table).
     self._idle_envs: list[envs.TextEnv] = [registry.make_env(env_config)]
     self.max_turns = config.max_turns or self._idle_envs[0].max_turns
+    # What the environment reports per episode (`TextEnv.episode_stats`), read as a cohort ends.
+    self.stat_names = tuple(sorted(self._idle_envs[0].episode_stats()))
 
   @property
   def token_ids(self) -> tuple[int, ...] | None:
@@ -470,7 +476,7 @@ class RolloutEngine:
     """
     cfg = self.config
     run = self._start(mesh, capacity, greedy or cfg.sampling.greedy, seed)
-    episodes = _Episodes.empty(len(run.episode_ids))
+    episodes = _Episodes.empty(len(run.episode_ids), self.stat_names)
     while True:
       t0 = time.perf_counter()
       self._admit(run, episodes)
@@ -685,7 +691,11 @@ class RolloutEngine:
         episodes.seconds[i] = now - episodes.started_s[i]
         run.slots[s] = -1
     live = [c for c in run.cohorts if episodes.running[c.members].any()]
-    self._idle_envs += [c.env for c in run.cohorts if c not in live]
+    for cohort in run.cohorts:
+      if cohort not in live:  # its environment's reports, before a reset clears them
+        for name, values in cohort.env.episode_stats().items():
+          episodes.env_stats[name][cohort.members] = values
+        self._idle_envs.append(cohort.env)
     run.cohorts = live
 
   def _stats(self, counts: _Counts, slot_rows: np.ndarray) -> dict[str, float]:

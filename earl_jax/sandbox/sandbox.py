@@ -292,6 +292,7 @@ class Sandbox:
     isolation: 'namespaces' or 'limits-only'.
     isolation_reason: why not namespaces ('' when namespaces).
     program_uids: the uid each worker's programs run under (empty when not root).
+    programs_run: the programs `check_many` (and `check`) has been given to judge.
   """
 
   def __init__(self, config: SandboxConfig = SandboxConfig()):
@@ -302,6 +303,7 @@ class Sandbox:
     self._lock = threading.Lock()
     self._pending: dict[int, _Pending] = {}
     self._ids = itertools.count()
+    self.programs_run = 0
     self._broken: str | None = None
     self._closed = False
     self._stderr_tail = collections.deque(maxlen=40)
@@ -507,6 +509,8 @@ class Sandbox:
         raise ValueError('Sandbox.check: expected a sequence of TestCase')
     if not jobs:
       return []
+    with self._lock:
+      self.programs_run += len(jobs)
     requests = [
       {
         'op': 'check',

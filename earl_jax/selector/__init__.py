@@ -21,8 +21,8 @@ executables and the moves between layouts are run by the trainer.
 
   # Every step, before every stage:
   stats = StepStats(episode_lengths=prev_lengths, num_responses=n, free_memory_bytes=free)
-  for bucket in sel.missing(Stage.ROLLOUT, stats):   # a lazy profile: measure what it lacks
-    sel.use_profile(profiling.run(..., buckets=(bucket,)))
+  cells = sel.wanted(Stage.ROLLOUT, stats)   # a lazy profile: cells worth measuring (between
+  sel.use_profile(measured)                  # steps); until then the decision uses the prior
   d, state = sel.propose(Stage.ROLLOUT, stats)       # the rule, pure (None stats at step 0)
   params, program, record = switch(Stage.ROLLOUT, params, exe, d.config, d.run_bucket, d.rows,
                                    source=prev_config, budget=sel.budget_bytes)
@@ -34,10 +34,12 @@ executables and the moves between layouts are run by the trainer.
 
 `propose` / `decide` raise `ValueError` for a context longer than the largest bucket or a load
 above the profiled ones, and `InfeasibleError` (naming the smallest layout's need) when nothing
-fits. `analytic.estimate(...)` is the memory model for shapes too large to compile here.
+fits. `analytic.estimate(...)` is the memory model for shapes too large to compile here, and
+`analytic.call_seconds(...)` the time model; `prior.complete(...)` gives every cell a figure
+before it is measured.
 """
 
-from earl_jax.selector import analytic, candidates, profile, selector
+from earl_jax.selector import analytic, candidates, prior, profile, selector
 from earl_jax.selector.candidates import stage_candidates
 from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.selector.selector import (
@@ -61,6 +63,7 @@ __all__ = [
   'StepStats',
   'analytic',
   'candidates',
+  'prior',
   'profile',
   'selector',
   'stage_candidates',

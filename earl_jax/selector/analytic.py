@@ -247,3 +247,106 @@ def kv_capacity_tokens(
   per_token *= _BYTES[model.dtype]
   free = budget_bytes - weights
   return max(0, free // per_token) * parallel.batch_shards
+
+
+# -- time -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Speeds:
+  """Nominal per-device speeds of the analytic time model (about an H100's).
+
+  Only their ratios shape a prior: the first measured cell of a layout scales it to the device
+  at hand (`selector.prior`), and until then its figures are in these nominal units.
+
+  Attributes:
+    flops: matmul FLOP/s.
+    memory_bytes: bytes/s read or written in device memory.
+    link_bytes: bytes/s a device sends to its peers in a collective.
+    collective_s: the fixed cost of one collective (launch and synchronisation).
+  """
+
+  flops: float = 4e14
+  memory_bytes: float = 3e12
+  link_bytes: float = 2e11
+  collective_s: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """What one call of a stage program does on one device."""
+
+  flops: float
+  memory_bytes: float
+  link_bytes: float
+  collectives: int
+
+
+def call_seconds(
+  stage: Stage | str,
+  model: ModelConfig,
+  parallel: ParallelConfig,
+  bucket: int,
+  rows: int,
+  *,
+  decode_tokens: int = 8,
+  chunk: int = 0,
+  micro_batches: int = 1,
+  speeds: Speeds = Speeds(),
+) -> float:
+  """Analytic seconds of one call of a stage program on one device: matmul and attention FLOPs,
+  the bytes of weights, K/V and activations it reads, and its collectives (tp all-reduces of the
+  activations, fsdp gathers of the weights, the dp all-reduce of the gradients), at `speeds`.
+
+  A roofline sum, not a simulation: it is the prior's shape over buckets, loads and layouts,
+  which measurements then scale (`selector.prior`). Arguments as in `estimate`.
+  """
+  stage = Stage.parse(stage)
+  work = _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batches)
+  return (
+    work.flops / speeds.flops
+    + work.memory_bytes / speeds.memory_bytes
+    + work.link_bytes / speeds.link_bytes
+    + work.collectives * speeds.collective_s
+  )
+
+
+def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batches) -> _Work:
+  act = _BYTES[model.dtype]
+  tp, fsdp, dp = parallel.tp, parallel.fsdp, parallel.dp
+  B_l = math.ceil(rows / parallel.batch_shards)
+  H_l = math.ceil(model.num_heads / tp)
+  F_l = math.ceil(model.intermediate_size / tp)
+  D, Dh, L = model.hidden_size, model.head_dim, model.num_layers
+  gathered = weight_bytes_per_device(model, dataclasses.replace(parallel, fsdp=1))
+  matmul = 2 * gathered / _BYTES[model.param_dtype]  # FLOPs per token of the weights it uses
+  reduce = 2 * (tp - 1) / tp  # bytes sent per byte of a ring all-reduce
+  if stage == Stage.ROLLOUT:
+    # Prefill of P tokens, then N decode steps, each attending to the whole cache of `bucket`.
+    passes, tokens = decode_tokens + 1, chunk + decode_tokens
+    flops = B_l * tokens * (matmul + 4 * L * H_l * Dh * bucket)
+    kv = kv_cache_bytes_per_device(model, parallel, bucket, rows)
+    memory_bytes = passes * (gathered + kv)
+    link = (2 * L * B_l * tokens * D * act * reduce if tp > 1 else 0) + (
+      gathered * (fsdp - 1) / fsdp
+    )
+    collectives = (2 * L * passes if tp > 1 else 0) + (L if fsdp > 1 else 0)
+    return _Work(flops, memory_bytes, link, collectives)
+  # A forward over [B_l, T] (causal attention: half the score tiles), once or for the update.
+  T = bucket
+  flops = B_l * T * matmul + B_l * 2 * L * H_l * Dh * T * T
+  memory_bytes = gathered + 4 * L * B_l * T * (D + F_l) * act
+  link = (2 * L * B_l * T * D * act * reduce if tp > 1 else 0) + gathered * (fsdp - 1) / fsdp
+  collectives = (2 * L if tp > 1 else 0) + (L if fsdp > 1 else 0)
+  if stage == Stage.EXPERIENCE:
+    return _Work(flops, memory_bytes, link, collectives)
+  # The update: forward and backward (about 3x the forward), every micro-batch; then AdamW
+  # over the local shard (weights, gradients and two moments read and written).
+  local = weight_bytes_per_device(model, parallel)
+  grads = (2 * (dp - 1) / dp) * local + (gathered * (fsdp - 1) / fsdp)
+  return _Work(
+    flops=3 * flops + 12 * local / _BYTES[model.param_dtype],
+    memory_bytes=3 * memory_bytes + 8 * local,
+    link_bytes=2 * link + grads,
+    collectives=micro_batches * 2 * collectives + (1 if dp > 1 else 0) + (L if fsdp > 1 else 0),
+  )

@@ -3,6 +3,15 @@
 Pure data with a JSON round trip (`to_json` / `from_json`, `save` / `load_cached`): what the
 selector ranks layouts by, what a checkpoint keeps and what a cache file holds. It is measured by
 `earl_jax.programs.profiling.run` (which compiles and times the programs); nothing here compiles.
+A cell that is not measured yet may hold a prior figure (`Cell.prior`, filled by
+`selector.prior.complete`); a cache file and a checkpoint keep only the measured cells
+(`measured_only`).
+
+The cache file is the profile of one setup, shareable between runs and machines of that setup:
+its key names everything the figures depend on (device kind and count, software, model,
+candidates, grid, budget, program shapes), and `load_cached` refuses a file whose key differs,
+in one line naming the fields. How carefully it was timed (`MeasureConfig`) is not part of the
+key: a table measured offline with more repeats serves a run that would time fewer.
 
   profile = Profile.from_json(json.load(open('runs/profile.json')))
   profile.cell(Stage.ROLLOUT, 1024, 16, ParallelConfig(tp=8)).throughput
@@ -21,7 +30,7 @@ from earl_jax.config import ParallelConfig
 from earl_jax.errors import ConfigError
 from earl_jax.stage import Stage
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: cells carry `prior`; the key leaves out the measurement settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +73,12 @@ class Cell:
     throughput: median tokens per device per second (None when OOM).
     times_ms: every timed call.
     compile_ms: lower + compile time of the executable.
-    measured: a measurement (False: an analytic estimate and a preference score).
+    measured: a measurement (False: an analytic estimate and a preference score, or a prior).
+    prior: where an unmeasured figure comes from (`selector.prior`): '<layout>@<bucket>' (that
+      measured cell of the same layout, scaled by the analytic model), 'layouts' (the stage's
+      measured layouts, scaled so), 'device' (the analytic time model, scaled by the other
+      stages' cells) or 'analytic' (the analytic time model in nominal units); '' for a
+      measurement and for an unprofiled stage's preference.
   """
 
   stage: Stage
@@ -77,6 +91,7 @@ class Cell:
   times_ms: tuple[float, ...] = ()
   compile_ms: float = 0.0
   measured: bool = True
+  prior: str = ''
 
   @property
   def spread(self) -> float | None:
@@ -132,6 +147,11 @@ class Profile:
       return False
     return all((stage, bucket, rows, c.name) in self.cells for c in self.candidates(stage))
 
+  def measured_only(self) -> 'Profile':
+    """This profile without its prior cells: what a cache file and a checkpoint keep."""
+    cells = {k: c for k, c in self.cells.items() if c.measured}
+    return Profile(key=self.key, cells=cells, wall_s=self.wall_s)
+
   def merged(self, other: 'Profile') -> 'Profile':
     """This profile with `other`'s cells added (same setup; other's cells win)."""
     return Profile(
@@ -169,12 +189,19 @@ class Profile:
       cells[(cell.stage, cell.bucket, cell.rows, cell.config)] = cell
     return cls(key=data['key'], cells=cells, wall_s=data.get('wall_s', 0.0))
 
-  def save(self, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  def save(self, path: str) -> bool:
+    """Writes the measured cells to `path` (atomically); False, logged, when it cannot be
+    written (a shared read-only table: the run goes on without caching)."""
     tmp = f'{path}.{os.getpid()}.tmp'  # two processes saving at once each replace it whole
-    with open(tmp, 'w') as f:
-      json.dump(self.to_json(), f, indent=1)
-    os.replace(tmp, path)
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      with open(tmp, 'w') as f:
+        json.dump(self.measured_only().to_json(), f, indent=1)
+      os.replace(tmp, path)
+    except OSError as e:
+      logging.warning('Profile %s was not written (%s); the run goes on without it.', path, e)
+      return False
+    return True
 
 
 def key_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
@@ -192,8 +219,18 @@ def key_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
   return out
 
 
+def refusal(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str | None:
+  """The one-line reason a profile file made for `found` is not used for `expected` (None: it
+  is the same setup)."""
+  diff = key_mismatch(expected, found)
+  if not diff:
+    return None
+  return f'Profile {path} was made for another setup (differs in {", ".join(diff)}); not used.'
+
+
 def load_cached(path: str, key: dict[str, Any]) -> Profile | None:
-  """The profile at `path` if it was made for exactly `key`; None (logged) when it was not."""
+  """The profile at `path` if it was made for exactly `key`; None when it was not (the one-line
+  reason is logged as a warning: `refusal`)."""
   if not os.path.exists(path):
     return None
   try:
@@ -205,10 +242,8 @@ def load_cached(path: str, key: dict[str, Any]) -> Profile | None:
   except (OSError, ValueError, KeyError, TypeError) as e:
     logging.warning('Profile cache %s is unreadable (%s); rebuilding it.', path, e)
     return None
-  diff = key_mismatch(key, found)
-  if diff:
-    logging.warning(
-      'Profile cache %s was made for another setup (differs in %s); rebuilding it.', path, diff
-    )
+  reason = refusal(path, key, found)
+  if reason is not None:
+    logging.warning('%s', reason)
     return None
-  return Profile.from_json(data)
+  return Profile.from_json(data).measured_only()

@@ -25,8 +25,11 @@ the number of responses (the load) and, optionally, the free per-device memory. 
 
 The rule is pure: `Selector.rule(stage, state, stats, profile)` returns the decision and the
 stage's next `StageState` and changes nothing; `commit` records them. Nothing here compiles or
-measures: a lazily profiled bucket the rule needs is reported by `Selector.missing`, measured by
-the caller and handed over with `Selector.use_profile` before the decision.
+measures. A lazily profiled cell the rule needs and nobody measured yet has a prior figure
+(`selector.prior`, with `ProfileSettings.prior`): the decision runs on it at once, its reason
+naming which figures were measured and which prior, and `Selector.wanted` names the cells worth
+measuring (the caller measures them between steps and hands them over with `use_profile`).
+Without the prior, `Selector.missing` names the buckets to measure before the decision.
 
 Where the ranking comes from, per stage: a measured `Profile` (the paper: decode throughput per
 layout and context range, measured at start-up by `earl_jax.programs.profiling.run`, for
@@ -58,6 +61,7 @@ from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig, check_flo
 from earl_jax.errors import ConfigError
 from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
 from earl_jax.selector import analytic
+from earl_jax.selector import prior as prior_lib
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
 from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.stage import STAGES, Stage
@@ -75,18 +79,39 @@ class ProfileSettings:
       are ranked by the analytic model and the fewest-splits preference.
     cache: JSON file of the profile (reused when it matches the setup).
     measure: how each cell is timed.
-    lazy: measure a bucket the first time a decision needs it (a run pays only for the buckets
-      it reaches; `Selector.missing` names them, the trainer measures them); False: every
-      bucket at start-up.
+    lazy: measure a bucket when the run reaches it (a run pays only for the buckets it
+      reaches); False: every bucket at start-up, before the first step.
+    prior: with `lazy`, decide on the prior (`selector.prior`) where a cell is not measured
+      yet, and measure between steps, never holding a decision up: the cells the next
+      decisions would rank by and those of the next bucket up (`Selector.wanted`), compiled in
+      the background and timed at the start of a step; False: a decision waits until its
+      buckets are measured whole (`Selector.missing`).
+    rule_out: a candidate is not measured at a bucket where its own measurement elsewhere,
+      scaled there by the analytic model, is below 1 / rule_out of the best figure (0: measure
+      every candidate that fits). Why 2: replayed bucket by bucket over the default's stored
+      profile (CPU), the prior's figure relative to the best was 0.44-2.03x the measured one
+      (p5-p95; the think preset's 0.69-1.41x), and the choices it changed were 0.85-0.98 of
+      the best.
+    max_share: between steps, measuring stops once it would take the time spent measuring
+      past this share of the run's time so far (process 0's clock); what is left waits for a
+      later step, its prior standing in.
   """
 
   stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
   cache: str | None = None
   measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
   lazy: bool = False
+  prior: bool = True
+  rule_out: float = 2.0
+  max_share: float = 0.1
 
   def __post_init__(self):
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
+    check_float32(self, 'rule_out', 'max_share')
+    if not (self.rule_out == 0 or self.rule_out >= 1):
+      raise ConfigError(f'ProfileSettings.rule_out must be 0 (never) or >= 1, got {self.rule_out}.')
+    if not 0 < self.max_share <= 1:
+      raise ConfigError(f'ProfileSettings.max_share must be in (0, 1], got {self.max_share}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,12 +241,15 @@ class StepStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
-  """One layout as the decision saw it."""
+  """One layout as the decision saw it (`measured`: its ranking figure was measured; else
+  `prior` says where it came from, or is '' for the analytic preference)."""
 
   config: str
   throughput: float | None
   need_bytes: int
   feasible: bool
+  measured: bool = True
+  prior: str = ''
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -454,6 +482,28 @@ class _Choice:
 # (stage, from layout, to layout, run bucket, rows) -> milliseconds the switch would stall.
 SwitchCost = Callable[[Stage, ParallelConfig, ParallelConfig, int, int], float]
 
+TIMED = 'tok/s/dev'  # a measured figure, or a prior scaled by measurements
+
+
+def _unit_of(figure: Cell | Option) -> str:
+  """The unit of a ranking figure: measured or scaled by measurements (tokens per device per
+  second), the analytic time model's nominal speeds, or the unprofiled stages' preference."""
+  if figure.measured or figure.prior not in ('', prior_lib.ANALYTIC):
+    return TIMED
+  return '(analytic)' if figure.prior == prior_lib.ANALYTIC else '(preference)'
+
+
+def _figures(options: Sequence[Option]) -> str:
+  """'; measured: a, b; prior: c (c@256)' for a profiled stage: which ranking figures were
+  measured and where the others came from ('' for a stage ranked by the preference)."""
+  if not any(o.measured or o.prior for o in options):
+    return ''
+  measured = [o.config for o in options if o.measured]
+  prior = [f'{o.config} ({o.prior})' for o in options if not o.measured]
+  return f'; measured: {", ".join(measured) or "none"}' + (
+    f'; prior: {", ".join(prior)}' if prior else ''
+  )
+
 
 class Selector:
   """Decides each stage's layout (see the module docstring).
@@ -484,7 +534,8 @@ class Selector:
     config: the decision rule and where rankings come from.
     buckets: the context-length table.
     rows: the number(s) of responses the stages run (the load bins).
-    model: the model (needed unless every stage is in `profile`).
+    model: the model (needed unless every stage is in `profile`); with
+      `config.profile.prior`, the cells a profile lacks get prior figures from it.
     num_devices: devices of every stage (default: all).
     profile: a measured profile (`programs.profiling.run`); it must cover every stage of
       `config.profile.stages` (possibly not every bucket, with `lazy`).
@@ -505,6 +556,8 @@ class Selector:
     self._state: dict[Stage, StageState] = {}
     self._refused: dict[Stage, set[tuple[str, int, int]]] = {}
     self._switch_cost = switch_cost
+    self._model = model
+    self._shapes = spec or DEFAULT_SHAPES
     self._profiles: dict[Stage, Profile] = {}
     if profile is not None:
       self.use_profile(profile)
@@ -567,11 +620,15 @@ class Selector:
     return self._profiles[stage]
 
   def use_profile(self, profile: Profile) -> None:
-    """Ranks `profile`'s stages by it from now on (e.g. with a bucket measured since)."""
+    """Ranks `profile`'s stages by it from now on (e.g. with cells measured since); with
+    `config.profile.prior` and a model, the cells it lacks get prior figures
+    (`prior.complete`)."""
     if tuple(self.buckets.lengths) != profile.buckets:
       raise ValueError(
         f'Buckets {self.buckets.lengths} differ from the profiled buckets {profile.buckets}.'
       )
+    if self.config.profile.prior and self._model is not None:
+      profile = prior_lib.complete(profile, model=self._model, shapes=self._shapes)
     self._profiles.update(dict.fromkeys(profile.stages, profile))
 
   def state_dict(self) -> dict[str, Any]:
@@ -604,6 +661,39 @@ class Selector:
     reading = self._read(stage, stats or self._initial_stats(), self.state(stage), profile)
     buckets = dict.fromkeys((reading.bucket, reading.run_bucket))
     return [b for b in buckets if not profile.covers(stage, b, reading.rows)]
+
+  def wanted(
+    self, stage: Stage, stats: StepStats | None, *, ahead: bool = False
+  ) -> list[tuple[int, int, str]]:
+    """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
+    the most promising first (`prior.to_measure`): at the buckets a decision would rank and run
+    at, or (`ahead`) at the next bucket up from the run bucket, where the run goes next. [] for
+    a stage ranked by the analytic model, and without the prior (see `missing`). Pure: the same
+    on every process that holds the same profile."""
+    stage = Stage.parse(stage)
+    settings = self.config.profile
+    if stage not in settings.stages or not settings.prior or self._model is None:
+      return []
+    profile = self.profile(stage)
+    reading = self._read(stage, stats or self._initial_stats(), self.state(stage), profile)
+    buckets = [reading.bucket, reading.run_bucket]
+    if ahead:
+      lengths = self.buckets.lengths
+      i = lengths.index(reading.run_bucket) + 1
+      buckets = lengths[i : i + 1]
+    out = []
+    for bucket in dict.fromkeys(buckets):
+      names = prior_lib.to_measure(
+        profile,
+        stage,
+        bucket,
+        reading.rows,
+        budget=self.budget_bytes,
+        margin=self.config.safety_margin,
+        factor=self.config.profile.rule_out,
+      )
+      out += [(bucket, reading.rows, name) for name in names]
+    return out
 
   def propose(self, stage: Stage, stats: StepStats | None) -> tuple[Decision, StageState]:
     """The rule on the stage's current state: (decision, the state after it); records nothing.
@@ -672,8 +762,8 @@ class Selector:
     if not feasible:
       raise self._infeasible(stage, reading.run_bucket, reading.rows, reading.budget, options)
     best = max(feasible, key=lambda o: o.option.throughput)
-    measured = profile.cell(stage, reading.bucket, reading.rows, best.config).measured
-    choice = self._choose(stage, stats, options, best, state, reading, measured)
+    unit = _unit_of(profile.cell(stage, reading.bucket, reading.rows, best.config))
+    choice = self._choose(stage, stats, options, best, state, reading, unit)
     chosen = choice.chosen
     infeasible = [o.config.name for o in options if not o.option.feasible]
     reason = (
@@ -682,6 +772,7 @@ class Selector:
       f'{stats.num_responses} responses -> load {reading.rows}; {choice.why}'
       + (f'; infeasible: {", ".join(infeasible)}' if infeasible else '')
       + (f'; {"; ".join(reading.notes)}' if reading.notes else '')
+      + _figures([o.option for o in options])
     )
     decision = Decision(
       stage=stage,
@@ -715,14 +806,19 @@ class Selector:
     for config in profile.candidates(stage):
       run_cell = profile.cell(stage, run_bucket, rows, config)
       rank_cell: Cell = profile.cell(stage, bucket, rows, config)
-      score = rank_cell.throughput if rank_cell.throughput is not None else run_cell.throughput
+      figure = rank_cell if rank_cell.throughput is not None else run_cell
       feasible = (
         self._fits(run_cell.peak_bytes, budget)
-        and score is not None
+        and figure.throughput is not None
         and (config.name, run_bucket, rows) not in refused
       )
       option = Option(
-        config=config.name, throughput=score, need_bytes=run_cell.peak_bytes, feasible=feasible
+        config=config.name,
+        throughput=figure.throughput,
+        need_bytes=run_cell.peak_bytes,
+        feasible=feasible,
+        measured=figure.measured,
+        prior=figure.prior,
       )
       out.append(_Candidate(config, option))
     return out
@@ -794,7 +890,7 @@ class Selector:
       )
     return gain, cost
 
-  def _choose(self, stage, stats, options, best: _Candidate, state, reading, measured) -> _Choice:
+  def _choose(self, stage, stats, options, best: _Candidate, state, reading, unit) -> _Choice:
     """Step 4: the layout to run, why, and the switch gate's numbers when it was weighed."""
     cfg = self.config
     prev = state.config
@@ -812,7 +908,6 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    unit = 'tok/s/dev' if measured else '(preference)'
     now, top = current.option.throughput, best.option.throughput
     if now >= (1.0 - cfg.switch_threshold) * top:
       return _Choice(
@@ -824,7 +919,8 @@ class Selector:
       f'{best.config.name} is {top / now - 1:.0%} faster than {prev.name} '
       f'({top:.1f} vs {now:.1f} {unit})'
     )
-    gate = self._gate(stage, stats, state, current, best, reading) if measured else None
+    timed = unit == TIMED and _unit_of(current.option) == TIMED
+    gate = self._gate(stage, stats, state, current, best, reading) if timed else None
     if gate is None:
       return _Choice(best, faster)
     gain, cost = gate

@@ -199,3 +199,72 @@ def agreement_and_rows() -> dict:
     }
   out['layouts'] = layouts
   return out
+
+
+def code_trainer_run(workdir: str, steps: int) -> dict:
+  """A smoke-sized run of the code environment on this process group: the tiny model from
+  scratch with the code tokenizer, the 'functions' tasks in up to two attempts, every program
+  judged by this process's sandbox.
+
+  Returns:
+    rows: the metrics rows (process 0; None elsewhere).
+    played: per step, the episodes this process played (its rows of the batch) and the programs
+      each ran ({row: programs}).
+    programs_run: the programs this process's sandbox judged during the run.
+  """
+  from earl_jax import metrics, trainer
+  from earl_jax.config import BucketConfig
+  from earl_jax.envs import code_env
+  from earl_jax.envs.base import CodeEnvConfig
+  from earl_jax.rollout.engine import RolloutConfig
+  from earl_jax.rollout.sampler import SamplingConfig
+  from earl_jax.sandbox import SandboxConfig
+  from earl_jax.testing import configs
+
+  # A reply with no code ends its episode at -1: a batch's returns differ, so every update moves
+  # the policy (an untrained model passes no test: every other return is 0). Feedback lines of at
+  # most 40 characters keep a repair turn's prompt under 256 tokens and an episode under 512:
+  # one prompt bucket and one context bucket, so that each stage compiles one program.
+  env = CodeEnvConfig(
+    task='functions',
+    max_turns=2,
+    invalid_reward=-1.0,
+    feedback_chars=40,
+    sandbox=SandboxConfig(workers=1),
+  )
+  config = configs.smoke_experiment(
+    model='tiny',
+    tokenizer='code',
+    env=env,
+    eval_env=env,
+    rollout=RolloutConfig(
+      num_episodes=8,
+      sampling=SamplingConfig(temperature=1.0, max_new_tokens=8),
+      prompt_buckets=(256,),
+    ),
+    buckets=BucketConfig(lengths=(512,)),
+    steps=steps,
+    eval_every=0,
+    checkpoint_every=0,
+    seed=1,
+  )
+  t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
+  played: list[dict[str, float]] = []
+  roll_out = t.engine.run
+
+  def recording_run(*args, **kwargs):
+    traj = roll_out(*args, **kwargs)
+    programs = traj.env_stats['programs'].tolist()
+    played.append({str(r): p for r, p in zip(traj.row_ids.tolist(), programs)})
+    return traj
+
+  t.engine.run = recording_run
+  sandbox = code_env.shared_sandbox(env.sandbox)
+  before = sandbox.programs_run
+  t.run(progress=False)
+  return {
+    'rows': metrics.read_jsonl(f'{workdir}/metrics.jsonl') if t.is_main else None,
+    'played': played,
+    'programs_run': sandbox.programs_run - before,
+    'process': jax.process_index(),
+  }

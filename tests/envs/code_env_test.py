@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from earl_jax.envs import base, code_env, code_tasks, registry
-from earl_jax.sandbox import SandboxError, TestResult
+from earl_jax.sandbox import Sandbox, SandboxConfig, SandboxError, TestResult
 
 WRONG_BODY = '    return None'
 
@@ -114,6 +114,37 @@ def test_repair_turns_show_the_failing_public_tests_and_grow_the_context(sandbox
   assert third.infos[0]['turn'] == 2 and third.infos[0]['outcome'] == 'win'
   total = np.cumsum([len(c) for c in contexts])
   assert (np.diff(total) > 0).all()
+
+
+def test_episode_stats_count_what_the_sandbox_ran_and_judged():
+  """Pass rates (first attempt, final), programs, time-outs and crashes per episode, from the
+  sandbox's verdicts; the wall time of each sandbox call shared among its programs."""
+  with Sandbox(SandboxConfig(workers=2, test_timeout_s=0.3, program_timeout_s=3.0)) as pool:
+    env = _env(pool, max_turns=2)
+    assert env.episode_stats()['programs'].shape == (0,)  # the names before any reset
+    env.reset(5, seed=0)
+    task = env.episode_tasks
+    crash, hang = '    import os; os._exit(3)', '    while True: pass'
+    first = env.step([task[0].reference, WRONG_BODY, crash, hang, 'ok ' * 1000])
+    assert [i['status'] for i in first.infos] == ['pass', 'fail', 'crash', 'timeout', None]
+    env.step(['', task[1].reference, WRONG_BODY, task[3].reference, ''])
+    assert env.outcomes == ['win', 'win', 'loss', 'win', 'invalid']
+    stats = env.episode_stats()
+    assert list(stats) == [
+      'pass_first_rate', 'pass_final_rate', 'programs', 'timeouts', 'crashes', 'sandbox_s'
+    ]  # fmt: skip
+    np.testing.assert_array_equal(stats['pass_first_rate'], [1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(stats['pass_final_rate'], [1, 1, 0, 1, 0])
+    np.testing.assert_array_equal(stats['programs'], [1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(stats['timeouts'], [0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(stats['crashes'], [0, 0, 1, 0, 0])
+    # The first call (4 programs, one of them waiting out its time-out) is shared by episodes
+    # 0-3, the second (3 programs) by 1-3; the invalid reply ran nothing.
+    seconds = stats['sandbox_s']
+    assert 4 * seconds[0] >= 0.3 and seconds[0] < seconds[1] and seconds[4] == 0
+    np.testing.assert_allclose(seconds[1:4], seconds[1])
+    env.reset(2, seed=0)  # a reset starts the counts afresh
+    assert env.episode_stats()['programs'].tolist() == [0, 0]
 
 
 def test_the_last_turn_is_rewarded_by_the_hidden_tests(sandbox):

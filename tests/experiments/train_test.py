@@ -85,6 +85,13 @@ BAD_INPUTS = [
   ('workdir name too long', ['--workdir={tmp}/' + 'w' * 256], 'w' * 256),
   ('empty workdir', ['--workdir='], '--workdir'),
   ('missing warm start', ['--config.init_from={tmp}/nope'], 'does not exist or is not a folder'),
+  (
+    'code without its warm start',  # its init_from, runs/code_sft/checkpoints, is not there
+    ['--config=code'],
+    "init_from='runs/code_sft/checkpoints' does not exist or is not a folder: expected the "
+    'checkpoints folder of a warm start; run it first, e.g. `python experiments/sft.py '
+    '--config=code`',
+  ),
 ]
 
 

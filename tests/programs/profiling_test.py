@@ -12,7 +12,7 @@ from earl_jax.programs import builders, memory, profiling
 from earl_jax.programs.executables import Executables
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.selector.candidates import stage_candidates
-from earl_jax.selector.profile import MeasureConfig, load_cached
+from earl_jax.selector.profile import Cell, MeasureConfig, Profile, load_cached
 from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
@@ -192,3 +192,79 @@ def test_the_cache_key_holds_only_what_shapes_the_programs():
   assert key(loss=losses.LossConfig(kl_coef=0.01)) == key(loss=losses.LossConfig(kl_coef=0.5))
   assert key(loss=losses.LossConfig(kl_coef=0.01)) != base
   assert key(micro_batches=2) != base
+
+
+def test_a_table_timed_more_carefully_serves_a_run_that_times_less(exe, budget, tmp_path):
+  """The shareable table: how it was timed is not part of its key."""
+  path = str(tmp_path / 'table.json')
+  careful = dataclasses.replace(_config(budget), measure=MeasureConfig(repeats=3, rounds=2))
+  table = profiling.run(CFG, careful, executables=exe, cache_path=path)
+  assert all(len(c.times_ms) == 6 for c in table.cells.values() if not c.oom)
+  cands = profiling.default_candidates(CFG, careful)
+  assert profiling.profile_key(CFG, careful, cands) == profiling.profile_key(
+    CFG, _config(budget), cands
+  )
+  reused = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  assert reused.cells == table.cells and reused.wall_s == table.wall_s  # nothing timed again
+
+
+def _fabricated(path, config, tgs: dict[str, float]):
+  """A cache of `config`'s setup holding rollout cells at bucket 32 with the given speeds."""
+  cands = profiling.default_candidates(CFG, config)
+  key = profiling.profile_key(CFG, config, cands)
+  cells = {
+    (Stage.ROLLOUT, 32, 8, name): Cell(
+      stage=Stage.ROLLOUT,
+      config=name,
+      bucket=32,
+      rows=8,
+      peak_bytes=MiB,
+      oom=False,
+      throughput=v,
+      times_ms=(1.0,),
+    )
+    for name, v in tgs.items()
+  }
+  Profile(key=key, cells=cells).save(path)
+
+
+def test_the_prior_rules_a_far_slower_layout_out_of_a_cheaper_profile(exe, budget, tmp_path):
+  """Measured at 32, dp8 is 100x slower than dp2.tp4: at 2048 only dp2.tp4 is timed (a factor
+  of 2), and dp8 keeps no cell there; without the rule-out both are timed."""
+  config = _config(None)
+  path = str(tmp_path / 'profile.json')
+  _fabricated(path, config, {'dp8.tp1': 1.0, 'dp2.tp4': 100.0})
+  cheap = profiling.run(CFG, config, executables=exe, cache_path=path, rule_out=2.0)
+  assert cheap.cell(Stage.ROLLOUT, 2048, 8, DP2TP4).measured
+  assert (Stage.ROLLOUT, 2048, 8, 'dp8.tp1') not in cheap.cells
+  _fabricated(path, config, {'dp8.tp1': 1.0, 'dp2.tp4': 100.0})
+  full = profiling.run(CFG, config, executables=exe, cache_path=path)
+  assert full.covers(Stage.ROLLOUT, 2048, 8)
+
+
+def test_cells_are_timed_between_steps_only_as_far_as_allowed(exe, budget, tmp_path):
+  config = _config(None)
+  path = str(tmp_path / 'profile.json')
+  profiler = profiling.RunProfiler(model=CFG, config=config, executables=exe, cache_path=path)
+  empty = profiler.start(measure=False)
+  assert not empty.cells
+  cells = [
+    (Stage.ROLLOUT, 32, 8, 'dp8.tp1'),
+    (Stage.ROLLOUT, 32, 8, 'dp2.tp4'),
+    (Stage.ROLLOUT, 2048, 8, 'dp2.tp4'),
+  ]
+  assert all(profiler.compiled_here(c) for c in cells)  # the fixtures compiled them
+  assert profiler.agreed([True, False, True]) == [True, False, True]  # one process: its own
+  asked = []
+
+  def proceed(stage, bucket, rows, names):
+    asked.append((bucket, names))
+    return bucket == 32
+
+  profile = profiler.measure_cells(empty, cells, proceed=proceed)
+  assert asked == [(32, ['dp8.tp1', 'dp2.tp4']), (2048, ['dp2.tp4'])]  # a group at a time
+  assert set(profile.cells) == set(cells[:2]) and all(c.measured for c in profile.cells.values())
+  assert set(load_cached(path, profile.key).cells) == set(cells[:2])
+  unknown = (Stage.ROLLOUT, 2048, 16, 'dp8.tp1')
+  assert not profiler.compiled_here(unknown)
+  profiler.compiler.shutdown()

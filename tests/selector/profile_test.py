@@ -14,6 +14,7 @@ from earl_jax.selector.profile import (
   Profile,
   key_mismatch,
   load_cached,
+  refusal,
 )
 from earl_jax.stage import Stage
 
@@ -104,3 +105,51 @@ def test_measure_config_validation():
     MeasureConfig(rounds=0)
   with pytest.raises(ValueError, match='min_seconds must be >= 0'):
     MeasureConfig(min_seconds=-1.0)
+
+
+def test_a_profile_file_for_another_model_or_device_count_is_refused_in_one_line(
+  tmp_path, monkeypatch
+):
+  """The shareable table: used only for the setup its key names; a mismatch is never used, and
+  the refusal is one line naming what differs."""
+  warnings = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *a: warnings.append(msg % a))
+  path = str(tmp_path / 'table.json')
+  profile = _profile()
+  profile.key['model'] = {'name': 'tiny', 'hidden_size': 64}
+  profile.save(path)
+  for change, named in (
+    ({'hardware': {'platform': 'cpu', 'num_devices': 4}}, 'hardware.{num_devices}'),
+    ({'model': {'name': 'tiny-wide', 'hidden_size': 128}}, 'model.{hidden_size, name}'),
+  ):
+    other = {**profile.key, **change}
+    assert load_cached(path, other) is None
+    line = warnings[-1]
+    assert '\n' not in line and named in line and 'not used' in line, line
+    assert line == refusal(path, other, profile.key)
+  assert refusal(path, profile.key, profile.key) is None
+
+
+def test_only_measurements_are_kept_and_an_unwritable_table_is_not_an_error(tmp_path):
+  profile = _profile()
+  guess = Cell(
+    stage=Stage.ROLLOUT,
+    config='dp8.tp1',
+    bucket=4096,
+    rows=16,
+    peak_bytes=1,
+    oom=False,
+    throughput=1.0,
+    measured=False,
+    prior='analytic',
+  )
+  mixed = Profile(
+    key=profile.key, cells={**profile.cells, (Stage.ROLLOUT, 4096, 16, 'dp8.tp1'): guess}
+  )
+  assert mixed.measured_only().cells == profile.cells
+  path = tmp_path / 'table.json'
+  assert mixed.save(str(path))
+  assert load_cached(str(path), profile.key).cells == profile.cells  # the prior is not written
+  # Where it cannot be written (here: under a file), the run goes on without it.
+  (tmp_path / 'a_file').write_text('')
+  assert not mixed.save(str(tmp_path / 'a_file' / 'table.json'))

@@ -475,3 +475,57 @@ def test_importing_the_selector_never_imports_the_programs():
   )
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == '[]', out.stdout
+
+
+def test_a_decision_with_no_measured_cell_runs_on_the_prior_and_says_so():
+  """A lazy profile with the prior: the first decision needs no measurement (every figure is the
+  analytic model's); the cells it would rank by are named to measure (`wanted`), and the next
+  bucket's ahead; once measured, the reason says which figures were measured and which prior."""
+  cfg = ModelConfig.preset('small-kv')
+  table = BucketConfig(lengths=(128, 256, 512))
+  empty = Profile(
+    key={
+      'stages': ['rollout'],
+      'candidates': {'rollout': [DP8.name, DP2TP4.name, TP8.name]},
+      'buckets': list(table.lengths),
+      'rows': [16],
+    },
+    cells={},
+  )
+  settings = ProfileSettings(stages=('rollout',), lazy=True, rule_out=2.0)
+  sel = Selector(SelectorConfig(profile=settings), buckets=table, rows=16, profile=empty, model=cfg)
+  d = sel.decide(Stage.ROLLOUT, None)
+  assert not d.measured and all(not o.measured and o.prior == 'analytic' for o in d.options)
+  assert 'measured: none; prior: dp8.tp1 (analytic)' in d.reason
+  assert '(analytic)' in d.reason
+  assert sel.wanted(Stage.ROLLOUT, None) == [
+    (128, 16, n) for n in ('dp8.tp1', 'dp2.tp4', 'dp1.tp8')
+  ]
+  assert [c[0] for c in sel.wanted(Stage.ROLLOUT, None, ahead=True)] == [256] * 3
+  assert sel.wanted(Stage.TRAIN, None) == []  # a stage ranked by the analytic model
+  # Measured at 128: tp8 is 3x slower than dp2.tp4 and dp8 was not timed (say, over the share).
+  cells = {
+    (Stage.ROLLOUT, 128, 16, c.name): Cell(
+      stage=Stage.ROLLOUT,
+      config=c.name,
+      bucket=128,
+      rows=16,
+      peak_bytes=MiB,
+      oom=False,
+      throughput=tgs,
+    )
+    for c, tgs in ((DP2TP4, 300.0), (TP8, 100.0))
+  }
+  sel.use_profile(Profile(key=empty.key, cells=cells))
+  d = sel.decide(Stage.ROLLOUT, _stats(100))
+  assert d.config == DP2TP4 and d.measured
+  assert 'measured: dp2.tp4, dp1.tp8; prior: dp8.tp1 (layouts)' in d.reason
+  # dp8 is still wanted at 128; at 256 tp8's own measurement rules it out (3x < 1/2 of the best).
+  assert sel.wanted(Stage.ROLLOUT, _stats(100)) == [(128, 16, 'dp8.tp1')]
+  assert sel.wanted(Stage.ROLLOUT, _stats(100), ahead=True) == [
+    (256, 16, 'dp2.tp4'),
+    (256, 16, 'dp8.tp1'),
+  ]
+  # At 256, nothing measured yet: the decision runs on the prior scaled from 128.
+  d = sel.decide(Stage.ROLLOUT, _stats(200))
+  assert d.config == DP2TP4 and not d.measured and 'dp2.tp4 (dp2.tp4@128)' in d.reason

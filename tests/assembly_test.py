@@ -1,0 +1,120 @@
+"""The run's profile (`assembly.RunProfile`) with the prior: no decision waits, the wanted cells
+are compiled in the background and timed between steps, and the reasons say which figures were
+measured."""
+
+import dataclasses
+
+import pytest
+
+from earl_jax import assembly
+from earl_jax.programs import Executables
+from earl_jax.selector.profile import MeasureConfig, load_cached
+from earl_jax.selector.selector import ProfileSettings, StepStats
+from earl_jax.stage import Stage
+from earl_jax.testing import multiprocess
+from earl_jax.testing.configs import smoke_experiment
+
+
+def _run_parts(tmp_path, **settings):
+  base = smoke_experiment()
+  profile = ProfileSettings(
+    stages=('rollout',),
+    cache=str(tmp_path / 'profile.json'),
+    lazy=True,
+    measure=MeasureConfig(repeats=1, rounds=1),
+    **settings,
+  )
+  config = dataclasses.replace(base, selector=dataclasses.replace(base.selector, profile=profile))
+  model, tok = assembly.load_model(config)
+  spec = assembly.stage_spec(config, tok, model)
+  exe = Executables(model, spec=spec)
+  run_profile = assembly.RunProfile.start(config, model=model, spec=spec, executables=exe)
+  selector = assembly.make_selector(config, model, spec, run_profile.profile, 8, lambda *_: 0.0)
+  return config, exe, run_profile, selector
+
+
+def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
+  config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0)
+  with exe:
+    # Before the first step: nothing measured, nothing waited for; the wanted cells queued.
+    assert run_profile.measure_missing(sel, Stage.ROLLOUT, None) == 0.0
+    assert run_profile.between_steps(sel, None) == 0.0  # the first step never waits
+    first = sel.decide(Stage.ROLLOUT, None)
+    assert 'measured: none' in first.reason and '(analytic)' in first.reason
+    wanted = sel.wanted(Stage.ROLLOUT, None)
+    assert [c[2] for c in wanted] == ['dp8.tp1', 'dp4.tp2']  # every candidate at bucket 64
+    # Between steps, once compiled: the wanted cells are timed and replace their prior.
+    run_profile.wait_compiles()
+    stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
+    assert run_profile.between_steps(sel, stats) > 0
+    cells = sel.profile(Stage.ROLLOUT).cells
+    assert all(cells[(Stage.ROLLOUT, 64, 8, n)].measured for _, _, n in wanted)
+    d = sel.decide(Stage.ROLLOUT, stats)
+    assert d.measured and 'measured: dp8.tp1, dp4.tp2' in d.reason
+    assert sel.wanted(Stage.ROLLOUT, stats) == []
+    # The measurements went to the cache file, without the prior.
+    cached = load_cached(config.selector.profile.cache, run_profile.profile.key)
+    assert {k for k, c in cached.cells.items()} == {(Stage.ROLLOUT, 64, 8, n) for _, _, n in wanted}
+
+
+def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
+  """A group is timed while the time spent measuring, with the group's estimate (its calls at
+  the prior's figures, times the overhead the last group showed), stays within the share of the
+  run's time; after a group that ran over, nothing is timed until the run catches up."""
+  now = [100.0]
+  monkeypatch.setattr(assembly.time, 'perf_counter', lambda: now[0])
+  share = assembly._Share(0.1)
+  now[0] = 200.0  # 100 s into the run: 10 s to spend
+  assert share.allows(0.0)  # nothing known of its cost yet (the first measurement): timed
+  now[0] = 206.0
+  assert share.allows(1.0)  # 6 s spent, overhead 6 / 0 unknown: 1 s more fits
+  now[0] = 209.0  # that group took 3 s for 1 s of calls: overhead 3
+  assert not share.allows(1.0)  # 9 + 3 x 1 > 10.9
+  assert share.spent == 9.0 and share.overhead == 3.0
+  now[0] = 240.0  # 14 s to spend by now
+  assert share.allows(1.0)
+  share.done()
+  assert share.spent == 9.0  # no time passed in it
+
+
+def measured_run(workdir: str, steps: int) -> dict:
+  """The smoke preset with a measured, lazily completed rollout profile (every process runs
+  this): the decisions and the measured cells it ended with (a multi-process body)."""
+  import jax
+
+  from earl_jax import trainer
+
+  base = smoke_experiment(steps=steps, eval_every=0, checkpoint_every=0)
+  profile = ProfileSettings(
+    stages=('rollout', 'experience'),
+    lazy=True,
+    max_share=1.0,
+    measure=MeasureConfig(repeats=1, rounds=1),
+  )
+  config = dataclasses.replace(base, selector=dataclasses.replace(base.selector, profile=profile))
+  t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
+  summary = t.run(progress=False)
+  cells = t.selector.profile(Stage.ROLLOUT).measured_only().to_json()['cells']
+  return {
+    'process': jax.process_index(),
+    'decisions': [
+      (d['stage'], d['config'], d['bucket'], d['reason']) for d in summary['decisions']
+    ],
+    'cells': sorted((c['stage'], c['bucket'], c['config'], c['throughput']) for c in cells),
+  }
+
+
+@pytest.mark.multiprocess
+def test_two_processes_measure_the_same_cells_and_decide_alike(tmp_path):
+  """Each process compiles in the background at its own pace; only cells compiled on both are
+  timed, the figures are process 0's, and every decision is the same on both."""
+  one, two = multiprocess.run(
+    'tests.assembly_test:measured_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={'workdir': str(tmp_path / 'run'), 'steps': 4},
+    timeout=600,
+  )
+  assert one['decisions'] == two['decisions'] and one['cells'] == two['cells']
+  assert one['cells'], 'nothing was measured in 4 steps'
+  assert 'measured: none' in one['decisions'][0][3]

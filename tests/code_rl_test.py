@@ -1,0 +1,111 @@
+"""Code RL through the EARL loop: the Qwen presets on the tiny HF fixture (a smoke of the whole
+path a GPU run takes), and the code environment on 2 x 4 processes equal to 1 x 8, each process
+running only its own episodes' programs."""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from earl_jax import metrics, trainer
+from earl_jax.config import BucketConfig
+from earl_jax.sandbox import SandboxConfig
+from earl_jax.testing import fixture_path, mp_bodies, multiprocess
+from earl_jax.testing.configs import smoke_experiment
+from experiments.configs import train as presets
+
+
+def _on_the_fixture(config, max_turns: int):
+  """`config` on the tiny HF fixture, sized for CPU: 8 episodes in groups of 2, 8-token replies,
+  up to `max_turns` turns, one step, an evaluation of 8 episodes before and after it, a
+  checkpoint; the smoke's analytic selector instead of a measured profile. The fixture's
+  tokenizer makes a HumanEval prompt up to 942 tokens (hence the 1024 prompt bucket) and a
+  2-turn 'functions' episode up to ~650: one context bucket holds every episode, so that each
+  program compiles once."""
+  sandbox = SandboxConfig(workers=2)
+  return dataclasses.replace(
+    config,
+    model_dir=fixture_path('qwen2_tiny'),
+    env=config.env.replace(max_turns=max_turns, sandbox=sandbox),
+    eval_env=config.eval_env.replace(sandbox=sandbox),
+    rollout=dataclasses.replace(
+      config.rollout,
+      num_episodes=8,
+      group_size=2,
+      sampling=dataclasses.replace(config.rollout.sampling, max_new_tokens=8),
+      prompt_buckets=(256, 1024),
+    ),
+    buckets=BucketConfig(lengths=(1152,)),
+    selector=smoke_experiment().selector,
+    steps=1,
+    eval_every=1,
+    eval_episodes=8,
+    checkpoint_every=1,
+  )
+
+
+@pytest.mark.parametrize(
+  'preset, task, eval_task',
+  [('humaneval_qwen', 'functions', 'humaneval'), ('swe_qwen', 'repo_repair', 'repo_repair')],
+)
+def test_a_qwen_preset_runs_on_the_tiny_hf_fixture(tmp_path, preset, task, eval_task):
+  config = presets.PRESETS[preset]()
+  assert (config.env.task, config.eval_env.task, config.param_dtype) == (
+    task,
+    eval_task,
+    'bfloat16',
+  )
+  assert config.advantages.estimator == 'grpo' and config.rollout.group_size == 8
+  t = trainer.Trainer(
+    _on_the_fixture(config, max_turns=2), workdir=str(tmp_path), log_fn=lambda _: None
+  )
+  assert t.model_cfg.vocab_size == 512 and t.tokenizer.eot_id == 499  # the HF import path
+  summary = t.run(progress=False)
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))
+  step = next(r for r in rows if r['step'] == 1 and 'loss/loss' in r)
+  assert np.isfinite(step['loss/loss']) and step['ctx/turn_len_mean'] > 20  # the chat template
+  assert 1 <= step['ctx/turns_mean'] <= 2
+  assert summary['eval_win_rate_first'] is not None and summary['eval_win_rate_last'] is not None
+  assert os.listdir(tmp_path / 'checkpoints') == ['1']
+
+
+# What must match between layouts and process counts (the games' test compares the same).
+EXACT = ('win_rate', 'return_mean', 'invalid_rate', 'tokens', 'generated_tokens', 'bucket')
+
+
+def _compare(rows, ref):
+  assert [r['step'] for r in rows] == [r['step'] for r in ref]
+  for a, b in zip(rows, ref):
+    for k in b:
+      timing = k.endswith(('_s', '_s_share'))
+      if k in EXACT or k.startswith(('ctx/', 'plan/')) or (k.startswith('env/') and not timing):
+        assert a[k] == b[k], (a['step'], k, a[k], b[k])
+      elif k.startswith('loss/'):
+        assert abs(a[k] - b[k]) <= 1e-5, (a['step'], k, a[k], b[k])
+
+
+@pytest.mark.multiprocess
+def test_code_on_two_processes_equals_one_and_each_runs_its_own_programs(tmp_path):
+  """2 processes x 4 devices play the same code episodes as this process's 8 devices, to the
+  same metrics; each process's sandbox judges exactly the programs of the episodes it played
+  (its rows of the batch), and the two together those of the one-process run."""
+  ref = mp_bodies.code_trainer_run(str(tmp_path / 'one'), steps=2)
+  two = multiprocess.run(
+    'earl_jax.testing.mp_bodies:code_trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={'workdir': str(tmp_path / 'two'), 'steps': 2},
+  )
+  assert two[1]['rows'] is None  # process 0 writes the metrics
+  _compare(two[0]['rows'], ref['rows'])
+  assert any(r['loss/grad_norm'] > 0 for r in ref['rows'])  # the updates moved the policy
+  for step, everyone in enumerate(ref['played']):
+    mine = [p['played'][step] for p in two]
+    assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
+    assert {**mine[0], **mine[1]} == everyone  # the same episodes ran the same programs
+  for p in two:
+    assert p['programs_run'] == sum(sum(played.values()) for played in p['played'])
+  total = sum(r['env/programs'] for r in ref['rows'])
+  assert ref['programs_run'] == total == sum(p['programs_run'] for p in two)
+  assert all(0 < p['programs_run'] < total for p in two)
