@@ -55,6 +55,18 @@ def stage_spec(config: ExperimentConfig, tok: tokenizer.Tokenizer, model: ModelC
   )
 
 
+def load_rows(config: ExperimentConfig) -> tuple[int, ...]:
+  """The selector's load bins: the episodes of a step (experience and train run them all at
+  once) and, when fewer, the rollout's slots (its program runs that many rows)."""
+  return selector_lib.load_bins((config.rollout.slots, config.rollout.num_episodes))
+
+
+def rollout_rows(config: ExperimentConfig) -> dict[Stage, int]:
+  """The rollout's rows, its slots, where they are not the step's episodes."""
+  slots = config.rollout.slots
+  return {Stage.ROLLOUT: slots} if slots != config.rollout.num_episodes else {}
+
+
 def make_selector(
   config: ExperimentConfig,
   model: ModelConfig,
@@ -68,7 +80,8 @@ def make_selector(
   return selector_lib.Selector(
     config.selector,
     buckets=config.buckets,
-    rows=config.rollout.num_episodes,
+    rows=load_rows(config),
+    stage_rows=rollout_rows(config),
     model=model,
     num_devices=num_devices,
     profile=profile,
@@ -189,10 +202,11 @@ class RunProfile:
       config.selector,
       model=model,
       buckets=config.buckets,
-      rows=config.rollout.num_episodes,
+      rows=load_rows(config),
       spec=spec,
       executables=executables,
       base=base,
+      stage_rows=rollout_rows(config),
     )
     profile = given if given is not None else profiler.start(measure=not settings.lazy)
     return cls(profiler, profile, settings=settings)

@@ -254,6 +254,7 @@ class Trainer:
         Stage.EXPERIENCE: num_rows * bucket * (2 if self.placement.has_reference else 1),
         Stage.TRAIN: num_rows * bucket * cfg.update_epochs,
       },
+      stage_rows=assembly.rollout_rows(cfg),
     )
     return _Rollout(traj=traj, episodes=episodes, stats=stats, decision=decision)
 

@@ -75,9 +75,10 @@ def main(argv):
       config.selector,
       model=model,
       buckets=config.buckets,
-      rows=config.rollout.num_episodes,
+      rows=assembly.load_rows(config),
       spec=spec,
       executables=exe,
+      stage_rows=assembly.rollout_rows(config),
     )
     pconfig = dataclasses.replace(profiler.config, measure=_measure(config))
     t0 = time.perf_counter()

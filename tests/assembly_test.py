@@ -15,8 +15,9 @@ from earl_jax.testing import multiprocess
 from earl_jax.testing.configs import smoke_experiment
 
 
-def _run_parts(tmp_path, **settings):
+def _run_parts(tmp_path, rollout=None, **settings):
   base = smoke_experiment()
+  base = base if rollout is None else dataclasses.replace(base, rollout=rollout)
   profile = ProfileSettings(
     stages=('rollout',),
     cache=str(tmp_path / 'profile.json'),
@@ -55,6 +56,36 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     # The measurements went to the cache file, without the prior.
     cached = load_cached(config.selector.profile.cache, run_profile.profile.key)
     assert {k for k, c in cached.cells.items()} == {(Stage.ROLLOUT, 64, 8, n) for _, _, n in wanted}
+
+
+def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
+  """With fewer slots than episodes, the rollout's cells are measured at the slots' rows, the
+  rows its program runs (so the profile's compile is the run's), and the other stages decide on
+  the step's episodes."""
+  base = smoke_experiment()
+  rollout = dataclasses.replace(base.rollout, num_episodes=16, num_slots=8)
+  config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0, rollout=rollout)
+  assert sel.rows == (8, 16) and assembly.rollout_rows(config) == {Stage.ROLLOUT: 8}
+  with exe:
+    run_profile.measure_missing(sel, Stage.ROLLOUT, None)
+    assert {rows for _, rows, _ in sel.wanted(Stage.ROLLOUT, None)} == {8}
+    run_profile.wait_compiles()
+    stats = StepStats(
+      episode_lengths=(40, 50), num_responses=16, stage_rows=assembly.rollout_rows(config)
+    )
+    assert run_profile.between_steps(sel, stats) > 0
+    measured = {
+      (s, b, r) for (s, b, r, _), c in sel.profile(Stage.ROLLOUT).cells.items() if c.measured
+    }
+    assert measured == {(Stage.ROLLOUT, 64, 8)}
+    d = sel.decide(Stage.ROLLOUT, stats)
+    assert d.rows == 8 and d.measured and '8 responses -> load 8' in d.reason
+    compiles = exe.compiles
+    exe.get(Stage.ROLLOUT, d.config, d.run_bucket, d.rows)  # the program the rollout runs
+    assert exe.compiles == compiles  # compiled once, for the profile
+    assert sel.decide(Stage.EXPERIENCE, stats).rows == 16
+  with pytest.raises(ValueError, match='rows of rollout must be positive'):
+    StepStats(episode_lengths=(4,), num_responses=16, stage_rows={'rollout': 0})
 
 
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):

@@ -35,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -66,6 +66,8 @@ class ProfileConfig:
     stages: stages to profile.
     buckets: the context-length table (every bucket is profiled).
     rows: numbers of responses (the load bins), strictly increasing.
+    stage_rows: the one row count profiled for a stage whose program runs at a fixed count (the
+      rollout on its slots, `RolloutConfig.num_slots`); one of `rows`. Other stages: every bin.
     budget_bytes: per-device memory budget; cells over it are OOM and not run (None: unlimited).
     candidates: restrict the layouts (default: every valid factorisation of the devices).
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
@@ -78,6 +80,7 @@ class ProfileConfig:
   buckets: BucketConfig
   rows: tuple[int, ...]
   budget_bytes: int | None
+  stage_rows: Mapping[Stage, int] = dataclasses.field(default_factory=dict)
   candidates: tuple[ParallelConfig, ...] | None = None
   with_fsdp: bool | tuple[Stage | str, ...] = True
   measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
@@ -94,12 +97,20 @@ class ProfileConfig:
     if list(rows) != sorted(set(rows)):
       raise ConfigError(f'ProfileConfig.rows must be strictly increasing, got {rows}.')
     object.__setattr__(self, 'rows', rows)
+    stage_rows = {Stage.parse(k): v for k, v in dict(self.stage_rows).items()}
+    if any(v not in rows for v in stage_rows.values()):
+      raise ConfigError(f'ProfileConfig.stage_rows must be among rows {rows}, got {stage_rows}.')
+    object.__setattr__(self, 'stage_rows', stage_rows)
     if self.budget_bytes is not None and (
       not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
     ):
       raise ConfigError(
         f'ProfileConfig.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
       )
+
+  def rows_for(self, stage: Stage) -> tuple[int, ...]:
+    """The row counts profiled for `stage`."""
+    return (self.stage_rows[stage],) if stage in self.stage_rows else self.rows
 
 
 def profile_config(
@@ -109,12 +120,14 @@ def profile_config(
   rows: int | Sequence[int],
   spec: builders.StageSpec,
   budget_bytes: int | None,
+  stage_rows: Mapping[Stage, int] | None = None,
 ) -> ProfileConfig:
   """The start-up profile a selector with `config` ranks its profiled stages by."""
   return ProfileConfig(
     stages=config.profile.stages,
     buckets=buckets,
     rows=selector_lib.load_bins(rows),
+    stage_rows=stage_rows or {},
     budget_bytes=budget_bytes,
     candidates=config.layouts,
     with_fsdp=config.with_fsdp,
@@ -165,6 +178,10 @@ def profile_key(
     'candidates': {str(s): [c.name for c in cands] for s, cands in candidates.items()},
     'buckets': list(config.buckets.lengths),
     'rows': list(config.rows),
+    # Only where set, so that a profile of a run without slots keeps its key.
+    **(
+      {'stage_rows': {str(k): v for k, v in config.stage_rows.items()}} if config.stage_rows else {}
+    ),
     'budget_bytes': config.budget_bytes,
     'spec': {
       'sampling': dataclasses.asdict(spec.sampling),
@@ -269,7 +286,7 @@ def run(
   have = _start(key, cache_path, base)
   select = functools.partial(_to_measure, model, config, candidates, rule_out)
   wanted = sorted(config.buckets.lengths if buckets is None else buckets)
-  grid = [(s, r) for s in config.stages for r in config.rows]
+  grid = [(s, r) for s in config.stages for r in config.rows_for(s)]
   missing = [b for b in wanted if any(select(have, s, b, r) for s, r in grid)]
   if have.cells and not missing:
     logging.info('Reusing the profile in %s (%d cells).', cache_path, len(have.cells))
@@ -287,7 +304,7 @@ def run(
   try:
     for stage in config.stages:
       for bucket in missing:
-        for rows in config.rows:
+        for rows in config.rows_for(stage):
           chosen = select(have, stage, bucket, rows)
           if chosen:
             cells: dict[CellKey, Cell] = {}
@@ -449,6 +466,7 @@ class RunProfiler:
     spec: builders.StageSpec,
     executables: Executables,
     base: Profile | None = None,
+    stage_rows: Mapping[Stage, int] | None = None,
   ) -> 'RunProfiler':
     """The profiler of a selector with `config` (which profiles some stage): its stages,
     candidates, measurement settings and cache file, on this device budget."""
@@ -458,6 +476,7 @@ class RunProfiler:
       rows=rows,
       spec=spec,
       budget_bytes=memory_lib.resolve_budget(config.budget_bytes),
+      stage_rows=stage_rows,
     )
     return cls(
       model=model,

@@ -212,6 +212,8 @@ class StepStats:
     stage_tokens: per stage name, the tokens it processes in a step (rollout: the tokens it
       generates; experience and train: rows x bucket per forward or update), in the units of
       the profile's throughput: what a layout's time per step is estimated from.
+    stage_rows: per stage name, the rows its program runs where that is not `num_responses`:
+      the rollout on its slots, which the episodes take in turn (`RolloutConfig.num_slots`).
   """
 
   episode_lengths: Sequence[int]
@@ -219,6 +221,7 @@ class StepStats:
   turn_lengths: Sequence[int] = ()
   free_memory_bytes: int | None = None
   stage_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  stage_rows: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     lengths = tuple(int(n) for n in self.episode_lengths)
@@ -231,12 +234,20 @@ class StepStats:
     object.__setattr__(
       self, 'stage_tokens', {str(Stage.parse(k)): int(v) for k, v in self.stage_tokens.items()}
     )
-    if self.num_responses <= 0:
-      raise ValueError(f'StepStats.num_responses must be positive, got {self.num_responses}.')
+    object.__setattr__(
+      self, 'stage_rows', {str(Stage.parse(k)): int(v) for k, v in self.stage_rows.items()}
+    )
+    for stage, rows in {'num_responses': self.num_responses, **self.stage_rows}.items():
+      if rows <= 0:
+        raise ValueError(f'StepStats rows of {stage} must be positive, got {rows}.')
     if self.free_memory_bytes is not None and self.free_memory_bytes <= 0:
       raise ValueError(
         f'StepStats.free_memory_bytes must be positive, got {self.free_memory_bytes}.'
       )
+
+  def rows_of(self, stage: Stage) -> int:
+    """The rows `stage`'s program runs: its load."""
+    return self.stage_rows.get(str(Stage.parse(stage)), self.num_responses)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -529,11 +540,14 @@ class Selector:
     profile: Profile | None = None,
     spec: ProgramShapes | None = None,
     switch_cost: SwitchCost | None = None,
+    stage_rows: Mapping[Stage | str, int] | None = None,
   ):
     """Args:
     config: the decision rule and where rankings come from.
     buckets: the context-length table.
     rows: the number(s) of responses the stages run (the load bins).
+    stage_rows: the rows of a stage whose program runs another count than the largest load
+      before any step says (the rollout's slots; see `StepStats.stage_rows`); each one of `rows`.
     model: the model (needed unless every stage is in `profile`); with
       `config.profile.prior`, the cells a profile lacks get prior figures from it.
     num_devices: devices of every stage (default: all).
@@ -550,6 +564,9 @@ class Selector:
     self.config = config
     self.buckets = buckets
     self.rows = load_bins(rows)
+    self.stage_rows = {str(Stage.parse(k)): int(v) for k, v in (stage_rows or {}).items()}
+    if not set(self.stage_rows.values()) <= set(self.rows):
+      raise ValueError(f'stage_rows {self.stage_rows} are not among the load bins {self.rows}.')
     self.num_devices = num_devices or jax.device_count()
     self.budget_bytes = resolve_budget(config.budget_bytes)
     self.history: list[Decision] = []
@@ -769,7 +786,7 @@ class Selector:
     reason = (
       f'{stage}: {self.config.statistic} context {reading.value:.0f} -> bucket '
       f'{reading.bucket}, longest {reading.longest:.0f} -> run bucket {reading.run_bucket}, '
-      f'{stats.num_responses} responses -> load {reading.rows}; {choice.why}'
+      f'{stats.rows_of(stage)} responses -> load {reading.rows}; {choice.why}'
       + (f'; infeasible: {", ".join(infeasible)}' if infeasible else '')
       + (f'; {"; ".join(reading.notes)}' if reading.notes else '')
       + _figures([o.option for o in options])
@@ -843,7 +860,7 @@ class Selector:
 
   def _initial_stats(self) -> StepStats:
     n = self.config.initial_context or self.buckets.lengths[0]
-    return StepStats(episode_lengths=(n,), num_responses=self.rows[-1])
+    return StepStats(episode_lengths=(n,), num_responses=self.rows[-1], stage_rows=self.stage_rows)
 
   def _read(self, stage: Stage, stats: StepStats, state: StageState, profile: Profile) -> _Reading:
     """Steps 1-3 of the rule: the ranking and run buckets (with hysteresis), the load, the budget."""
@@ -871,7 +888,7 @@ class Selector:
     if stats.free_memory_bytes is not None and (budget is None or stats.free_memory_bytes < budget):
       budget = stats.free_memory_bytes
       notes.append(f'free memory {budget / MiB:.1f} MiB')
-    rows = profile.rows_bin(stats.num_responses)
+    rows = profile.rows_bin(stats.rows_of(stage))
     return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes), lower_readings)
 
   def _gate(self, stage, stats, state, prev: _Candidate, best: _Candidate, reading: _Reading):
