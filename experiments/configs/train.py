@@ -237,9 +237,6 @@ def code() -> ExperimentConfig:
   )
 
 
-# NOTE (helper of issue 29, the `code` preset): the two presets below were deleted by mistake
-# while the `code` block above was rewritten, and are reconstructed from this module's docstring
-# and tests/code_rl_test.py; their author should check them against what was written.
 def humaneval_qwen() -> ExperimentConfig:
   c = qwen()
   env = CodeEnvConfig(task='functions', split='train', max_turns=3)
