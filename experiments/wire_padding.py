@@ -1,6 +1,11 @@
 """Stable kernels' padding on the wire: a run's rollout -> experience moves replayed through the
 Data Dispatcher with the earlier capacities (one power of two per ring shift) and the current ones
-(one per pair) side by side.
+side by side.
+
+The policies: 'shifts' (`stable_fit='shifts'`, capacities that only grow: the fit before commit
+f32e822 for every move, and fec4bf3's default fit for moves between layouts that alone move
+nothing) and 'pairs' (`DispatchConfig()`, the main job's: a capacity per pair where the layouts
+move rows, capacity classes where they alone move nothing, dispatch/dispatcher.py).
 
   python experiments/wire_padding.py --metrics=runs/default/metrics.jsonl --out=/tmp/wire.json
   python experiments/wire_padding.py --metrics=... --steps=20 --policies=pairs
@@ -15,7 +20,7 @@ turns of `ctx/turn_len_mean` tokens, `ctx/turns_mean` turns on average, one epis
 interleaved step by step, and the output is released afterwards as the trainer releases its
 train batch. Reported per policy: the bytes that had to move and the bytes on the wire
 (padding included) over all moves and their ratio, the kernels compiled, and the median move
-time over the moves that compiled nothing.
+time over the moves that compiled nothing, in all and per (source -> target) layouts.
 """
 
 import json
@@ -36,6 +41,19 @@ _POLICIES = flags.DEFINE_list(
   'policies', ['shifts', 'pairs'], "Stable capacities to compare ('shifts': the earlier policy)."
 )
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
+
+
+def _by_layouts(done: list[dict]) -> dict[str, dict]:
+  """Moves, bytes moved, wire bytes and their ratio per (source -> target) layouts."""
+  out: dict[str, dict] = {}
+  for r in done:
+    b = out.setdefault(r['layouts'], {'moves': 0, 'bytes': 0, 'wire_bytes': 0})
+    b['moves'] += 1
+    b['bytes'] += r['bytes']
+    b['wire_bytes'] += r['wire_bytes']
+  for b in out.values():
+    b['wire_ratio'] = b['wire_bytes'] / b['bytes'] if b['bytes'] else None
+  return out
 
 
 def main(argv):
@@ -98,6 +116,7 @@ def main(argv):
       rows[policy].append(
         {
           'step': move['step'],
+          'layouts': f'{move["src"]}->{move["dst"]}',
           'move': f'{move["src"]}->{move["dst"]}@{move["bucket"]}',
           'bytes': int(report.min_bytes or 0),
           'wire_bytes': int(wire),
@@ -117,6 +136,7 @@ def main(argv):
       'kernels': dispatchers[policy].traces,
       'median_ms': statistics.median(warm) if warm else None,
       'compile_moves_ms': sum(r['ms'] for r in done if r['compiled']),
+      'by_layouts': _by_layouts(done),
       'moves': done,
     }
   print(f'{len(moves)} rollout -> experience moves of {_METRICS.value}')
@@ -129,6 +149,13 @@ def main(argv):
       f'{policy:8} {r["bytes"] / 1e6:9.1f} {r["wire_bytes"] / 1e6:9.1f} {ratio:>10} '
       f'{r["kernels"]:7d} {median:>9}'
     )
+  for policy, r in results.items():
+    for pair, b in r['by_layouts'].items():
+      ratio = f'{b["wire_ratio"]:.2f}' if b['wire_ratio'] is not None else '-'
+      print(
+        f'  {policy:8} {pair:18} {b["moves"]:3d} moves {b["bytes"] / 1e6:7.2f} MB moved '
+        f'{b["wire_bytes"] / 1e6:7.2f} MB wire {ratio:>6}'
+      )
   if _OUT.value:
     with open(_OUT.value, 'w') as f:
       json.dump({'metrics': _METRICS.value, 'seed': _SEED.value, 'policies': results}, f, indent=2)

@@ -41,13 +41,19 @@ or a kernel still cached), which pad each pair by at most a capacity bucket
 (1/buckets_per_octave) and merged rounds by at most `schedule.FIT_SLACK`. Where the layouts
 move rows and the balancing a few more (the main job's rollout -> experience moves), every move
 after the first few stays within the bound (tests/dispatch/dispatcher_test.py, over random
-balanced permutations). Where a few rows move over pairs that change every move (a permutation
-between layouts that alone move nothing, or move little), no stable kernel is tight: such a
-(layouts, shapes) fits per ring shift instead (the earlier policy: every pair of a shift sends
-its one power-of-two capacity), from the first move where the layouts move nothing, else after
+balanced permutations). Where a few rows move over pairs that change every move, no floor is
+tight. Where the layouts alone move nothing (the default's dp4.tp2 or dp2.tp4 -> dp8: only the
+balancing's rows move), the moves take capacity classes (`_class_plan`): every pair a
+permutation may route units over gets one capacity, the capacity bucket of the move's largest
+pair, one kernel per class, so the wire follows each move's own class down as well as up
+(tests/dispatch/capacity_classes_test.py). Such a move is not held to `max_padding`: with 2-16
+rows of 64 moving over changing pairs, a kernel that serves every move pays for the pairs it
+does not use (docs/results.md). Where the layouts move little, the plans fit per ring shift
+(the earlier policy: every pair of a shift sends its one power-of-two capacity) after
 `_FLOORS_BEFORE_SETTLING` floors that still left reachable pairs without capacity, and then
-neither sheds nor compiles per move. An identity permutation (balancing that moved no row) takes
-the stable kernel of its (layouts, shapes) once there is one, instead of compiling its own.
+neither shed nor compile per move; fit 'shifts' also takes it where the layouts move nothing. An
+identity permutation (balancing that moved no row) takes the stable kernel of its (layouts,
+shapes) once there is one, instead of compiling its own.
 
 Multi-process: every process calls `dispatch` with the same arguments (the permutation must be
 identical everywhere, e.g. computed from lengths every process knows); plans are computed locally
@@ -205,7 +211,8 @@ class DispatchConfig:
 class _Capacities:
   """The stable capacities of one (layouts, shapes): the last plan's floor, what each of the
   last moves needed alone, how many moves in a row padded more than `max_padding`, how many
-  floors were made, whether it no longer sheds, and whether its plans now fit per ring shift."""
+  floors were made, whether it no longer sheds, whether its plans now fit per ring shift, and
+  whether its moves take capacity classes (the layouts alone move nothing: `_class_plan`)."""
 
   floor: Floor
   needs: collections.deque[Floor] = dataclasses.field(
@@ -215,6 +222,7 @@ class _Capacities:
   floors: int = 1
   settled: bool = False
   shifts: bool = False
+  classes: bool = False
 
 
 def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
@@ -297,8 +305,19 @@ class Dispatcher:
     state = self._capacities.get(key)
     if state is None:
       # Where the layouts alone move nothing, only the permutation's few rows move, over pairs
-      # that change every time: no stable kernel is tight, so fit per ring shift at once.
-      shifts = self.config.stable_fit == 'shifts' or make_plan(src, dst, shapes, dtypes).is_local
+      # that change every time: no floor is tight, so such moves take capacity classes (fit
+      # 'pairs') or fit per ring shift at once (fit 'shifts').
+      local = make_plan(src, dst, shapes, dtypes).is_local
+      if local and self.config.stable_fit == 'pairs':
+        plan = self._class_plan(src, dst, shapes, dtypes, perm)
+        if plan.floor is not None:
+          self._capacities[key] = _Capacities(floor=plan.floor, settled=True, classes=True)
+        return plan
+      shifts = self.config.stable_fit == 'shifts' or local
+    elif state.classes:
+      plan = self._class_plan(src, dst, shapes, dtypes, perm)
+      state.floor = plan.floor or state.floor
+      return plan
     else:
       shifts = state.shifts
     options = self._plan_options(src, state and state.floor, shifts)
@@ -332,6 +351,33 @@ class Dispatcher:
       state.shifts = state.shifts or (state.settled and open_pairs)
     state.floor = plan.floor
     return plan
+
+  def _class_plan(
+    self,
+    src: Layout,
+    dst: Layout,
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[np.dtype],
+    perm: np.ndarray,
+  ) -> Plan:
+    """A permuted plan between layouts that alone move nothing, by capacity class: every pair
+    a permutation may route units over (`GroupPlan.reach`) gets the same capacity, the capacity
+    bucket of this move's largest pair. One kernel per class, compiled once and kept by the
+    kernel cache, so the class follows each move down as well as up: a move pays the reachable
+    pairs once at its own class, instead of the largest class any earlier move needed."""
+    plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=self._plan_options(src, None))
+    if plan.floor is None or any(g.reach is None for g in plan.groups):
+      return plan
+    limits = [min(g.src_units, g.dst_units) for g in plan.groups]
+    need = pair_needs(
+      [g.counts for g in plan.groups], limits, 'pairs', self.config.buckets_per_octave
+    )
+    pairs = tuple(
+      np.maximum(n, np.where(g.reach, int(n.max()), 0)) for n, g in zip(need, plan.groups)
+    )
+    # The whole block as the landing width (a 'scatter' output): it does not vary by move.
+    floor = Floor(pairs=pairs, local=tuple(g.dst_units for g in plan.groups))
+    return make_plan(src, dst, shapes, dtypes, perm=perm, options=self._plan_options(src, floor))
 
   @staticmethod
   def _floor_key(leaves: Sequence[Any], src: Layout, dst: Layout) -> tuple:

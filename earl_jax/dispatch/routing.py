@@ -133,9 +133,10 @@ def route(
   """For every target device and local target unit: the sending device and its local unit.
 
   With `fixed`, a target device always takes a source block from the same replica, whatever the
-  permutation (the replicas in ring order after the target, the first for the first device that
-  holds the target block, the next for the next, ...): stable plans then see the same pairs for
-  every permutation, so their kernels settle sooner. Otherwise the least-loaded replica.
+  permutation (the replicas in ring order after the target, the next one for the next device
+  that holds the same target block and for the next target block): stable plans then see the
+  same pairs for every permutation, so their kernels settle sooner, and every replica sends.
+  Otherwise the least-loaded replica.
 
   Returns:
     (src_dev, src_unit), each int64 [n, dst_units_per_device], and with `fixed` the reach (see
@@ -159,13 +160,19 @@ def route(
   src_dev = np.zeros((n, dst_units_per_device), np.int64)
   src_unit = np.zeros((n, dst_units_per_device), np.int64)
   unit = np.arange(dst_units_per_device)
-  # Each target device's index among the devices that hold its target block.
+  # Each target device's index among the devices that hold its target block, and the index of
+  # that block among the distinct target blocks.
   same_block = [int(np.sum(np.all(dst_blocks[:d] == dst_blocks[d], axis=1))) for d in range(n)]
+  distinct = {tuple(b): None for b in dst_blocks.tolist()}
+  block_index = {b: i for i, b in enumerate(distinct)}
+  target_block = [block_index[tuple(b)] for b in dst_blocks.tolist()]
 
   def replica(b: int, d: int) -> int:
-    """The replica of source block b that sends to device d, with fixed routing."""
+    """The replica of source block b that sends to device d, with fixed routing: the devices
+    that hold one target block take it from different replicas, and so do consecutive target
+    blocks, so that every replica sends (fewer rounds than one replica sending to all)."""
     ring = sorted(holders[b], key=lambda h: (h - d) % n)
-    return ring[same_block[d] % len(ring)]
+    return ring[(same_block[d] + target_block[d]) % len(ring)]
 
   for d in range(n):
     target_row = dst_blocks[d, 0] + unit // dst_chunks_per_row

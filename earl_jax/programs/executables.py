@@ -19,7 +19,9 @@ device-to-device moves between layouts (a `sharding.reshard.Resharder`).
   record.stall_ms          # what the step waited: executable (if still compiling) + reshard
 """
 
+import contextlib
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +39,26 @@ from earl_jax.rl import train_step as train_lib
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding import reshard as reshard_lib
 from earl_jax.stage import Stage
+
+# The nice value of background compile threads (Linux: per thread; lowering needs no privilege).
+BACKGROUND_NICE = 10
+
+
+def _lower_priority() -> None:
+  """Lowers the calling thread's CPU priority (where the OS allows it per thread)."""
+  with contextlib.suppress(AttributeError, OSError):  # elsewhere: the process's priority
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def background_pool(workers: int, name: str) -> futures.ThreadPoolExecutor:
+  """Threads for compiles nothing waits on yet (next buckets, profile cells), run at a lower
+  CPU priority than the step: on a machine with few cores they take what the step leaves, and
+  the step is not slowed by a program it may never run. A compile the step then waits for
+  gets the idle cores all the same. (Measured: on 2 cores, the default's steps at bucket 1024
+  took 1.7x as long while the profile compiled in the background at the same priority.)"""
+  return futures.ThreadPoolExecutor(
+    max_workers=workers, thread_name_prefix=name, initializer=_lower_priority
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -138,9 +160,7 @@ class Executables:
     self._requested: set[builders.ProgramKey] = set()
     self._param_shardings: dict[ParallelConfig, Any] = {}
     self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
-    self._pool = futures.ThreadPoolExecutor(
-      max_workers=background_workers, thread_name_prefix='earl-precompile'
-    )
+    self._pool = background_pool(background_workers, 'earl-precompile')
     self.log: list[dict[str, Any]] = []
     self.hits = 0
     self.compiles = 0

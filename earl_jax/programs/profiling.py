@@ -49,7 +49,7 @@ from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
-from earl_jax.programs.executables import Executables
+from earl_jax.programs.executables import Executables, background_pool
 from earl_jax.selector import prior as prior_lib
 from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
@@ -450,7 +450,7 @@ class RunProfiler:
   cache_path: str | None = None
   base: Profile | None = None
   compiler: futures.ThreadPoolExecutor = dataclasses.field(
-    default_factory=lambda: futures.ThreadPoolExecutor(1, thread_name_prefix='earl-profile'),
+    default_factory=lambda: background_pool(1, 'earl-profile'),
     repr=False,
     compare=False,
   )

@@ -95,6 +95,11 @@ class ProfileSettings:
     max_share: between steps, measuring stops once it would take the time spent measuring
       past this share of the run's time so far (process 0's clock); what is left waits for a
       later step, its prior standing in.
+    ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
+      come this share of the way from the bucket below the run bucket to the run bucket (0: as
+      soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps
+      stay below 900 tokens of their 1024 bucket, and compiling the 1536 bucket's candidates
+      there took CPU from every step on 2 cores for a bucket the run never reached.
   """
 
   stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
@@ -104,10 +109,13 @@ class ProfileSettings:
   prior: bool = True
   rule_out: float = 2.0
   max_share: float = 0.1
+  ahead: float = 0.75
 
   def __post_init__(self):
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
-    check_float32(self, 'rule_out', 'max_share')
+    check_float32(self, 'rule_out', 'max_share', 'ahead')
+    if not 0 <= self.ahead <= 1:
+      raise ConfigError(f'ProfileSettings.ahead must be in [0, 1], got {self.ahead}.')
     if not (self.rule_out == 0 or self.rule_out >= 1):
       raise ConfigError(f'ProfileSettings.rule_out must be 0 (never) or >= 1, got {self.rule_out}.')
     if not 0 < self.max_share <= 1:
@@ -684,9 +692,9 @@ class Selector:
   ) -> list[tuple[int, int, str]]:
     """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
     the most promising first (`prior.to_measure`): at the buckets a decision would rank and run
-    at, or (`ahead`) at the next bucket up from the run bucket, where the run goes next. [] for
-    a stage ranked by the analytic model, and without the prior (see `missing`). Pure: the same
-    on every process that holds the same profile."""
+    at, or (`ahead`) at the next bucket up once the longest context nears it
+    (`ProfileSettings.ahead`). [] for a stage ranked by the analytic model, and without the
+    prior (see `missing`). Pure: the same on every process that holds the same profile."""
     stage = Stage.parse(stage)
     settings = self.config.profile
     if stage not in settings.stages or not settings.prior or self._model is None:
@@ -696,8 +704,11 @@ class Selector:
     buckets = [reading.bucket, reading.run_bucket]
     if ahead:
       lengths = self.buckets.lengths
-      i = lengths.index(reading.run_bucket) + 1
-      buckets = lengths[i : i + 1]
+      i = lengths.index(reading.run_bucket)
+      below = lengths[i - 1] if i else 0
+      if reading.longest < below + settings.ahead * (reading.run_bucket - below):
+        return []  # the run is not near the next bucket yet
+      buckets = lengths[i + 1 : i + 2]
     out = []
     for bucket in dict.fromkeys(buckets):
       names = prior_lib.to_measure(

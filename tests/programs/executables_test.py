@@ -1,5 +1,8 @@
 """The executable cache: one compile per key, a bucket never retraces, background precompile, switch."""
 
+import os
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ from earl_jax import buckets
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
 from earl_jax.programs import builders, memory
+from earl_jax.programs import executables as executables_lib
 from earl_jax.programs.executables import Executables, switch
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.sharding import mesh as mesh_lib
@@ -116,3 +120,16 @@ def test_train_switch_moves_params_and_moments_and_steps():
     assert not jax.tree.leaves(
       jax.tree.map(lambda x, s: None if x.sharding.is_equivalent_to(s, x.ndim) else x, state, want)
     )
+
+
+def test_background_compiles_run_below_the_step_priority():
+  """Compiles nothing waits on yet run niced (per thread on Linux), so on a machine with few
+  cores the step keeps its CPU; the calling thread keeps its own priority."""
+  own = os.getpriority(os.PRIO_PROCESS, 0)
+  pool = executables_lib.background_pool(1, 'earl-test')
+  try:
+    niced = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert niced.result() == min(19, own + executables_lib.BACKGROUND_NICE)
+  finally:
+    pool.shutdown()
+  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own

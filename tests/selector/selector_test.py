@@ -526,6 +526,8 @@ def test_a_decision_with_no_measured_cell_runs_on_the_prior_and_says_so():
     (256, 16, 'dp2.tp4'),
     (256, 16, 'dp8.tp1'),
   ]
+  # Ahead only once the longest context has come 3/4 of the way up its bucket (96 of 0-128).
+  assert sel.wanted(Stage.ROLLOUT, _stats(95), ahead=True) == []
   # At 256, nothing measured yet: the decision runs on the prior scaled from 128.
   d = sel.decide(Stage.ROLLOUT, _stats(200))
   assert d.config == DP2TP4 and not d.measured and 'dp2.tp4 (dp2.tp4@128)' in d.reason
