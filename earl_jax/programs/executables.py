@@ -54,8 +54,7 @@ def background_pool(workers: int, name: str) -> futures.ThreadPoolExecutor:
   """Threads for compiles nothing waits on yet (next buckets, profile cells), run at a lower
   CPU priority than the step: on a machine with few cores they take what the step leaves, and
   the step is not slowed by a program it may never run. A compile the step then waits for
-  gets the idle cores all the same. (Measured: on 2 cores, the default's steps at bucket 1024
-  took 1.7x as long while the profile compiled in the background at the same priority.)"""
+  gets the idle cores all the same."""
   return futures.ThreadPoolExecutor(
     max_workers=workers, thread_name_prefix=name, initializer=_lower_priority
   )

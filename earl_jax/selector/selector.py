@@ -98,8 +98,8 @@ class ProfileSettings:
     ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
       come this share of the way from the bucket below the run bucket to the run bucket (0: as
       soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps
-      stay below 900 tokens of their 1024 bucket, and compiling the 1536 bucket's candidates
-      there took CPU from every step on 2 cores for a bucket the run never reached.
+      stay below 900 tokens of their 1024 bucket; compiling the 1536 bucket's candidates there
+      would take CPU from the steps, on 2 cores, for a bucket the run never reaches.
   """
 
   stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
