@@ -10,9 +10,26 @@ measured error is `ANALYTIC_REL_ERROR`.
 
 import dataclasses
 import math
+from typing import Protocol, runtime_checkable
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.stage import Stage
+
+
+@runtime_checkable
+class ProgramShapes(Protocol):
+  """What the analytic models read of the stage programs' static settings (a
+  `programs.StageSpec` has these)."""
+
+  @property
+  def decode_tokens(self) -> int: ...
+
+  @property
+  def chunk(self) -> int: ...
+
+  @property
+  def micro_batches(self) -> int: ...
+
 
 MiB = 1 << 20
 

@@ -31,7 +31,6 @@ import functools
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.selector import analytic
@@ -42,20 +41,6 @@ ANALYTIC = 'analytic'
 LAYOUTS = 'layouts'
 DEVICE = 'device'
 _ONE = ParallelConfig().name  # the single-device layout: a stage's whole work
-
-
-@runtime_checkable
-class Shapes(Protocol):
-  """The stage programs' static settings the analytic models read (a `programs.StageSpec`)."""
-
-  @property
-  def decode_tokens(self) -> int: ...
-
-  @property
-  def chunk(self) -> int: ...
-
-  @property
-  def micro_batches(self) -> int: ...
 
 
 def tokens_per_call(stage: Stage, bucket: int, rows: int, decode_tokens: int) -> int:
@@ -100,7 +85,7 @@ def _figures(models: _Analytic, stage: Stage, config: str, bucket: int, rows: in
   return seconds, peak
 
 
-def complete(profile: Profile, *, model: ModelConfig, shapes: Shapes) -> Profile:
+def complete(profile: Profile, *, model: ModelConfig, shapes: analytic.ProgramShapes) -> Profile:
   """`profile` with a prior cell wherever it has none (every stage, bucket, rows and candidate
   of its key); its own cells are kept as they are."""
   models = _Analytic(model, shapes.decode_tokens, shapes.chunk, shapes.micro_batches)

@@ -51,7 +51,7 @@ paying for a profile.
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -62,6 +62,7 @@ from earl_jax.errors import ConfigError
 from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
 from earl_jax.selector import analytic
 from earl_jax.selector import prior as prior_lib
+from earl_jax.selector.analytic import ProgramShapes
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
 from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.stage import STAGES, Stage
@@ -338,21 +339,6 @@ def context_statistic(lengths: Sequence[int], statistic: str) -> float:
 def fewest_splits_score(config: ParallelConfig) -> float:
   """The analytic ranking: fewer model-parallel splits first, tensor before fsdp at equal size."""
   return 1.0 / (config.tp * config.fsdp) - 1e-3 * (config.fsdp - 1)
-
-
-@runtime_checkable
-class ProgramShapes(Protocol):
-  """What the analytic model reads of the stage programs' static settings (a
-  `programs.StageSpec` has these)."""
-
-  @property
-  def decode_tokens(self) -> int: ...
-
-  @property
-  def chunk(self) -> int: ...
-
-  @property
-  def micro_batches(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
