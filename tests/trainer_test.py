@@ -171,8 +171,15 @@ def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
 
   cache = tmp_path / 'profile.json'
   base = smoke_experiment()
+  # Without the prior, the lazy profile measures before the decisions that need it, so the
+  # cells are measured whatever the machine's speed (with it, they are timed between steps
+  # once their background compiles are done, which a slow machine may not reach in 2 steps).
   profile = ProfileSettings(
-    stages=('rollout',), cache=str(cache), lazy=True, measure=MeasureConfig(repeats=1, rounds=1)
+    stages=('rollout',),
+    cache=str(cache),
+    lazy=True,
+    prior=False,
+    measure=MeasureConfig(repeats=1, rounds=1),
   )
   config = smoke_experiment(
     steps=2,
@@ -184,7 +191,7 @@ def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
   first = trainer.Trainer(config, workdir=run, log_fn=lambda _: None)
   first.run(progress=False)
   saved = first.selector.profile(Stage.ROLLOUT).to_json()['cells']
-  assert saved and first.profile_s > 0
+  assert saved and all(c['times_ms'] for c in saved) and first.profile_s > 0
   cache.unlink()
   resumed = trainer.Trainer(config, workdir=run, resume=True, log_fn=lambda _: None)
   assert resumed.selector.profile(Stage.ROLLOUT).to_json()['cells'] == saved
