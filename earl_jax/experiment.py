@@ -60,8 +60,10 @@ class ExperimentConfig:
       train programs run on those packed rows (attention stays within an episode), so that
       they process real tokens rather than padding. Needs token aggregation of the loss.
     balance: permute rows inside a dispatch so that every data-parallel rank gets the same
-      number of real (unpadded) tokens: the rollout -> experience move with packing (the rank
-      with the most tokens sets the packed rows), the experience -> train move without.
+      number of real (unpadded) tokens: the rollout -> experience move with packing (the
+      fewest packed rows, by moving the fewest rows: where the layouts alone move none, one
+      ring shift of j rows from every rank to the next, which the dispatcher sends without
+      padding; `dispatch.balance`), the experience -> train move without.
     overlong_filter: keep the episodes truncated at the largest bucket (the context cap, outcome
       'overflow') out of the update, as DAPO's overlong filtering and the `overlong_filter`
       options of ROLL, rLLM and SkyRL do: they still count in the logged return and win rate,

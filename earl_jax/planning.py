@@ -124,20 +124,25 @@ class StagePlanner:
   def _experience_program(self, decision, lengths: np.ndarray, roll_layout: dispatch_lib.Layout):
     perm = packed = None
     if self.config.pack:
-      if self.config.balance:  # real tokens balanced over the ranks that pack them
+      shape = {
+        'ranks': decision.config.batch_shards,
+        'bucket': decision.run_bucket,
+        'row_multiple': self._row_multiple(),
+      }
+      if self.config.balance:  # the fewest packed rows, moving the fewest rows (a ring shift)
         like = jax.eval_shape(
           functools.partial(Batch.zeros, len(lengths), decision.run_bucket, xp=jnp)
         )
         perm = dispatch_lib.balanced_permutation(
-          lengths, roll_layout, self.placement.layout(decision.config), like=like
+          lengths,
+          roll_layout,
+          self.placement.layout(decision.config),
+          like=like,
+          method='ring',
+          cost=lambda p: packing.rows_needed(lengths[p], **shape),
         )
         lengths = lengths[perm]
-      packed = packing.plan(
-        lengths,
-        ranks=decision.config.batch_shards,
-        bucket=decision.run_bucket,
-        row_multiple=self._row_multiple(),
-      )
+      packed = packing.plan(lengths, **shape)
     rows = None if packed is None else packed.rows
     return self.executable(decision, decision.run_bucket, rows), perm, packed
 

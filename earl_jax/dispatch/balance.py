@@ -29,6 +29,15 @@ rank), while a dispatch only needs to move what the layouts and the balance requ
          no worse than KK's (or no swap helps). Every swap strictly lowers the sum of squared
          loads, so it ends. If it ends above KK's maximum by more than 1%, KK's partition is
          used instead. It reaches KK's balance while moving a small fraction of the rows.
+  ring   (the main job's, where every row already is on a device of the rank the identity
+         placement gives it: the layouts alone move nothing) every rank sends exactly j rows to
+         the next rank (k -> k + 1 mod ranks) and takes j from the previous one, the j rows
+         chosen so that the ranks' loads come closest to the mean (`ring_bins`). The moves of
+         every step then are one ring shift of j rows on every pair: a dispatch kernel per j,
+         whose wire carries exactly the rows that move (a 'local' move's few rows over pairs
+         that change every step cannot be sent that tightly by a kernel that serves every move).
+         j (0 to b/2) is the one of least `cost` (e.g. the packed rows: `packing.rows_needed`),
+         then the smallest; 'local' is used instead where it costs strictly less.
 
   perm = balanced_permutation(lengths_B, src, dst, like=batch)       # int64 [B]
   batch_t, report = dispatcher.dispatch(batch, dst, perm=perm)
@@ -36,7 +45,9 @@ rank), while a dispatch only needs to move what the layouts and the balance requ
 """
 
 import heapq
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -46,7 +57,10 @@ from scipy.optimize import linear_sum_assignment
 
 from earl_jax.dispatch.layout import Layout, LayoutError
 
-Method = Literal['lpt', 'kk', 'local']
+Method = Literal['lpt', 'kk', 'local', 'ring']
+# 'ring': the j-row subsets of a rank are enumerated up to this many (else the windows of j
+# consecutive rows in length order stand in: a coarser but even spread of sums).
+_RING_SUBSETS = 4096
 # Real tokens per row: any integer (or float) array or sequence [B].
 Lengths = Real[np.ndarray, ' B'] | Sequence[int]
 # 'local' falls back to KK when its max load is above KK's by more than this fraction.
@@ -162,6 +176,66 @@ def local_bins(
   return [np.sort(r) for r in rows]
 
 
+def _subset_sums(lengths: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+  """The j-row subsets of a rank's rows ([n, j] row indices, local to the rank) and their sums,
+  by sum ascending (ties in enumeration order): every subset when there are at most
+  `_RING_SUBSETS`, else the windows of j consecutive rows in length order."""
+  if math.comb(len(lengths), j) <= _RING_SUBSETS:
+    subsets = np.array(list(itertools.combinations(range(len(lengths)), j)), np.int64)
+  else:
+    order = np.argsort(lengths, kind='stable')
+    subsets = np.stack([order[i : i + j] for i in range(len(lengths) - j + 1)])
+  subsets = subsets.reshape(-1, j)
+  sums = lengths[subsets].sum(axis=1)
+  by_sum = np.argsort(sums, kind='stable')
+  return subsets[by_sum], sums[by_sum]
+
+
+def ring_bins(lengths: Lengths, num_ranks: int, rows_sent: int) -> list[Int[np.ndarray, ' b']]:
+  """The identity placement (rank k holds rows k*b..(k+1)*b-1) after every rank sends
+  `rows_sent` (j) of its rows to rank k + 1 (mod ranks) and takes j from rank k - 1.
+
+  Rank k's load becomes L_k - S_k + S_{k-1}, S_k the sum of the rows it sends, which is the mean
+  when S_k = c + D_k, D_k the running sum of the ranks' excess over the mean. For every c that
+  puts some rank's subset exactly on its target, each rank takes the subset whose sum is nearest
+  its own; the c of the lowest maximum load (then the lowest sum of squares) is kept.
+  Deterministic: the same bins on every process.
+  """
+  lengths = _check_lengths(lengths, num_ranks)
+  per = len(lengths) // num_ranks
+  j = int(rows_sent)
+  if not 0 <= j <= per:
+    raise ValueError(f'rows_sent must be in [0, {per}] (the rows of a rank), got {rows_sent}.')
+  blocks = lengths.reshape(num_ranks, per)
+  if j == 0 or j == per or num_ranks == 1:
+    return [np.arange(k * per, (k + 1) * per) for k in range(num_ranks)]
+  loads = blocks.sum(axis=1)
+  excess = np.cumsum(loads * num_ranks - loads.sum())  # num_ranks * D_k: exact integers
+  tables = [_subset_sums(blocks[k], j) for k in range(num_ranks)]
+  offsets = np.unique(
+    np.concatenate([sums * num_ranks - excess[k] for k, (_, sums) in enumerate(tables)])
+  )
+  picks = np.empty((num_ranks, len(offsets)), np.int64)  # subset index per rank, per offset
+  sent = np.empty((num_ranks, len(offsets)), np.int64)
+  for k, (_, sums) in enumerate(tables):
+    want = offsets + excess[k]  # num_ranks * the sum rank k should send
+    hi = np.clip(np.searchsorted(sums * num_ranks, want), 0, len(sums) - 1)
+    lo = np.maximum(hi - 1, 0)
+    nearer = np.abs(sums[lo] * num_ranks - want) <= np.abs(sums[hi] * num_ranks - want)
+    picks[k] = np.where(nearer, lo, hi)
+    sent[k] = sums[picks[k]]
+  after = loads[:, None] - sent + np.roll(sent, 1, axis=0)  # [ranks, offsets]
+  best = int(np.lexsort(((after.astype(np.float64) ** 2).sum(axis=0), after.max(axis=0)))[0])
+  bins = []
+  for k in range(num_ranks):
+    prev = (k - 1) % num_ranks
+    gone = set(tables[k][0][picks[k, best]].tolist())
+    keep = [k * per + i for i in range(per) if i not in gone]
+    came = [prev * per + int(i) for i in tables[prev][0][picks[prev, best]]]
+    bins.append(np.sort(np.array(keep + came, np.int64)))
+  return bins
+
+
 def permutation_from_bins(
   bins: Sequence[Int[np.ndarray, ' b']], locality: Int[np.ndarray, 'B R'] | None = None
 ) -> Int[np.ndarray, ' B']:
@@ -240,6 +314,7 @@ def balanced_permutation(
   *,
   like: Any,
   method: Method = 'local',
+  cost: Callable[[Int[np.ndarray, ' B']], float] | None = None,
 ) -> Int[np.ndarray, ' B']:
   """A row permutation balancing real tokens over the target's data-parallel ranks.
 
@@ -248,7 +323,9 @@ def balanced_permutation(
     src: the layout the batch is on (used to keep rows where they are when it costs nothing).
     dst: the target layout; its row blocks are the ranks.
     like: the batch (or ShapeDtypeStructs), for shapes.
-    method: 'local' (default: KK's balance, few rows moved), 'kk' or 'lpt'.
+    method: 'local' (default: KK's balance, few rows moved), 'ring' (one ring shift of rows,
+      where the layouts alone move no row; 'local' elsewhere), 'kk' or 'lpt'.
+    cost: 'ring': what a permutation costs (lower is better; default: the maximum load).
 
   Returns:
     perm int64 [B] for `Dispatcher.dispatch(..., perm=perm)`.
@@ -261,11 +338,13 @@ def balanced_permutation(
   locality = locality_scores(src, dst, like)
   if method == 'lpt':
     return permutation_from_bins(lpt_bins(lengths_B, ranks), locality)
+  if method == 'ring':
+    return _ring_permutation(lengths_B, src, dst, like=like, ranks=ranks, cost=cost)
   kk = kk_bins(lengths_B, ranks)
   if method == 'kk':
     return permutation_from_bins(kk, locality)
   if method != 'local':
-    raise ValueError(f"method must be 'local', 'kk' or 'lpt', got {method!r}.")
+    raise ValueError(f"method must be 'local', 'ring', 'kk' or 'lpt', got {method!r}.")
   lengths = np.asarray(lengths_B, np.int64)
   kk_max = max(int(lengths[b].sum()) for b in kk)
   local = local_bins(lengths, ranks, target=kk_max)
@@ -273,6 +352,38 @@ def balanced_permutation(
     return permutation_from_bins(kk, locality)
   # The identity placement is the starting point, so rank k keeps bin k (no matching).
   return in_slots(local)
+
+
+def _ring_permutation(
+  lengths_B: Lengths,
+  src: Layout,
+  dst: Layout,
+  *,
+  like: Any,
+  ranks: int,
+  cost: Callable[[Int[np.ndarray, ' B']], float] | None,
+) -> Int[np.ndarray, ' B']:
+  """'ring' (see the module docstring): the ring shift of least cost, or 'local' where the
+  layouts move rows anyway or where it costs strictly less."""
+  lengths = _check_lengths(lengths_B, ranks)
+  local = balanced_permutation(lengths, src, dst, like=like, method='local')
+  per = len(lengths) // ranks
+  identity = np.arange(len(lengths))
+  if not (locality_scores(src, dst, like)[identity, identity // per] > 0).all():
+    return local  # the layouts move rows: the balancing's ride along
+
+  def price(perm: np.ndarray) -> float:
+    if cost is not None:
+      return float(cost(perm))
+    return float(rank_loads(lengths, perm, ranks).max())
+
+  best, best_cost = identity, price(identity)
+  for j in range(1, per // 2 + 1):
+    perm = in_slots(ring_bins(lengths, ranks, j))
+    c = price(perm)
+    if c < best_cost:
+      best, best_cost = perm, c
+  return local if price(local) < best_cost else best
 
 
 def rank_loads(

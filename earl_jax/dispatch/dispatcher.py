@@ -48,7 +48,9 @@ permutation may route units over gets one capacity, the capacity bucket of the m
 pair, one kernel per class, so the wire follows each move's own class down as well as up
 (tests/dispatch/capacity_classes_test.py). Such a move is not held to `max_padding`: with 2-16
 rows of 64 moving over changing pairs, a kernel that serves every move pays for the pairs it
-does not use (docs/results.md). Where the layouts move little, the plans fit per ring shift
+does not use (docs/results.md). The main job's balancing avoids that: its 'ring' permutations
+send j rows from every rank to the next, one ring shift, whose class covers that shift's pairs
+only, so the wire carries exactly the rows that move. Where the layouts move little, the plans fit per ring shift
 (the earlier policy: every pair of a shift sends its one power-of-two capacity) after
 `_FLOORS_BEFORE_SETTLING` floors that still left reachable pairs without capacity, and then
 neither shed nor compile per move; fit 'shifts' also takes it where the layouts move nothing. An
@@ -225,6 +227,19 @@ class _Capacities:
   classes: bool = False
 
 
+def _shift_pairs(need: np.ndarray) -> np.ndarray:
+  """bool [n, n]: the pairs of the one ring shift (target = source + s mod n) that every pair
+  with units in `need` lies on, or every pair where they lie on several."""
+  n = len(need)
+  senders, targets = np.nonzero(need)
+  shifts = np.unique((targets - senders) % n)
+  if len(shifts) != 1:
+    return np.ones((n, n), bool)
+  mask = np.zeros((n, n), bool)
+  mask[np.arange(n), (np.arange(n) + shifts[0]) % n] = True
+  return mask
+
+
 def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
   """(field, earlier field) for every field whose buffers are an earlier field's."""
   first: dict[tuple, int] = {}
@@ -364,7 +379,10 @@ class Dispatcher:
     a permutation may route units over (`GroupPlan.reach`) gets the same capacity, the capacity
     bucket of this move's largest pair. One kernel per class, compiled once and kept by the
     kernel cache, so the class follows each move down as well as up: a move pays the reachable
-    pairs once at its own class, instead of the largest class any earlier move needed."""
+    pairs once at its own class, instead of the largest class any earlier move needed. A move
+    whose units all go one ring shift (`balance`'s 'ring' permutations) takes the class over
+    that shift's pairs only: one kernel per (shift, class), and a ring of j rows on every pair
+    sends exactly what moves."""
     plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=self._plan_options(src, None))
     if plan.floor is None or any(g.reach is None for g in plan.groups):
       return plan
@@ -373,7 +391,8 @@ class Dispatcher:
       [g.counts for g in plan.groups], limits, 'pairs', self.config.buckets_per_octave
     )
     pairs = tuple(
-      np.maximum(n, np.where(g.reach, int(n.max()), 0)) for n, g in zip(need, plan.groups)
+      np.maximum(n, np.where(g.reach & _shift_pairs(n), int(n.max()), 0))
+      for n, g in zip(need, plan.groups)
     )
     # The whole block as the landing width (a 'scatter' output): it does not vary by move.
     floor = Floor(pairs=pairs, local=tuple(g.dst_units for g in plan.groups))

@@ -101,6 +101,17 @@ def packed_rows_per_rank(needed: int, rows_per_rank: int, ranks: int, row_multip
   return r
 
 
+def rows_needed(
+  lengths_B: Int[np.ndarray, ' B'] | list[int], *, ranks: int, bucket: int, row_multiple: int = 1
+) -> int:
+  """R, the packed rows `plan` would give the batch (without building its tables): what a
+  balancing permutation is worth to the programs that run the packed batch."""
+  lengths = np.asarray(lengths_B, np.int64)
+  b = len(lengths) // ranks
+  needed = max(len(_first_fit(lengths[k * b : (k + 1) * b], bucket)) for k in range(ranks))
+  return ranks * packed_rows_per_rank(needed, b, ranks, row_multiple)
+
+
 def plan(
   lengths_B: Int[np.ndarray, ' B'] | list[int],
   *,

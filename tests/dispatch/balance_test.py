@@ -112,3 +112,76 @@ def test_rows_that_stay_on_their_rank_keep_their_slot():
       assert set(block.tolist()) == set(np.asarray(rows).tolist())
       stay = [r for r in rows if 8 * k <= r < 8 * k + 8]
       assert all(perm[r] == r for r in stay)
+
+
+def _ring_optimum(lengths: np.ndarray, ranks: int, rows_sent: int) -> int:
+  """The lowest maximum load any ring shift of `rows_sent` rows per rank reaches (brute force)."""
+  import itertools
+
+  blocks = lengths.reshape(ranks, -1)
+  subsets = list(itertools.combinations(range(blocks.shape[1]), rows_sent))
+  best = None
+  for choice in itertools.product(range(len(subsets)), repeat=ranks):
+    sent = np.array([blocks[k][list(subsets[c])].sum() for k, c in enumerate(choice)])
+    peak = int((blocks.sum(axis=1) - sent + np.roll(sent, 1)).max())
+    best = peak if best is None else min(best, peak)
+  return best
+
+
+def test_ring_bins_send_j_rows_to_the_next_rank_near_the_best_ring():
+  """Every rank keeps b - j of its rows and takes j of the previous rank's; the maximum load is
+  the brute-force best of all such rings in most cases, and never more than 3% above it."""
+  rng = np.random.default_rng(1)
+  ranks, per, exact = 4, 4, 0
+  for trial in range(60):
+    rows_sent = 1 + trial % 2
+    lengths = rng.integers(1, 50, ranks * per)
+    bins = balance.ring_bins(lengths, ranks, rows_sent)
+    for k, rows in enumerate(bins):
+      own = (rows // per) == k
+      assert own.sum() == per - rows_sent
+      assert (rows[~own] // per == (k - 1) % ranks).all()
+    peak = max(int(lengths[b].sum()) for b in bins)
+    best = _ring_optimum(lengths, ranks, rows_sent)
+    assert best <= peak <= 1.03 * best
+    exact += peak == best
+  assert exact >= 54
+
+
+def test_a_ring_permutation_costs_no_more_than_local_and_moves_one_shift():
+  """'ring' on dp8 -> dp8 (the layouts move nothing): its cost (here the packed rows, as the
+  main job's) is never above 'local''s, and every moved row goes to the next rank, the same
+  number from every rank."""
+  from earl_jax.rl import packing
+
+  rows, ranks = 64, 8
+  host = bodies.host_batch(rows, 8)
+  src = dst = Layout.parse('dp8', host)
+  rng = np.random.default_rng(0)
+  moved = 0
+  for _ in range(10):
+    lengths = rng.integers(100, 900, rows)
+
+    def packed_rows(perm, lengths=lengths):
+      return packing.rows_needed(lengths[perm], ranks=ranks, bucket=1024)
+
+    ring = balanced_permutation(lengths, src, dst, like=host, method='ring', cost=packed_rows)
+    local = balanced_permutation(lengths, src, dst, like=host, method='local')
+    check_permutation(ring, rows)
+    assert packed_rows(ring) <= packed_rows(local)
+    slots = np.flatnonzero(ring != np.arange(rows))
+    if (ring == local).all() and len(slots):
+      continue  # 'local' cost strictly less
+    came_from = ring[slots] // (rows // ranks)
+    assert (came_from == (slots // (rows // ranks) - 1) % ranks).all()
+    assert len(set(np.bincount(came_from, minlength=ranks).tolist())) <= 1
+    moved += len(slots)
+  assert moved > 0
+
+
+def test_ring_falls_back_to_local_where_the_layouts_move_rows():
+  host = bodies.host_batch(64, 8)
+  src, dst = Layout.parse('dp8', host), Layout.parse('dp4.tp2', host)
+  lengths = _skewed_lengths(64, 0)
+  ring = balanced_permutation(lengths, src, dst, like=host, method='ring')
+  assert (ring == balanced_permutation(lengths, src, dst, like=host, method='local')).all()

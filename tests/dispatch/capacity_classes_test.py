@@ -45,8 +45,8 @@ def _moves(src_text: str, dst_text: str, seed: int, **config) -> tuple[list[dict
 def test_capacity_classes_bound_the_padding_of_a_few_moving_rows(src_text, dst_text, seed):
   """Every move sends its class's capacity over the pairs a permutation may use, the class being
   the capacity bucket of the move's largest pair, so no move pays for an earlier move's largest
-  pair; one kernel per class (the kernel count is the number of classes seen), fewer kernels
-  and less wire over the sequence than the ring shifts' power-of-two capacities (fec4bf3's fit
+  pair (a move on one ring shift: over that shift's pairs only); one kernel per class (the
+  kernel count is the number of classes seen), fewer kernels and less wire over the sequence than the ring shifts' power-of-two capacities (fec4bf3's fit
   for these moves), and the values equal the dense reference."""
   moves, d = _moves(src_text, dst_text, seed)
   classes = set()
@@ -57,12 +57,18 @@ def test_capacity_classes_bound_the_padding_of_a_few_moving_rows(src_text, dst_t
     np.fill_diagonal(remote, 0)
     limit = min(group.src_units, group.dst_units)
     level = capacity_bucket(int(remote.max()), limit, d.config.buckets_per_octave)
-    classes.add(level)
-    reach = int(group.reach.sum())
-    assert m['wire'] == level * reach * group.unit_bytes  # the class over the reachable pairs
+    senders, targets = np.nonzero(remote)
+    shifts = np.unique((targets - senders) % len(remote))
+    pairs = group.reach.copy()
+    if len(shifts) == 1:  # a move on one ring shift: only that shift's pairs
+      on_shift = (np.arange(len(remote))[None, :] - np.arange(len(remote))[:, None]) % len(remote)
+      pairs &= on_shift == shifts[0]
+    # The class over the reachable pairs (of the move's one shift, if it has one).
+    assert m['wire'] == level * int(pairs.sum()) * group.unit_bytes
+    classes.add((level, int(shifts[0]) if len(shifts) == 1 else None))
     assert m['bytes'] <= m['wire']
     assert m['kernels'] <= len(classes)  # one kernel per class, compiled once
-  assert d.traces == len(classes) <= 3
+  assert d.traces == len(classes) <= 4
   shifts, s = _moves(src_text, dst_text, seed, stable_fit='shifts')
   assert [m['bytes'] for m in shifts] == [m['bytes'] for m in moves]
   assert sum(m['wire'] for m in moves) < sum(m['wire'] for m in shifts)
@@ -83,3 +89,28 @@ def test_a_replicated_source_block_is_sent_by_every_replica():
   assert group.reach.sum(axis=0).tolist() == [1] * 8  # each target from one replica
   assert group.reach.sum(axis=1).tolist() == [1] * 8  # each replica to one target
   assert len(plan.rounds) == 1
+
+
+def test_ring_moves_send_exactly_what_moves():
+  """dp8 -> dp8 (the default's rollout -> experience move) with 'ring' permutations: every rank
+  sends j rows to the next, so a move's class covers that one shift's pairs and the wire carries
+  exactly the bytes that move; one kernel per j; the values equal the dense reference."""
+  host = bodies.host_batch(ROWS, LENGTH, seed=0)
+  src = dst = Layout.parse('dp8', host)
+  d = Dispatcher()
+  rng = np.random.default_rng(0)
+  per = ROWS // 8
+  sent = set()
+  for _ in range(MOVES):
+    lengths = rng.integers(1, 9, ROWS) * (LENGTH // 8)
+    perm = balanced_permutation(lengths, src, dst, like=host, method='ring')
+    moved, report = d.dispatch(bodies.device_copy(bodies.place(host, src)), dst, src=src, perm=perm)
+    assert bodies.check_placed(moved, host, dst, perm) == []
+    d.release(moved)
+    slots = np.flatnonzero(perm != np.arange(ROWS))
+    if not (perm[slots] // per == (slots // per - 1) % 8).all():
+      continue  # 'local' balanced better than any ring for this move
+    sent.add(len(slots) // 8)
+    assert sum(report.scheduled_sent) == report.min_bytes > 0
+  assert len(sent) >= 2
+  assert d.traces <= len(sent) + 1  # one kernel per j (and one for a 'local' move)
