@@ -236,6 +236,24 @@ def ring_bins(lengths: Lengths, num_ranks: int, rows_sent: int) -> list[Int[np.n
   return bins
 
 
+def ring_rows(perm: Int[np.ndarray, ' B'], num_ranks: int) -> int | None:
+  """j when `perm` is a ring shift of j >= 1 rows (every rank's block takes exactly j rows, all
+  from the previous rank's block, and keeps the others in place: what 'ring' gives), else None."""
+  perm = np.asarray(perm)
+  rows = len(perm)
+  if num_ranks < 2 or rows % num_ranks:
+    return None
+  per = rows // num_ranks
+  slots = np.flatnonzero(perm != np.arange(rows))
+  if not len(slots):
+    return None
+  rank = slots // per
+  if not (perm[slots] // per == (rank - 1) % num_ranks).all():
+    return None
+  taken = np.bincount(rank, minlength=num_ranks)
+  return int(taken[0]) if (taken == taken[0]).all() else None
+
+
 def permutation_from_bins(
   bins: Sequence[Int[np.ndarray, ' b']], locality: Int[np.ndarray, 'B R'] | None = None
 ) -> Int[np.ndarray, ' B']:

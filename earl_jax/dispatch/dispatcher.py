@@ -49,7 +49,7 @@ pair, one kernel per class, so the wire follows each move's own class down as we
 (tests/dispatch/capacity_classes_test.py). Such a move is not held to `max_padding`: with 2-16
 rows of 64 moving over changing pairs, a kernel that serves every move pays for the pairs it
 does not use (docs/results.md). The main job's balancing avoids that: its 'ring' permutations
-send j rows from every rank to the next, one ring shift, whose class covers that shift's pairs
+send j rows from every rank to the next, one ring shift, whose class covers the pairs it uses
 only, so the wire carries exactly the rows that move. Where the layouts move little, the plans fit per ring shift
 (the earlier policy: every pair of a shift sends its one power-of-two capacity) after
 `_FLOORS_BEFORE_SETTLING` floors that still left reachable pairs without capacity, and then
@@ -77,6 +77,7 @@ import numpy as np
 from earl_jax.caching import LRUCache
 from earl_jax.dispatch import baselines, collectives, landing
 from earl_jax.dispatch.accounting import DispatchReport, hlo_received_bytes
+from earl_jax.dispatch.balance import ring_rows, target_ranks
 from earl_jax.dispatch.baselines import rotation_shift
 from earl_jax.dispatch.layout import Layout, check_compatible
 from earl_jax.dispatch.plan import (
@@ -227,19 +228,6 @@ class _Capacities:
   classes: bool = False
 
 
-def _shift_pairs(need: np.ndarray) -> np.ndarray:
-  """bool [n, n]: the pairs of the one ring shift (target = source + s mod n) that every pair
-  with units in `need` lies on, or every pair where they lie on several."""
-  n = len(need)
-  senders, targets = np.nonzero(need)
-  shifts = np.unique((targets - senders) % n)
-  if len(shifts) != 1:
-    return np.ones((n, n), bool)
-  mask = np.zeros((n, n), bool)
-  mask[np.arange(n), (np.arange(n) + shifts[0]) % n] = True
-  return mask
-
-
 def _shared(leaves: Sequence[jax.Array]) -> tuple[tuple[int, int], ...]:
   """(field, earlier field) for every field whose buffers are an earlier field's."""
   first: dict[tuple, int] = {}
@@ -379,10 +367,11 @@ class Dispatcher:
     a permutation may route units over (`GroupPlan.reach`) gets the same capacity, the capacity
     bucket of this move's largest pair. One kernel per class, compiled once and kept by the
     kernel cache, so the class follows each move down as well as up: a move pays the reachable
-    pairs once at its own class, instead of the largest class any earlier move needed. A move
-    whose units all go one ring shift (`balance`'s 'ring' permutations) takes the class over
-    that shift's pairs only: one kernel per (shift, class), and a ring of j rows on every pair
-    sends exactly what moves."""
+    pairs once at its own class, instead of the largest class any earlier move needed. A ring
+    permutation (`balance.ring_rows`: every target rank takes j rows of the previous one) takes
+    the class over its own pairs only: the fixed routing gives every ring of j rows the same
+    pairs (every pair of one shift on dp8 -> dp8; the two that cross a source block on dp2.tp4
+    -> dp8), so one kernel per j, sending exactly what moves."""
     plan = make_plan(src, dst, shapes, dtypes, perm=perm, options=self._plan_options(src, None))
     if plan.floor is None or any(g.reach is None for g in plan.groups):
       return plan
@@ -390,8 +379,9 @@ class Dispatcher:
     need = pair_needs(
       [g.counts for g in plan.groups], limits, 'pairs', self.config.buckets_per_octave
     )
+    ring = ring_rows(perm, target_ranks(dst, shapes[0][0])) is not None
     pairs = tuple(
-      np.maximum(n, np.where(g.reach & _shift_pairs(n), int(n.max()), 0))
+      np.maximum(n, np.where(g.reach & ((n > 0) if ring else True), int(n.max()), 0))
       for n, g in zip(need, plan.groups)
     )
     # The whole block as the landing width (a 'scatter' output): it does not vary by move.

@@ -185,3 +185,14 @@ def test_ring_falls_back_to_local_where_the_layouts_move_rows():
   lengths = _skewed_lengths(64, 0)
   ring = balanced_permutation(lengths, src, dst, like=host, method='ring')
   assert (ring == balanced_permutation(lengths, src, dst, like=host, method='local')).all()
+
+
+def test_ring_rows_names_the_rings_and_nothing_else():
+  rng = np.random.default_rng(2)
+  lengths = rng.integers(1, 50, 32)
+  for j in (1, 2):
+    assert balance.ring_rows(balance.in_slots(balance.ring_bins(lengths, 4, j)), 4) == j
+  swap = np.arange(32)
+  swap[[0, 9]] = swap[[9, 0]]  # rank 0 takes a row of rank 1: the wrong direction
+  assert balance.ring_rows(swap, 4) is None
+  assert balance.ring_rows(np.arange(32), 4) is None

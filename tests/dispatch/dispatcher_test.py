@@ -386,14 +386,10 @@ def test_stable_kernels_settle_where_a_few_rows_move_over_changing_pairs(dst_tex
   assert state.settled and state.shifts == (dst_text == 'dp4.tp2')
   assert state.classes == (dst_text == 'dp8')
   ring = lambda plan: all(len({(t - s) % 8 for s, t in r.pairs}) == 1 for r in plan.rounds)  # noqa: E731
-  if dst_text == 'dp8':
-    # Every pair at one unit whichever two rows move, or none (same rank), or, for two rows
-    # four ranks apart (both on ring shift 4), that shift's pairs only.
-    assert len(structures) <= 3
-    shift4 = np.roll(np.eye(8, dtype=int), 4, axis=1)
+  if dst_text == 'dp8':  # every pair at one unit whichever two rows move, or none (same rank)
+    assert len(structures) <= 2
     for p in plans:
-      pairs = p.floor.pairs[0]
-      assert (pairs == 1 - np.eye(8, dtype=int)).all() or (pairs == shift4).all() or not p.rounds
+      assert (p.floor.pairs[0] == 1 - np.eye(8, dtype=int)).all() or not p.rounds
   else:
     assert ring(plans[-1]) and not ring(plans[0])
 
