@@ -36,8 +36,9 @@ rank), while a dispatch only needs to move what the layouts and the balance requ
          every step then are one ring shift of j rows on every pair: a dispatch kernel per j,
          whose wire carries exactly the rows that move (a 'local' move's few rows over pairs
          that change every step cannot be sent that tightly by a kernel that serves every move).
-         j (0 to b/2) is the one of least `cost` (e.g. the packed rows: `packing.rows_needed`),
-         then the smallest; 'local' is used instead where it costs strictly less.
+         j (0 or a power of two up to b/2) is the one of least `cost` (e.g. the packed rows:
+         `packing.rows_needed`), then the smallest; 'local' is used instead where it costs
+         strictly less.
 
   perm = balanced_permutation(lengths_B, src, dst, like=batch)       # int64 [B]
   batch_t, report = dispatcher.dispatch(batch, dst, perm=perm)
@@ -396,7 +397,9 @@ def _ring_permutation(
     return float(rank_loads(lengths, perm, ranks).max())
 
   best, best_cost = identity, price(identity)
-  for j in range(1, per // 2 + 1):
+  # j a power of two: every j is a kernel to compile (per bucket), and with the main job's
+  # packing cost a j in between did not pack into fewer rows than the powers (docs/results.md).
+  for j in (2**i for i in range((per // 2).bit_length())):
     perm = in_slots(ring_bins(lengths, ranks, j))
     c = price(perm)
     if c < best_cost:
