@@ -4,8 +4,11 @@ side by side.
 
 The policies: 'shifts' (`stable_fit='shifts'`, capacities that only grow: the fit before commit
 f32e822 for every move, and fec4bf3's default fit for moves between layouts that alone move
-nothing) and 'pairs' (`DispatchConfig()`, the main job's: a capacity per pair where the layouts
-move rows, capacity classes where they alone move nothing, dispatch/dispatcher.py).
+nothing) and 'pairs' (`DispatchConfig()`: a capacity per pair where the layouts move rows,
+capacity classes where they alone move nothing, dispatch/dispatcher.py), both with the 'local'
+balancing permutation (the main job's until commit 8ea0b5f); 'ring' (the main job's since: the
+'pairs' dispatcher with the 'ring' balancing permutation of fewest packed rows,
+`dispatch.balance`).
 
   python experiments/wire_padding.py --metrics=runs/default/metrics.jsonl --out=/tmp/wire.json
   python experiments/wire_padding.py --metrics=... --steps=20 --policies=pairs
@@ -15,7 +18,7 @@ The moves: every train step of the run's metrics.jsonl names the rollout and exp
 does not hold the episode lengths, so they are drawn from the step's context statistics (whole
 turns of `ctx/turn_len_mean` tokens, `ctx/turns_mean` turns on average, one episode of
 `ctx/episode_len_max`; seeded) and balanced over the experience ranks as the trainer does
-(`dispatch.balanced_permutation`). Each policy's Dispatcher (otherwise the main job's settings:
+(`dispatch.balanced_permutation`, with the policy's method). Each policy's Dispatcher (otherwise the main job's settings:
 `DispatchConfig()`) moves an RL batch (`rl.Batch`, --rows rows) of those shapes, the two
 interleaved step by step, and the output is released afterwards as the trainer releases its
 train batch. Reported per policy: the bytes that had to move and the bytes on the wire
@@ -27,6 +30,7 @@ import json
 import statistics
 import time
 
+import numpy as np
 from absl import flags
 
 from earl_jax import runtime
@@ -38,7 +42,10 @@ _STEPS = flags.DEFINE_integer('steps', 0, 'Replay only the first this many steps
 _ROWS = flags.DEFINE_integer('rows', 64, 'Rows of the batch (rollout.num_episodes).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the drawn episode lengths.')
 _POLICIES = flags.DEFINE_list(
-  'policies', ['shifts', 'pairs'], "Stable capacities to compare ('shifts': the earlier policy)."
+  'policies', ['shifts', 'pairs', 'ring'], 'Capacities and balancing to compare (see above).'
+)
+_ROW_MULTIPLE = flags.DEFINE_integer(
+  'row_multiple', 8, "'ring': the packed rows' multiple (the default's: its 8 batch shards)."
 )
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
 
@@ -64,12 +71,13 @@ def main(argv):
 
   from earl_jax import dispatch
   from earl_jax.config import ParallelConfig
+  from earl_jax.rl import packing
   from earl_jax.rl.batch import Batch
   from earl_jax.sharding import mesh as mesh_lib
 
   for policy in _POLICIES.value:
-    if policy not in ('shifts', 'pairs'):
-      raise UserError(f"--policies: {policy!r} is not 'shifts' or 'pairs'.")
+    if policy not in ('shifts', 'pairs', 'ring'):
+      raise UserError(f"--policies: {policy!r} is not 'shifts', 'pairs' or 'ring'.")
   moves = replayed_moves(_METRICS.value, _STEPS.value, _ROWS.value, _SEED.value)
   layouts: dict[str, dispatch.Layout] = {}
 
@@ -96,15 +104,35 @@ def main(argv):
       dispatch.DispatchConfig(stable_fit='shifts', max_padding=float('inf'))
     ),
     'pairs': dispatch.Dispatcher(dispatch.DispatchConfig()),
+    'ring': dispatch.Dispatcher(dispatch.DispatchConfig()),
   }
+
+  def permutation(policy: str, move: dict, src, dst, like):
+    lengths = np.asarray(move['lengths'])
+    if policy != 'ring':
+      return dispatch.balanced_permutation(lengths, src, dst, like=like)
+    shape = {
+      'ranks': dispatch.target_ranks(dst, _ROWS.value),
+      'bucket': move['bucket'],
+      'row_multiple': _ROW_MULTIPLE.value,
+    }
+    return dispatch.balanced_permutation(
+      lengths,
+      src,
+      dst,
+      like=like,
+      method='ring',
+      cost=lambda p: packing.rows_needed(lengths[p], **shape),
+    )
+
   rows = {p: [] for p in _POLICIES.value}
   for i, move in enumerate(moves):
     src, dst = layout(move['src']), layout(move['dst'])
     like = jax.eval_shape(lambda b=move['bucket']: Batch.zeros(_ROWS.value, b, xp=jnp))
-    perm = dispatch.balanced_permutation(move['lengths'], src, dst, like=like)
     order = _POLICIES.value if i % 2 == 0 else _POLICIES.value[::-1]
     for policy in order:
       d = dispatchers[policy]
+      perm = permutation(policy, move, src, dst, like)
       batch = batch_on(src, move['bucket'])
       traces = d.traces
       t0 = time.perf_counter()
