@@ -33,7 +33,7 @@ def test_the_buckets_hold_every_repair_turn():
     len(tok.turn_prompt_ids(feedback * env.feedback_tests + t.prompt, first=False)) for t in tasks
   )
   reply = config.rollout.sampling.max_new_tokens
-  assert (env.max_turns, first, repair) == (2, 133, 213)
+  assert (env.max_turns, first, repair) == (2, 141, 221)
   assert first <= config.rollout.prompt_buckets[0] and repair <= config.rollout.prompt_buckets[-1]
   assert first + repair + 2 * reply <= config.buckets.max_length
 
