@@ -192,13 +192,13 @@ def test_resume_continues_where_the_run_stopped(trained, tmp_path):
 def _rl_config(init_from: str, **changes) -> ExperimentConfig:
   code = base.CodeEnvConfig()
   return smoke_experiment(
-    model='tiny', tokenizer='code', env=code, eval_env=code, init_from=init_from, **changes
+    model='tiny-code', tokenizer='code', env=code, eval_env=code, init_from=init_from, **changes
   )
 
 
 def test_the_warm_start_initializes_the_rl_policy_on_its_train_layout(trained):
   run, _, workdir = trained
-  model = ModelConfig.preset('tiny')
+  model = ModelConfig.preset(run.config.model)  # the code presets' model
   config = _rl_config(os.path.join(workdir, 'checkpoints'), loss=LossConfig(kl_coef=0.01))
   spec = StageSpec(optim=config.optim, loss=config.loss)
   with Executables(model, spec=spec) as exe:

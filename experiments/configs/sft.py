@@ -1,6 +1,6 @@
 """Presets of experiments/sft.py.
 
-code    the tiny model ('tiny', the code tokenizer) on half of the RL `code` preset's train
+code    the tiny code model ('tiny-code', the code tokenizer) on half of the RL `code` preset's train
         tasks (191 'functions' tasks), each as a first turn and as a repair (a near miss, its
         feedback, the reference), held-out loss (and the greedy first-turn pass rate) on the
         RL preset's 256 held-out tasks, 8 fake CPU devices: the warm start of the RL `code`
@@ -29,7 +29,7 @@ def code() -> SFTConfig:
   )
   return SFTConfig(
     name='code_sft',
-    model='tiny',
+    model='tiny-code',
     tokenizer='code',
     env=env,
     repair_examples=True,

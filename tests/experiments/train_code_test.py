@@ -100,7 +100,7 @@ class _Recorder:
 
 def test_code_steps_log_the_sandbox_verdicts(warm_start, tmp_path):
   config = _small(warm_start)
-  assert config.model == 'tiny' and config.tokenizer == 'code' and config.pack
+  assert config.model == 'tiny-code' and config.tokenizer == 'code' and config.pack
   lines = []
   t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lines.append)
   sandbox = code_env.shared_sandbox(config.env.sandbox)
