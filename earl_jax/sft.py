@@ -18,10 +18,12 @@ start in distribution.
 
 The layout is the selector's decision for the train stage (its analytic model, as the RL job's
 first train decision without a profile) from the training examples' lengths, on a mesh of
-`sharding.mesh`; it holds for the whole run. A step takes B = `batch_size` examples of an
-endless stream (each epoch a seeded permutation, so a resumed run sees the same batches), padded
-to the smallest bucket that holds the longest; each bucket's train and held-out programs are
-compiled ahead of time on first use, with explicit shardings and the train state donated.
+`sharding.mesh`; it holds for the whole run. A step takes up to B = `batch_size` examples of one
+bucket (`batch_plan`: each epoch every bucket's examples in a seeded permutation, cut into
+batches, the batches in a seeded order, so a resumed run sees the same batches), padded to that
+bucket (a first turn is not padded to a repair example's length); each bucket's train and
+held-out programs are compiled ahead of time on first use, with explicit shardings and the train
+state donated.
 Checkpoints hold the RL job's `TrainState` (AdamW moments of `optim`), with the model's shape in
 their meta, so that `placement.load_warm_start` can check and restore them onto any layout.
 
@@ -96,8 +98,10 @@ class SFTConfig:
       reply alone. The RL job's repair turns then start in distribution.
     eval_env: the held-out tasks (the 'heldout' split by default): the held-out loss, and the
       greedy first-turn pass rate with `pass_episodes`.
-    buckets: the sequence-length buckets a batch is padded to (the largest holds every example).
-    batch_size: B, examples per step (a multiple of the chosen layout's batch shards).
+    buckets: the sequence-length buckets a batch is padded to (the largest holds every example);
+      a train batch holds the examples of one bucket.
+    batch_size: B, rows per step (a multiple of the chosen layout's batch shards); a batch holds
+      up to B examples, the rest padding rows.
     optim: AdamW, its schedule and clipping (the RL job's `OptimConfig`).
     selector: the selector that decides the train layout (analytic only: no profile stages).
     steps: optimizer steps.
@@ -294,17 +298,31 @@ def build_examples(
   return Examples(tuple(task_ids), tuple(tokens), tuple(masks), tokenizer.pad_id)
 
 
-def batch_indices(num_examples: int, step: int, rows: int, seed: int) -> np.ndarray:
-  """int64 [B]: the examples of step `step` (from 0): B consecutive entries of an endless stream
-  in which every epoch is a permutation of the E examples seeded by (seed, epoch)."""
-  positions = np.arange(step * rows, (step + 1) * rows)
-  epochs = positions // num_examples
-  out = np.empty(rows, np.int64)
-  for epoch in np.unique(epochs).tolist():
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-    chosen = epochs == epoch
-    out[chosen] = order[positions[chosen] % num_examples]
-  return out
+def batch_plan(buckets: np.ndarray, rows: int, seed: int, epoch: int) -> list[np.ndarray]:
+  """The batches of one epoch, each int64 [<= B] example indices of one bucket: every bucket's
+  examples (`buckets[e]`, the bucket example e pads to) in a permutation seeded by (seed,
+  epoch), cut into ceil(n / B) batches of near-equal size, the batches in a seeded order. Every
+  example is in one batch; every epoch has the same number of batches."""
+  rng = np.random.default_rng([seed, epoch])
+  batches: list[np.ndarray] = []
+  for bucket in np.unique(buckets).tolist():
+    members = np.flatnonzero(buckets == bucket)
+    members = members[rng.permutation(len(members))]
+    batches += np.array_split(members, -(-len(members) // rows))
+  return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+
+
+def batch_indices(buckets: np.ndarray, step: int, rows: int, seed: int) -> np.ndarray:
+  """int64 [<= B]: the examples of step `step` (from 0), the batch `step` of an endless stream
+  of `batch_plan` epochs; a function of (step, seed), so a resumed run sees the same batches."""
+  per_epoch = sum(-(-int((buckets == b).sum()) // rows) for b in np.unique(buckets).tolist())
+  epoch, k = divmod(step, per_epoch)
+  return batch_plan(buckets, rows, seed, epoch)[k]
+
+
+def example_buckets(examples: Examples, table: BucketConfig) -> np.ndarray:
+  """int64 [E]: the bucket of `table` each example pads to."""
+  return np.array([table.bucket_for(n) for n in examples.lengths.tolist()], np.int64)
 
 
 # Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
@@ -489,6 +507,7 @@ class SFTRun:
     self.heldout_set = build_examples(config.eval_env, self.tokenizer)
     for name, examples in (('env', self.train_set), ('eval_env', self.heldout_set)):
       _check_fits(config, name, examples)
+    self.train_buckets = example_buckets(self.train_set, config.buckets)
     self.is_main = jax.process_index() == 0
     self._check_workdir(resume)
     self.decision = decide_layout(config, self.model_cfg, self.train_set.lengths.tolist())
@@ -576,7 +595,7 @@ class SFTRun:
     """One update on the next batch; its record (loss, tokens, tokens/s)."""
     cfg = self.config
     t0 = time.perf_counter()
-    indices = batch_indices(len(self.train_set), self.global_step, cfg.batch_size, cfg.seed)
+    indices = batch_indices(self.train_buckets, self.global_step, cfg.batch_size, cfg.seed)
     host = pad_batch(self.train_set, indices, cfg.batch_size, cfg.buckets)
     batch = put_batch(host, self.programs.batch_shardings)
     self.state, out = self.programs.train(batch.bucket)(self.state, batch)

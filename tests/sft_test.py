@@ -37,7 +37,7 @@ def test_examples_are_the_rollout_first_turn_with_the_reply_the_env_passes():
   env = base.CodeEnvConfig(task='functions', split='heldout')
   examples = sft.build_examples(env, tok)
   pairs = sft.first_turns(env)
-  assert len(examples) == len(pairs) == 42 and examples.pad_id == tok.pad_id
+  assert len(examples) == len(pairs) == 128 and examples.pad_id == tok.pad_id
   replies = []
   for i, (task, observation) in enumerate(pairs):
     ids, mask = examples.tokens[i].tolist(), examples.loss_mask[i]
@@ -98,10 +98,25 @@ def test_batches_are_bucketed_and_every_epoch_sees_every_example():
   tok = tokenizer.load_tokenizer('code')
   examples = sft.build_examples(base.CodeEnvConfig(split='heldout'), tok)
   table = BucketConfig(lengths=(128, 192))
-  seen = np.concatenate([sft.batch_indices(42, s, 6, seed=3) for s in range(7)])
-  assert sorted(seen.tolist()) == list(range(42))  # 7 x 6 = one epoch, each example once
-  np.testing.assert_array_equal(sft.batch_indices(42, 2, 6, 3), sft.batch_indices(42, 2, 6, 3))
-  assert not np.array_equal(sft.batch_indices(42, 7, 6, 3), seen[:6])  # the next epoch reshuffles
+  buckets = sft.example_buckets(examples, table)
+  sizes = {b: int((buckets == b).sum()) for b in (128, 192)}
+  assert sizes[128] and sizes[192] and sum(sizes.values()) == len(examples) == 128
+  per_epoch = sum(-(-n // 6) for n in sizes.values())  # ceil(n / 6) batches of each bucket
+  epoch = [sft.batch_indices(buckets, s, 6, seed=3) for s in range(per_epoch)]
+  seen = np.concatenate(epoch)
+  assert sorted(seen.tolist()) == list(range(len(examples)))  # one epoch, each example once
+  for indices in epoch:  # each batch holds up to 6 examples of one bucket
+    assert 1 <= len(indices) <= 6 and len(set(buckets[indices].tolist())) == 1
+  order = [int(buckets[i[0]]) for i in epoch]
+  assert order != sorted(order)  # the buckets' batches are shuffled together
+  np.testing.assert_array_equal(
+    sft.batch_indices(buckets, 2, 6, 3), sft.batch_indices(buckets, 2, 6, 3)
+  )
+  again = [sft.batch_indices(buckets, s, 6, 3) for s in range(per_epoch, 2 * per_epoch)]
+  assert sorted(np.concatenate(again).tolist()) == list(range(len(examples)))
+  assert not all(map(np.array_equal, again, epoch))  # the next epoch reshuffles
+  other = [sft.batch_indices(buckets, s, 6, 4) for s in range(per_epoch)]
+  assert not all(map(np.array_equal, other, epoch))  # another seed, other batches
   short = int(examples.lengths.argmin())
   batch = sft.pad_batch(examples, [short], 8, table)
   assert batch.tokens.shape == (8, 128) and batch.loss_mask[1:].sum() == 0
@@ -177,13 +192,13 @@ def test_resume_continues_where_the_run_stopped(trained, tmp_path):
 def _rl_config(init_from: str, **changes) -> ExperimentConfig:
   code = base.CodeEnvConfig()
   return smoke_experiment(
-    model='tiny', tokenizer='code', env=code, eval_env=code, init_from=init_from, **changes
+    model='tiny-code', tokenizer='code', env=code, eval_env=code, init_from=init_from, **changes
   )
 
 
 def test_the_warm_start_initializes_the_rl_policy_on_its_train_layout(trained):
   run, _, workdir = trained
-  model = ModelConfig.preset('tiny')
+  model = ModelConfig.preset(run.config.model)  # the code presets' model
   config = _rl_config(os.path.join(workdir, 'checkpoints'), loss=LossConfig(kl_coef=0.01))
   spec = StageSpec(optim=config.optim, loss=config.loss)
   with Executables(model, spec=spec) as exe:

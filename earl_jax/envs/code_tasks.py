@@ -11,7 +11,7 @@ Two sources:
     package's data file). Every test is hidden; the first `HUMANEVAL_PUBLIC_TESTS` are also
     public (the multi-turn repair feedback may show them; the prompt's own examples are shown).
 
-The 'functions' family. Each task is one of 19 templates with its parameters: a one-line
+The 'functions' family. Each task is one of 25 templates with its parameters: a one-line
 function of an int `x`, a str `s` or a list of ints `xs`, always named `f`. The prompt states
 the task in words and shows two public tests; the reply is the body::
 
@@ -22,22 +22,26 @@ the task in words and shows two public tests; the reply is the body::
       \"\"\"
       return x*3+1          <- the reference completion (4-space indent)
 
-Templates (parameter ranges in parentheses; 206 tasks in all):
+Templates (parameter ranges in parentheses, every constant one digit; 638 tasks in all):
   ints, x in [0, 20): x*a+b (a in 2..9, b in 1..9), x*x+a (0..9), x%a (2..9), x//a (2..9),
     max(x,a) (0..9), abs(x-a) (0..9);
+  ints, two parameters (72 tasks each): (x+a)*b (a in 1..9, b in 2..9), x%a+b (2..9, 1..9),
+    x//a+b (2..9, 1..9), max(x,a)+b (1..8, 1..9), abs(x-a)*b (1..9, 2..9);
   strings, s of 1..5 letters of 'abcde': s*a (2..4), s[::-1], s+'c' (c in a..z),
     s.count('c') (c in a..e), s[:a] (1..5), s.upper();
   lists, xs of 1..4 ints in [0, 10): [v+a for v in xs] (1..9), [v*a for v in xs] (2..9),
-    sum(xs)+a (0..9), max(xs), sorted(xs), [v for v in xs if v>a] (0..8), len(xs)*a (1..9).
+    [v*a+b for v in xs] (2..9, 1..9), sum(xs)+a (0..9), max(xs), sorted(xs),
+    [v for v in xs if v>a] (0..8), len(xs)*a (1..9).
 Every task has 2 public tests (in the prompt) and 5 hidden tests (the reward) on distinct inputs
 drawn from the task's own seed (a hash of its id), so a task's tests never change. Prompts are
-64 to 130 characters, reference completions 15 to 34.
+64 to 138 characters, reference completions 15 to 34.
 
-Splits: the 206 tasks are shuffled by `split_seed`; the first `heldout_fraction` of them (rounded
-up) are 'heldout', the rest 'train'. The two are disjoint for any seed and the same seed gives
-the same split. A held-out task is a new (template, parameter) pair: most templates appear in
-both splits with different parameters, so the held-out split measures whether a policy learned
-the words and the examples rather than memorised task ids.
+Splits: the 638 tasks are shuffled by `split_seed`; the first `heldout_fraction` of them (rounded
+up) are 'heldout', the rest 'train' (0.2: 128 held out; 0.4, the code presets': 256). The two
+are disjoint for any seed and the same seed gives the same split, and a larger fraction's
+held-out tasks include a smaller one's. A held-out task is a new (template, parameter) pair:
+most templates appear in both splits with different parameters, so the held-out split measures
+whether a policy learned the words and the examples rather than memorised task ids.
 """
 
 import dataclasses
@@ -96,6 +100,10 @@ def _each(name: str, values: Sequence[Any]) -> tuple[dict[str, Any], ...]:
   return tuple({name: v} for v in values)
 
 
+def _pairs(a_values: Sequence[int], b_values: Sequence[int]) -> tuple[dict[str, Any], ...]:
+  return tuple({'a': a, 'b': b} for a in a_values for b in b_values)
+
+
 _NONE: tuple[dict[str, Any], ...] = ({},)
 _LETTERS = 'abcdefghijklmnopqrstuvwxyz'
 
@@ -105,7 +113,7 @@ TEMPLATES: tuple[Template, ...] = (
     'x',
     'multiply x by {a} and add {b}',
     'x*{a}+{b}',
-    tuple({'a': a, 'b': b} for a in range(2, 10) for b in range(1, 10)),
+    _pairs(range(2, 10), range(1, 10)),
     lambda a, b: lambda x: x * a + b,
   ),
   Template('square', 'x', 'square x and add {a}', 'x*x+{a}', _each('a', range(10)),
@@ -141,6 +149,19 @@ TEMPLATES: tuple[Template, ...] = (
             _each('a', range(9)), lambda a: lambda xs: [v for v in xs if v > a]),
   Template('len', 'xs', 'the length of xs times {a}', 'len(xs)*{a}', _each('a', range(1, 10)),
             lambda a: lambda xs: len(xs) * a),
+  # Two parameters, one digit each: 72 tasks a template.
+  Template('shift_mul', 'x', 'add {a} to x and multiply by {b}', '(x+{a})*{b}',
+            _pairs(range(1, 10), range(2, 10)), lambda a, b: lambda x: (x + a) * b),
+  Template('mod_add', 'x', 'x modulo {a} plus {b}', 'x%{a}+{b}',
+            _pairs(range(2, 10), range(1, 10)), lambda a, b: lambda x: x % a + b),
+  Template('div_add', 'x', 'x divided by {a}, rounded down, plus {b}', 'x//{a}+{b}',
+            _pairs(range(2, 10), range(1, 10)), lambda a, b: lambda x: x // a + b),
+  Template('max_add', 'x', 'the larger of x and {a}, plus {b}', 'max(x,{a})+{b}',
+            _pairs(range(1, 9), range(1, 10)), lambda a, b: lambda x: max(x, a) + b),
+  Template('dist_mul', 'x', 'the distance between x and {a} times {b}', 'abs(x-{a})*{b}',
+            _pairs(range(1, 10), range(2, 10)), lambda a, b: lambda x: abs(x - a) * b),
+  Template('affine_each', 'xs', 'xs with each item times {a} plus {b}', '[v*{a}+{b} for v in xs]',
+            _pairs(range(2, 10), range(1, 10)), lambda a, b: lambda xs: [v * a + b for v in xs]),
 )  # fmt: skip
 
 

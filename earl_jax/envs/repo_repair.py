@@ -74,6 +74,12 @@ FUNCTION_NAMES = {
   'sorted': 'ordered',
   'above': 'above',
   'len': 'weight',
+  'shift_mul': 'shift_scale',
+  'mod_add': 'wrap_up',
+  'div_add': 'bucket_up',
+  'max_add': 'floor_up',
+  'dist_mul': 'spread',
+  'affine_each': 'scale_shift_all',
 }
 # Wrong bodies for the templates without parameters (the others also get other parameters).
 _EXTRA_MUTANTS = {

@@ -1,10 +1,11 @@
 """Presets of experiments/sft.py.
 
-code    the tiny model ('tiny', the code tokenizer) on half of the RL `code` preset's train
-        tasks (82 'functions' tasks), each as a first turn and as a repair (a near miss, its
+code    the tiny code model ('tiny-code', the code tokenizer) on half of the RL `code` preset's train
+        tasks (191 'functions' tasks), each as a first turn and as a repair (a near miss, its
         feedback, the reference), held-out loss (and the greedy first-turn pass rate) on the
-        heldout split, 8 fake CPU devices: the warm start of the RL `code` preset (its
-        init_from, runs/code_sft/checkpoints), which trains on all 164 from their verdicts.
+        RL preset's 256 held-out tasks, 8 fake CPU devices: the warm start of the RL `code`
+        preset (its init_from, runs/code_sft/checkpoints), which trains on all 382 from their
+        verdicts.
 smoke   a few steps of the same, for tests and CI.
 qwen    a real Qwen2.5 checkpoint (--config.model_dir=...) through its chat template, for GPUs.
 """
@@ -19,29 +20,30 @@ from earl_jax.sft import SFTConfig
 
 def code() -> SFTConfig:
   # Half of the RL job's train tasks: with the same split seed, the held-out tasks of a larger
-  # fraction include those of a smaller one, so these 82 tasks (train at 0.6) are among the RL
-  # `code` preset's 164 (train at 0.2) and none is among its 42 held-out ones. RL then trains on
-  # 82 tasks whose solutions the warm start never saw, from the sandbox's verdicts alone. The
+  # fraction include those of a smaller one, so these 191 tasks (train at 0.7) are among the RL
+  # `code` preset's 382 (train at 0.4) and none is among its 256 held-out ones. RL then trains on
+  # 191 tasks whose solutions the warm start never saw, from the sandbox's verdicts alone. The
   # feedback settings are the RL preset's.
   env = CodeEnvConfig(
-    task='functions', split='train', heldout_fraction=0.6, feedback_tests=1, feedback_chars=80
+    task='functions', split='train', heldout_fraction=0.7, feedback_tests=1, feedback_chars=80
   )
   return SFTConfig(
     name='code_sft',
-    model='tiny',
+    model='tiny-code',
     tokenizer='code',
     env=env,
     repair_examples=True,
-    eval_env=CodeEnvConfig(task='functions', split='heldout', max_turns=1),
-    # A first turn is 67 to 133 tokens and a reply 16 to 35: 192; a repair example (a near
-    # miss, one failing test, the prompt again, the reference) up to 375: 384.
-    buckets=BucketConfig(lengths=(192, 384)),
+    eval_env=CodeEnvConfig(task='functions', split='heldout', heldout_fraction=0.4, max_turns=1),
+    # A first turn and its reply are 83 to 173 tokens: 192; a repair example (a near miss, one
+    # failing test, the prompt again, the reference) 189 to 409, most under 320. A batch holds
+    # the examples of one bucket (earl_jax.sft.batch_plan), so a first turn pads to 192 only.
+    buckets=BucketConfig(lengths=(192, 320, 448)),
     batch_size=32,
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, decay_steps=380, end_lr_fraction=0.1),
     steps=400,
     log_every=25,
     eval_every=100,
-    pass_episodes=48,  # the 42 held-out tasks (6 twice): a multiple of the 8 devices
+    pass_episodes=256,  # the 256 held-out tasks once each: a multiple of the 8 devices
     max_new_tokens=48,
     checkpoint_every=100,
   )

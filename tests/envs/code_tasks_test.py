@@ -11,7 +11,7 @@ from earl_jax.testing.typecheck import unchecked
 
 def test_the_family_has_every_template_and_parameter_once():
   tasks = code_tasks.all_function_tasks()
-  assert len(tasks) == sum(len(t.params) for t in code_tasks.TEMPLATES) == 206
+  assert len(tasks) == sum(len(t.params) for t in code_tasks.TEMPLATES) == 638
   assert len({t.task_id for t in tasks}) == len(tasks)
   assert {t.task_id.split('/')[1] for t in tasks} == {t.name for t in code_tasks.TEMPLATES}
 
@@ -37,17 +37,25 @@ def test_prompts_spell_with_the_code_tokenizer_alphabet():
 
 
 @pytest.mark.parametrize('seed', [0, 1, 7])
-def test_splits_are_disjoint_cover_the_family_and_are_deterministic(seed):
-  train = code_tasks.function_tasks('train', seed, 0.2)
-  heldout = code_tasks.function_tasks('heldout', seed, 0.2)
+@pytest.mark.parametrize('fraction,size', [(0.2, 128), (0.4, 256)])  # ceil(fraction * 638)
+def test_splits_are_disjoint_cover_the_family_and_are_deterministic(seed, fraction, size):
+  train = code_tasks.function_tasks('train', seed, fraction)
+  heldout = code_tasks.function_tasks('heldout', seed, fraction)
   train_ids = {t.task_id for t in train}
   heldout_ids = {t.task_id for t in heldout}
   assert not train_ids & heldout_ids
-  assert len(train_ids | heldout_ids) == 206
-  assert len(heldout) == 42  # ceil(0.2 * 206)
-  again = code_tasks.function_tasks('heldout', seed, 0.2)
+  assert len(train_ids | heldout_ids) == 638
+  assert len(heldout) == size
+  again = code_tasks.function_tasks('heldout', seed, fraction)
   assert [t.task_id for t in again] == [t.task_id for t in heldout]
   assert again == heldout  # the same tests too
+
+
+def test_a_larger_fraction_holds_out_a_superset():
+  """The code presets rely on it: the warm start's train tasks (0.7) are among RL's (0.4)."""
+  rl = {t.task_id for t in code_tasks.function_tasks('heldout', 0, 0.4)}
+  warm = {t.task_id for t in code_tasks.function_tasks('heldout', 0, 0.7)}
+  assert rl < warm
 
 
 def test_another_split_seed_holds_out_other_tasks():

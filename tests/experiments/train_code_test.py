@@ -33,7 +33,7 @@ def test_the_buckets_hold_every_repair_turn():
     len(tok.turn_prompt_ids(feedback * env.feedback_tests + t.prompt, first=False)) for t in tasks
   )
   reply = config.rollout.sampling.max_new_tokens
-  assert (env.max_turns, first, repair) == (2, 133, 213)
+  assert (env.max_turns, first, repair) == (2, 141, 221)
   assert first <= config.rollout.prompt_buckets[0] and repair <= config.rollout.prompt_buckets[-1]
   assert first + repair + 2 * reply <= config.buckets.max_length
 
@@ -100,7 +100,7 @@ class _Recorder:
 
 def test_code_steps_log_the_sandbox_verdicts(warm_start, tmp_path):
   config = _small(warm_start)
-  assert config.model == 'tiny' and config.tokenizer == 'code' and config.pack
+  assert config.model == 'tiny-code' and config.tokenizer == 'code' and config.pack
   lines = []
   t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lines.append)
   sandbox = code_env.shared_sandbox(config.env.sandbox)
