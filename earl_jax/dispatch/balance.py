@@ -357,38 +357,36 @@ def balanced_permutation(
   locality = locality_scores(src, dst, like)
   if method == 'lpt':
     return permutation_from_bins(lpt_bins(lengths_B, ranks), locality)
-  if method == 'ring':
-    return _ring_permutation(lengths_B, src, dst, like=like, ranks=ranks, cost=cost)
+  if method not in ('local', 'ring', 'kk'):
+    raise ValueError(f"method must be 'local', 'ring', 'kk' or 'lpt', got {method!r}.")
   kk = kk_bins(lengths_B, ranks)
   if method == 'kk':
     return permutation_from_bins(kk, locality)
-  if method != 'local':
-    raise ValueError(f"method must be 'local', 'ring', 'kk' or 'lpt', got {method!r}.")
   lengths = np.asarray(lengths_B, np.int64)
   kk_max = max(int(lengths[b].sum()) for b in kk)
   local = local_bins(lengths, ranks, target=kk_max)
   if max(int(lengths[b].sum()) for b in local) > kk_max * (1 + _LOCAL_SLACK):
-    return permutation_from_bins(kk, locality)
-  # The identity placement is the starting point, so rank k keeps bin k (no matching).
-  return in_slots(local)
+    local_perm = permutation_from_bins(kk, locality)
+  else:  # the identity placement is the starting point: rank k keeps bin k (no matching)
+    local_perm = in_slots(local)
+  if method == 'local':
+    return local_perm
+  return _ring_permutation(lengths, ranks, locality, local_perm, cost)
 
 
 def _ring_permutation(
-  lengths_B: Lengths,
-  src: Layout,
-  dst: Layout,
-  *,
-  like: Any,
+  lengths: np.ndarray,
   ranks: int,
+  locality: Int[np.ndarray, 'B R'],
+  local: Int[np.ndarray, ' B'],
   cost: Callable[[Int[np.ndarray, ' B']], float] | None,
 ) -> Int[np.ndarray, ' B']:
-  """'ring' (see the module docstring): the ring shift of least cost, or 'local' where the
-  layouts move rows anyway or where it costs strictly less."""
-  lengths = _check_lengths(lengths_B, ranks)
-  local = balanced_permutation(lengths, src, dst, like=like, method='local')
+  """'ring' (see the module docstring): the ring shift of least cost, or `local` (the 'local'
+  permutation) where the layouts move rows anyway (`locality`: not every row is on its
+  identity rank's devices) or where it costs strictly less."""
   per = len(lengths) // ranks
   identity = np.arange(len(lengths))
-  if not (locality_scores(src, dst, like)[identity, identity // per] > 0).all():
+  if not (locality[identity, identity // per] > 0).all():
     return local  # the layouts move rows: the balancing's ride along
 
   def price(perm: np.ndarray) -> float:
