@@ -2,15 +2,22 @@
 
   python experiments/rollout_refill.py                                  # think + default, B 8/16/32
   python experiments/rollout_refill.py --presets=think --slots=16 --ratios=4 --repeats=3
+  python experiments/rollout_refill.py --presets=code --at_once     # needs the code warm start
 
 For each preset, B (slots) and M = ratio x B (episodes), both schedules play the same M episodes
 from the same parameters and seed: `lockstep` starts the next B episodes only when all B slots
 are free (today's engine, in waves), `refill` hands a slot to the next episode as soon as its
 episode ends. Each is warmed up once (every shape compiled), then timed --repeats times, the two
-alternating and every other repeat in reverse order. The policy is the preset's model (untied)
-from a random init, its LM head biased toward the column digits, so that games run several
-turns and end at different times as a partly trained policy's do; presets that constrain
-replies (`think`: a thought or the move thought of) sample within their reply tokens.
+alternating and every other repeat in reverse order. The board-game presets (`think`, `default`,
+`long`, ...) play the preset's model (untied) from a random init, its LM head biased toward the
+column digits, so that games run several turns and end at different times as a partly trained
+policy's do; presets that constrain replies (`think`: a thought or the move thought of) sample
+within their reply tokens. `code` (the 'functions' tasks of the train split, 2 turns, replies of
+up to 40 tokens judged by the sandbox) plays its warm start, `--code_checkpoint` (the
+checkpoints of `python experiments/sft.py --config=code`), restored as the main job restores
+`init_from`: a random-init policy writes no program that passes, so every episode would end
+after its repair turn. Its episodes are the preset's GRPO groups (4 samples of a task); an
+episode ends after its first turn when the program passes, else after the repair turn.
 
 Reported per row (medians over the repeats): episodes/s, generated tokens/s, the padded
 fraction of decode and prefill slot-tokens, slot occupancy (and the share of calls in the
@@ -18,7 +25,12 @@ drain, once no episode waits), p50/p95 episode latency, compiles during the time
 0) and whether both schedules produced identical episodes (tokens equal, log-probs within
 1e-5). The control (--control) caps every episode at 3 turns, which no Connect Four game ends
 before, so that every episode has the same length: the two schedules make the same calls and
-should tie (its runs are short, so it is repeated 5x as often).
+should tie (its runs are short, so it is repeated 5x as often). On `code` the control caps every
+episode at 1 turn: the number of turns is then equal, but not the length in tokens (a reply
+ends at its end-of-turn token, anywhere up to 40 tokens, and tasks differ in prompt length).
+Both schedules still make the same calls (every slot frees after each call, so refill, like
+lock-step, admits the next B at once) with the same padding inside each call, so they should
+tie; only all-at-once differs (one call of M rows).
 """
 
 import dataclasses
@@ -49,10 +61,16 @@ _PROMPT_BUCKETS = flags.DEFINE_list(
 _AT_ONCE = flags.DEFINE_bool(
   'at_once', False, 'Also run all M episodes at once on M slots (the engine before slots).'
 )
+_CODE_CHECKPOINT = flags.DEFINE_string(
+  'code_checkpoint',
+  'runs/code_sft/checkpoints',
+  "The code preset's policy: the checkpoints of `python experiments/sft.py --config=code`.",
+)
 _OUT = flags.DEFINE_string('out', 'runs/rollout_refill.json', 'JSON results.')
 
 SCHEDULES = ('lockstep', 'refill')
 CONTROL_TURNS = 3  # no Connect Four game ends before the agent's fourth move
+CODE_CONTROL_TURNS = 1  # every code episode one turn (its replies still differ in length)
 CONTROL_REPEATS = 5  # x --repeats
 
 
@@ -82,6 +100,34 @@ def _biased_policy(model_cfg: ModelConfig, tokenizer, mesh, seed: int):
   params['embed_tokens'][...] = jax.device_put(embed, params['embed_tokens'][...].sharding)
   params['lm_head'][...] = jax.device_put(head, params['lm_head'][...].sharding)
   return params
+
+
+def _warm_start(config) -> bool:
+  """Whether the preset's policy is a warm start (`code`: `--code_checkpoint`), not random."""
+  return config.init_from is not None
+
+
+def _model(config) -> ModelConfig:
+  """The policy's shapes: the preset's model (untied when it starts from a random init)."""
+  from earl_jax import assembly
+
+  model_cfg, _ = assembly.load_model(config)
+  return model_cfg if _warm_start(config) else model_cfg.replace(tie_word_embeddings=False)
+
+
+def _check_warm_starts(names: list[str]) -> None:
+  """Raises a one-line ConfigError, before anything compiles, if a preset that plays a warm
+  start has none at `--code_checkpoint` (or one of another model)."""
+  from earl_jax import placement
+  from experiments.configs import train as presets
+
+  for name in names:
+    config = presets.PRESETS[name]()
+    if _warm_start(config):
+      try:
+        placement.check_warm_start(_CODE_CHECKPOINT.value, _model(config))
+      except placement.WarmStartError as e:
+        raise ConfigError(f'--code_checkpoint (the {name!r} preset\'s policy): {e}') from None
 
 
 def _same_episodes(a, b) -> tuple[bool, float]:
@@ -131,14 +177,16 @@ def _case(preset: str, B: int, M: int, control: bool, counter: _CompileCounter) 
   from experiments.configs import train as presets
 
   config = presets.PRESETS[preset]()
-  model_cfg = ModelConfig.preset(config.model).replace(tie_word_embeddings=False)
+  model_cfg = _model(config)
   tok = tokenizer_lib.load_tokenizer(config.tokenizer)
+  group = config.rollout.group_size
+  control_turns = CODE_CONTROL_TURNS if _warm_start(config) else CONTROL_TURNS
   rollout = dataclasses.replace(
     config.rollout,
     num_episodes=M,
     num_slots=B,
-    group_size=1,
-    max_turns=CONTROL_TURNS if control else config.rollout.max_turns,
+    group_size=group if M % group == 0 else 1,
+    max_turns=control_turns if control else config.rollout.max_turns,
   )
   if _PROMPT_BUCKETS.value:
     rollout = dataclasses.replace(
@@ -147,7 +195,12 @@ def _case(preset: str, B: int, M: int, control: bool, counter: _CompileCounter) 
   spec = StageSpec.for_rollout(rollout, tok, model_cfg.vocab_size)
   exe = Executables(model_cfg, spec=spec)
   mesh = exe.mesh(ParallelConfig.parse(_LAYOUT.value))
-  params = _biased_policy(model_cfg, tok, mesh, _SEED.value)
+  if _warm_start(config):
+    from earl_jax import placement
+
+    params = placement.load_warm_start(_CODE_CHECKPOINT.value, model_cfg, mesh)
+  else:
+    params = _biased_policy(model_cfg, tok, mesh, _SEED.value)
   schedules = SCHEDULES + (('at_once',) if _AT_ONCE.value else ())
   settings = {
     'lockstep': {'refill': False},
@@ -172,7 +225,7 @@ def _case(preset: str, B: int, M: int, control: bool, counter: _CompileCounter) 
   same, gap = _same_episodes(trajs['lockstep'], trajs['refill'])
   for name in schedules[2:]:
     same &= _same_episodes(trajs['lockstep'], trajs[name])[0]
-  # A control run is short (3 turns): more of them, so that the tie is not lost in the noise.
+  # A control run is short (3 turns, 1 on code): more of them, so that the tie is not lost in the noise.
   repeats = _REPEATS.value * (CONTROL_REPEATS if control else 1)
   for r in range(repeats):
     order = schedules if r % 2 == 0 else schedules[::-1]
@@ -243,6 +296,7 @@ def main(argv):
     raise ConfigError(f'--repeats must be >= 1, got {_REPEATS.value}.')
   ParallelConfig.parse(_LAYOUT.value)
   runtime.setup(cpu_devices=8)
+  _check_warm_starts(_PRESETS.value)
   counter = _CompileCounter()
   jax.monitoring.register_event_duration_secs_listener(counter)
   cases = []
@@ -261,6 +315,7 @@ def main(argv):
     'prompt_buckets': _PROMPT_BUCKETS.value or 'preset',
     'repeats': _REPEATS.value,
     'seed': _SEED.value,
+    'code_checkpoint': _CODE_CHECKPOINT.value,
     'jax': jax.__version__,
     'devices': len(jax.devices()),
     'cases': cases,
