@@ -15,9 +15,11 @@ policy's do; presets that constrain replies (`think`: a thought or the move thou
 within their reply tokens. `code` (the 'functions' tasks of the train split, 2 turns, replies of
 up to 40 tokens judged by the sandbox) plays its warm start, `--code_checkpoint` (the
 checkpoints of `python experiments/sft.py --config=code`), restored as the main job restores
-`init_from`: a random-init policy writes no program that passes, so every episode would end
-after its repair turn. Its episodes are the preset's GRPO groups (4 samples of a task); an
-episode ends after its first turn when the program passes, else after the repair turn.
+`init_from` (`placement.load_warm_start`): a random-init policy writes no program that passes,
+so every episode would run both turns. Its episodes are the preset's GRPO groups (4 samples of a
+task at temperature 1); an episode ends after its first turn when the program passes, else after
+the repair turn. With --at_once, a third schedule plays all M episodes at once on M slots (the
+engine before slots; what `code` runs by default, 64 at once).
 
 Reported per row (medians over the repeats): episodes/s, generated tokens/s, the padded
 fraction of decode and prefill slot-tokens, slot occupancy (and the share of calls in the
@@ -127,7 +129,7 @@ def _check_warm_starts(names: list[str]) -> None:
       try:
         placement.check_warm_start(_CODE_CHECKPOINT.value, _model(config))
       except placement.WarmStartError as e:
-        raise ConfigError(f'--code_checkpoint (the {name!r} preset\'s policy): {e}') from None
+        raise ConfigError(f"--code_checkpoint (the {name!r} preset's policy): {e}") from None
 
 
 def _same_episodes(a, b) -> tuple[bool, float]:
