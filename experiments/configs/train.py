@@ -212,8 +212,8 @@ def code() -> ExperimentConfig:
     # group that all passes (no advantage), so the updates go to the tasks it never saw (half
     # of them; experiments/configs/sft.py), where 4 samples often differ. 64 slots: the
     # evaluation's episodes run on the rows of the training programs. All 64 at once: 16 or 32
-    # refilled slots measured no faster (most episodes take both turns, so refill makes as many
-    # calls as lock-step; 64 at once 1.0-1.2x the episodes/s, docs/results.md).
+    # refilled slots measured slower (most episodes take both turns, so refill makes as many
+    # calls as lock-step; 64 at once 1.17-1.27x the episodes/s of 32 or 16, docs/results.md).
     rollout=RolloutConfig(
       num_episodes=64,
       num_slots=64,
