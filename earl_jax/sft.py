@@ -7,9 +7,9 @@ reference completion and the end-of-turn token: the reply the environment parses
 (`code_env.extract_code`, `program_source`) and passes. `tokenizer.conversation_ids` builds it
 as the rollout engine builds a turn, and its `generated` flags are the loss mask: the prompt
 carries no loss, the reply and its end-of-turn token do. With `SFTConfig.repair_examples` a
-task also gives a repair example: a near miss as the first reply, the environment's feedback on
-it, then the reference (the loss on that last reply alone), so that the RL job's repair turns
-start in distribution.
+task also gives repair examples: a near miss as the first reply (`near_misses`), the
+environment's feedback on it, then the reference (the loss on that last reply alone), so that the
+RL job's repair turns start in distribution.
 
   config = SFTConfig(steps=300)
   run = SFTRun(config, workdir='runs/sft')    # checks everything before anything compiles
@@ -30,11 +30,15 @@ their meta, so that `placement.load_warm_start` can check and restore them onto 
 Dimension letters as in `earl_jax.config`; E is the number of examples.
 """
 
+import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import os
+import re
+import string
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -92,10 +96,12 @@ class SFTConfig:
     tokenizer: 'code' (the character tokenizer of the code tasks) or a directory with
       tokenizer.json (ignored when model_dir is set: the model's own).
     env: the training tasks: a 'functions' or 'humaneval' CodeEnvConfig (its split).
-    repair_examples: also one repair example per 'functions' task (`repair_turns`): its first
-      turn answered by a near miss (another task's reference), the feedback the environment
-      shows for it (`env`'s feedback settings), and the reference; the loss is on the last
-      reply alone. The RL job's repair turns then start in distribution.
+    repair_examples: repair examples per 'functions' task (`repair_turns`; 0: none): its first
+      turn answered by a near miss (`near_misses`: another task's reference, then the reference
+      with one constant changed), the feedback the environment shows for it (`env`'s feedback
+      settings), and the reference; the loss is on the last reply alone. The RL job's repair
+      turns then start in distribution, and several near misses of one task teach a repair to
+      change what the feedback refutes rather than to repeat the attempt.
     eval_env: the held-out tasks (the 'heldout' split by default): the held-out loss, and the
       greedy first-turn pass rate with `pass_episodes`.
     buckets: the sequence-length buckets a batch is padded to (the largest holds every example);
@@ -122,7 +128,7 @@ class SFTConfig:
   param_dtype: DType = 'float32'
   tokenizer: str = 'code'
   env: envs.CodeEnvConfig = dataclasses.field(default_factory=envs.CodeEnvConfig)
-  repair_examples: bool = False
+  repair_examples: int = 0
   eval_env: envs.CodeEnvConfig = dataclasses.field(
     default_factory=lambda: envs.CodeEnvConfig(split='heldout')
   )
@@ -160,12 +166,16 @@ class SFTConfig:
           f'SFTConfig.{field}={env!r}: expected a CodeEnvConfig of a task in {list(SFT_TASKS)} '
           '(tasks with reference solutions).'
         )
-    if self.repair_examples not in (True, False) or (
-      self.repair_examples and self.env.task != 'functions'
+    repair = self.repair_examples
+    if (
+      not isinstance(repair, int)
+      or isinstance(repair, bool)
+      or repair < 0
+      or (repair and self.env.task != 'functions')
     ):
       raise ConfigError(
-        f'SFTConfig.repair_examples={self.repair_examples!r} with env.task={self.env.task!r}: '
-        "expected a bool, True only for 'functions' (its near misses are other tasks' bodies)."
+        f'SFTConfig.repair_examples={repair!r} with env.task={self.env.task!r}: expected an '
+        "int >= 0, above 0 only for 'functions' (its near misses are edits of its references)."
       )
     if self.model_dir is None:
       ModelConfig.preset(self.model)  # raises for an unknown preset
@@ -243,30 +253,66 @@ def example_ids(
   return tokenizer_lib.conversation_ids(tokenizer, [observation], [reply_ids])
 
 
-def near_miss(task: Any, tasks: Sequence[Any]) -> str:
-  """A wrong reply close to `task`'s, as the tiny model's errors are (a constant or a letter
-  copied wrong): the reference of another task of `tasks` of the same 'functions' template, or
-  of the same argument when the template has one task; picked by a hash of the task id."""
+# A constant of a 'functions' reference: a digit, or a quoted letter.
+_CONSTANT = re.compile(r"\d|(?<=')[a-z](?=')")
+
+
+def near_misses(task: Any, tasks: Sequence[Any], count: int) -> list[str]:
+  """Up to `count` distinct wrong replies close to `task`'s, as the tiny model's errors are.
+
+  The first is the reference of another task of `tasks` of the same 'functions' template (or of
+  the same argument when the template has one task): constants copied wrong, or the neighbour
+  template's body. The rest change one constant of the reference (`_CONSTANT`): to the task's
+  other constant where it has two (the model's commonest error, one digit copied into the other's
+  place), else to another digit or letter; references with no constant (`sorted(xs)`) take
+  further siblings. All picked by a hash of the task id, so a task's near misses never change.
+  """
   template = task.task_id.rsplit('/', 1)[0]
   signature = task.prompt.split('\n', 1)[0]
   others = [t for t in tasks if t.reference != task.reference]
   siblings = [t for t in others if t.task_id.rsplit('/', 1)[0] == template] or [
     t for t in others if t.prompt.split('\n', 1)[0] == signature
   ]
-  digest = int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16)
-  return siblings[digest % len(siblings)].reference
+  rng = np.random.default_rng(int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16) % 2**63)
+  ref = task.reference
+  edits = []
+  spots = [m.start() for m in _CONSTANT.finditer(ref)]
+  for at in rng.permutation(spots).tolist():
+    old = ref[at]
+    alphabet = '0123456789' if old.isdigit() else string.ascii_lowercase
+    other = [ref[b] for b in spots if b != at and ref[b] != old and ref[b] in alphabet]
+    rest = [c for c in rng.permutation(list(alphabet)).tolist() if c != old and c not in other]
+    edits.append([ref[:at] + c + ref[at + 1 :] for c in other + rest])
+  # Round robin over the constants: each changed once before any twice.
+  ordered = [e for group in itertools.zip_longest(*edits) for e in group if e is not None]
+  first = [siblings[i].reference for i in rng.permutation(len(siblings)).tolist()]
+  out = []
+  for reply in [*first[:1], *ordered, *first[1:]]:
+    if reply != ref and reply not in out:
+      out.append(reply)
+  return out[:count]
 
 
 def repair_turns(
-  env: envs.CodeEnvConfig, *, sandbox: code_env.ProgramChecker | None = None, seed: int = 0
+  env: envs.CodeEnvConfig,
+  *,
+  count: int = 1,
+  sandbox: code_env.ProgramChecker | None = None,
+  seed: int = 0,
 ) -> list[tuple[Any, str, str, str]]:
-  """(task, first observation, near miss, the observation after it) of every task of `env`
-  whose near miss (`near_miss`, among `env`'s own tasks) fails its public tests: the feedback
-  its sandbox verdict makes, then the prompt again (`CodeEnv` in two turns)."""
+  """(task, first observation, near miss, the observation after it) for up to `count` near
+  misses (`near_misses`, among `env`'s own tasks) of every task of `env`, those that fail a
+  public test: the feedback their sandbox verdict makes, then the prompt again (`CodeEnv` in
+  two turns). Ordered by near miss, then task."""
   game = code_env.CodeEnv(env.replace(max_turns=2), sandbox=sandbox)
-  observations = game.reset(len(game.tasks), seed)
-  tasks = game.episode_tasks
-  wrong = [near_miss(task, game.tasks) for task in tasks]
+  num_tasks = len(game.tasks)
+  observations = game.reset(count * num_tasks, seed)
+  tasks = game.episode_tasks  # episode e plays task e mod T
+  misses = {t.task_id: near_misses(t, game.tasks, count) for t in game.tasks}
+  wrong = []
+  for e, task in enumerate(tasks):
+    mine = misses[task.task_id]
+    wrong.append(mine[e // num_tasks] if e // num_tasks < len(mine) else task.reference)
   result = game.step(wrong)
   turns = zip(tasks, observations, wrong, result.observations, result.dones)
   return [(task, obs, miss, feedback) for task, obs, miss, feedback, done in turns if not done]
@@ -276,23 +322,27 @@ def build_examples(
   env: envs.CodeEnvConfig,
   tokenizer: tokenizer_lib.Tokenizer,
   *,
-  repair: bool = False,
+  repair: int = 0,
   sandbox: code_env.ProgramChecker | None = None,
 ) -> Examples:
   """One example per task of `env`: its first observation answered by its reference; with
-  `repair`, also one per `repair_turns` (task id '<id>#repair'): the near miss and the feedback,
-  then the reference, the loss on that last reply alone."""
+  `repair` > 0, also up to that many per task from `repair_turns` (task id '<id>#repair<k>'): a
+  near miss and its feedback, then the reference, the loss on that last reply alone."""
   task_ids, tokens, masks = [], [], []
   for task, observation in first_turns(env):
     ids, mask = example_ids(tokenizer, observation, task.reference)
     task_ids.append(task.task_id)
     tokens.append(np.asarray(ids, np.int32))
     masks.append(np.asarray(mask, bool))
-  for task, observation, miss, feedback in repair_turns(env, sandbox=sandbox) if repair else ():
+  made: collections.Counter[str] = collections.Counter()
+  for task, observation, miss, feedback in (
+    repair_turns(env, count=repair, sandbox=sandbox) if repair else ()
+  ):
     replies = [[*tokenizer.encode(text), tokenizer.eot_id] for text in (miss, task.reference)]
     ids, mask = tokenizer_lib.conversation_ids(tokenizer, [observation, feedback], replies)
     attempt = len(tokenizer.turn_prompt_ids(observation, first=True)) + len(replies[0])
-    task_ids.append(f'{task.task_id}#repair')
+    task_ids.append(f'{task.task_id}#repair{made[task.task_id]}')
+    made[task.task_id] += 1
     tokens.append(np.asarray(ids, np.int32))
     masks.append(np.asarray([False] * attempt + mask[attempt:], bool))
   return Examples(tuple(task_ids), tuple(tokens), tuple(masks), tokenizer.pad_id)

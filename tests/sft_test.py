@@ -66,25 +66,61 @@ def test_examples_through_a_chat_template():
   assert tok.decode(ids[len(prompt) :]) == task.reference + '<|im_end|>'
 
 
+def _edited_constants(reply: str, reference: str) -> int | None:
+  """How many constants (digits, quoted letters) `reply` changes in `reference`; None when it
+  differs elsewhere."""
+  if len(reply) != len(reference):
+    return None
+  spots = {m.start() for m in sft._CONSTANT.finditer(reference)}
+  changed = [i for i, (a, b) in enumerate(zip(reply, reference)) if a != b]
+  return len(changed) if set(changed) <= spots else None
+
+
+def test_near_misses_are_a_sibling_then_one_constant_changed():
+  tasks = code_env.CodeEnv(base.CodeEnvConfig(split='heldout')).tasks
+  for task in tasks:
+    misses = sft.near_misses(task, tasks, 4)
+    assert misses == sft.near_misses(task, tasks, 4)  # a hash of the task id, not a global RNG
+    assert len(set(misses)) == len(misses) == 4 and task.reference not in misses
+    template = task.task_id.rsplit('/', 1)[0]
+    sibling = {t.reference for t in tasks if t.task_id.rsplit('/', 1)[0] == template}
+    assert misses[0] in sibling or misses[0] in {t.reference for t in tasks}
+    constants = len(sft._CONSTANT.findall(task.reference))
+    for miss in misses[1 : 1 + 2 * constants]:  # one constant changed (each before any twice)
+      assert _edited_constants(miss, task.reference) == 1, (task.task_id, miss)
+  # The commonest slip first: one constant copied into the other's place.
+  two = next(
+    t
+    for t in tasks
+    if t.task_id.startswith('functions/affine/') and len(set(re.findall(r'\d', t.reference))) == 2
+  )
+  a, b = re.findall(r'\d', two.reference)
+  swapped = {two.reference.replace(a, b, 1), two.reference[::-1].replace(b, a, 1)[::-1]}
+  assert set(sft.near_misses(two, tasks, 3)[1:]) == swapped
+
+
 def test_repair_examples_answer_the_feedback_of_a_near_miss_with_the_reference():
   tok = tokenizer.load_tokenizer('code')
   env = base.CodeEnvConfig(split='heldout', feedback_tests=1, feedback_chars=80)
   tasks = {t.task_id: t for t in code_env.CodeEnv(env).tasks}
   with Sandbox(SandboxConfig(workers=2, test_timeout_s=2.0, program_timeout_s=5.0)) as pool:
-    examples = sft.build_examples(env, tok, repair=True, sandbox=pool)
-  repairs = [i for i, task_id in enumerate(examples.task_ids) if task_id.endswith('#repair')]
-  assert not any(task_id.endswith('#repair') for task_id in examples.task_ids[: len(tasks)])
-  assert len(tasks) - 4 <= len(repairs) <= len(tasks)  # a near miss that passes has none
-  for i in repairs:
-    task = tasks[examples.task_ids[i].removesuffix('#repair')]
+    examples = sft.build_examples(env, tok, repair=3, sandbox=pool)
+  assert sorted(examples.task_ids[: len(tasks)]) == sorted(tasks)  # first turns, then repairs
+  repairs = examples.task_ids[len(tasks) :]
+  names = [re.fullmatch(r'(.*)#repair(\d)', task_id).groups() for task_id in repairs]
+  # A near miss that passes both public tests has none (s.count of a letter neither shows).
+  assert len(set(repairs)) == len(repairs) and 0.9 * 3 * len(tasks) <= len(repairs)
+  attempts = {}
+  for i, (task_id, _) in enumerate(names, len(tasks)):
+    task = tasks[task_id]
     text, mask = tok.decode(examples.tokens[i].tolist()), examples.loss_mask[i]
     first, attempt, feedback, reply = re.fullmatch(
       r'<bos><obs>(.*?)<act>(.*?)<eot><obs>(.*?)<act>(.*?)<eot>', text, re.S
     ).groups()
-    # The near miss: another held-out task's body of the same kind, which fails a public test
-    # the feedback names (one line, at most 80 characters), then the prompt again.
-    assert first == task.prompt and attempt != task.reference
-    assert attempt in {t.reference for t in tasks.values()}
+    # The near miss: one of the task's `near_misses`, which fails a public test the feedback
+    # names (one line, at most 80 characters), then the prompt again.
+    assert first == task.prompt and attempt in sft.near_misses(task, list(tasks.values()), 3)
+    attempts.setdefault(task_id, []).append(attempt)
     line, rest = feedback.split('\n', 1)
     assert rest == task.prompt and ' failed: ' in line and len(line) <= 80
     assert line.split(' == ')[0] in {t.call for t in task.public_tests}
@@ -92,6 +128,7 @@ def test_repair_examples_answer_the_feedback_of_a_near_miss_with_the_reference()
     assert reply == task.reference and tok.decode(examples.tokens[i][mask].tolist()) == (
       task.reference + '<eot>'
     )
+  assert all(len(set(a)) == len(a) for a in attempts.values())  # each task's misses differ
 
 
 def test_batches_are_bucketed_and_every_epoch_sees_every_example():
@@ -132,9 +169,10 @@ def test_config_errors_are_one_line():
     ({'model': 'huge'}, "Unknown model preset 'huge'"),
     ({'eval_every': -1}, 'eval_every must be an int >= 0'),
     (
-      {'repair_examples': True, 'env': base.CodeEnvConfig(task='humaneval')},
-      "repair_examples=True with env.task='humaneval'",
+      {'repair_examples': 2, 'env': base.CodeEnvConfig(task='humaneval')},
+      "repair_examples=2 with env.task='humaneval'",
     ),
+    ({'repair_examples': True}, 'repair_examples=True .*expected an int >= 0'),
   ):
     with pytest.raises(ConfigError, match=fragment) as e:
       dataclasses.replace(presets.smoke(), **changes)
