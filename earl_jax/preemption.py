@@ -5,7 +5,10 @@ user presses Ctrl-C (SIGINT). Inside `StopRequests`, the first of either is only
 loop finishes its step, every process agrees on the stop at the same step (`agreed`, a
 collective that makes any process's request every process's), the run saves that step and ends
 with `Stopped`, whose exit code is the conventional 128 + the signal's number. A second Ctrl-C
-stops at once (KeyboardInterrupt); further SIGTERMs are ignored, the stop being under way.
+stops at once (KeyboardInterrupt); further SIGTERMs are ignored, the stop being under way. Python
+drops an exception raised where nothing can catch it (a garbage-collector callback such as
+JAX's, a finalizer) and reports it to `sys.unraisablehook`; inside `StopRequests` that hook
+sends the dropped KeyboardInterrupt's SIGINT again, so the run still stops at once.
 
 JAX's own preemption service (`multihost_utils.reached_preemption_sync_point`) plays the same
 part for SIGTERM alone: its notifier is a C++ SIGTERM handler, which a Python handler replaces,
@@ -22,6 +25,7 @@ through one small all-gather per step (`distributed.process_max`), on one proces
 
 import os
 import signal
+import sys
 import threading
 import types
 
@@ -61,16 +65,33 @@ class StopRequests:
   def __init__(self):
     self.signum = 0  # the first signal received (0: none)
     self._previous: dict[int, object] = {}
+    self._previous_hook = None
 
   def __enter__(self) -> 'StopRequests':
     if threading.current_thread() is threading.main_thread():
       self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+      self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     return self
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
     self._previous = {}
+    if self._previous_hook is not None:
+      sys.unraisablehook, self._previous_hook = self._previous_hook, None
+
+  def _unraisable(self, unraisable) -> None:
+    """A second Ctrl-C's KeyboardInterrupt raised where Python drops it (a gc callback): the
+    signal again, handled at the next point where it can stop the run. Anything else goes to
+    the previous hook."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.signum:
+      # From another thread, a moment later: sent from here it would be handled (and dropped)
+      # in this hook.
+      resend = threading.Timer(0.01, os.kill, args=(os.getpid(), signal.SIGINT))
+      resend.daemon = True
+      resend.start()
+      return
+    self._previous_hook(unraisable)
 
   def _handle(self, signum: int, frame: types.FrameType | None) -> None:
     del frame

@@ -1,5 +1,7 @@
 import os
 import signal
+import sys
+import time
 
 import pytest
 
@@ -25,6 +27,26 @@ def test_a_second_ctrl_c_raises_at_once():
     assert stops.signum == signal.SIGINT  # the first one: recorded, nothing raised
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_second_ctrl_c_that_lands_in_a_finalizer_still_stops_at_once():
+  """Python drops an exception raised in a finalizer or a gc callback (JAX's runs at every
+  collection); the second Ctrl-C must not be lost there."""
+
+  class Finalized:
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGINT)  # handled here, inside __del__: the raise is dropped
+
+  def second_ctrl_c_in_a_finalizer(stops):
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stops.signum == signal.SIGINT
+    Finalized()
+    time.sleep(5)  # interrupted at once when the signal is sent again
+
+  hook = sys.unraisablehook
+  with preemption.StopRequests() as stops, pytest.raises(KeyboardInterrupt):
+    second_ctrl_c_in_a_finalizer(stops)
+  assert sys.unraisablehook is hook
 
 
 def test_stopped_says_what_to_do_and_exits_with_the_signals_code():
