@@ -28,6 +28,7 @@ Dimension letters as in `earl_jax.config`.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -179,10 +180,10 @@ class Program:
     with jax.set_mesh(self.mesh):
       return self.fn.lower(*self.abstract_args)
 
-  @property
+  @functools.cached_property
   def in_shardings(self) -> tuple[Any, ...]:
     """The shardings of `abstract_args`, argument by argument (a `sampler.RolloutArgs` for a
-    rollout program)."""
+    rollout program). Computed once: the rollout engine reads it every turn."""
     return _shardings_of(self.abstract_args)
 
   @property

@@ -349,7 +349,7 @@ class _Run:
   episode_ids: np.ndarray  # int64 [E]: the episodes (rows of the whole batch) it plays
   greedy: bool
   seed: int
-  key_data: np.ndarray  # uint32 [2]: the rollout's key
+  key_data: jax.Array  # uint32 [2], replicated: the rollout's key
   eot: jax.Array
   cache: qwen2.KVCache
   cache_buckets: list[int]
@@ -529,7 +529,7 @@ class RolloutEngine:
       episode_ids=episode_ids,
       greedy=greedy,
       seed=seed,
-      key_data=np.asarray(jax.random.key_data(key)),
+      key_data=mesh_lib.put_replicated(jax.random.key_data(key), shardings.key_data),
       eot=mesh_lib.put_replicated(np.int32(self.tokenizer.eot_id), shardings.eot_id),
       cache=self._empty_cache(first.mesh, S),
       cache_buckets=[S],
@@ -639,7 +639,7 @@ class RolloutEngine:
       cache=run.cache,
       prompt=put(turn.chunk, shardings.prompt),
       num_prompt=put(turn.num_prompt.astype(np.int32), shardings.num_prompt),
-      key_data=mesh_lib.put_replicated(run.key_data, shardings.key_data),
+      key_data=run.key_data,
       episode_ids=put(episode_ids, shardings.episode_ids),
       turns=put(turns, shardings.turns),
       eot_id=run.eot,

@@ -173,7 +173,15 @@ def put_rows(
   """A global array of `shape` on `sharding` from this process's rows (`values[i]` is row
   `rows[i]`); every process passes its own rows, which must cover its devices' blocks."""
   shape = tuple(shape)
-  position = {int(r): i for i, r in enumerate(np.asarray(rows).tolist())}
+  rows = np.asarray(rows)
+  if sharding.is_fully_addressable and np.shape(values) == shape and rows.shape == shape[:1]:
+    # Every device is this process's: one batched transfer of the whole array. One device_put
+    # per device costs about 5x as much (a rollout turn's 4 inputs on 8 CPU devices: 1.2 ms
+    # against 0.23 ms).
+    order = np.argsort(rows, kind='stable')
+    if np.array_equal(rows[order], np.arange(shape[0])):
+      return jax.device_put(np.ascontiguousarray(np.asarray(values)[order]), sharding)
+  position = {int(r): i for i, r in enumerate(rows.tolist())}
 
   def block(index):
     start, stop, _ = index[0].indices(shape[0])
@@ -198,5 +206,7 @@ def _explicit(shape, sharding: jax.sharding.Sharding, block) -> jax.Array:
 
 def put_replicated(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   """A small host value (the same on every process) replicated on `sharding`."""
-  value = np.asarray(value)
+  value = np.array(value)  # a copy: a CPU device may alias the host buffer it is given
+  if sharding.is_fully_addressable:
+    return jax.device_put(value, sharding)
   return _explicit(value.shape, sharding, lambda index: value[index])

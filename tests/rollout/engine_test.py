@@ -331,6 +331,29 @@ def test_refilling_slots_compiles_nothing_after_warm_up(digit_policy):
   assert eng.programs.compiles == compiled and not events
 
 
+def test_a_turn_puts_its_four_row_inputs_in_one_transfer_each(digit_policy, monkeypatch):
+  """On one process a turn's inputs (prompt, num_prompt, episode_ids, turns) each go over in a
+  single device_put, never one per device, and the key and end-of-turn id once per rollout."""
+  mesh, _, params = digit_policy
+  eng = _engine(mesh=mesh, episodes=8, slots=4)
+  eng.run(params, mesh, seed=3)  # compiles, builds the cache ops
+  puts = []
+  device_put = jax.device_put
+
+  def counted(x, *args, **kwargs):
+    puts.append(np.shape(x))
+    return device_put(x, *args, **kwargs)
+
+  def per_device(*args):
+    raise AssertionError('put one device at a time')
+
+  monkeypatch.setattr(jax, 'device_put', counted)
+  monkeypatch.setattr(mesh_lib, '_explicit', per_device)
+  traj = eng.run(params, mesh, seed=3)
+  calls = int(traj.rollout_stats['calls'])
+  assert calls > 2 and len(puts) == 4 * calls + 2
+
+
 def test_an_episode_that_outgrows_the_bucket_mid_refill_grows_the_cache(digit_policy):
   """A refilled batch whose episode outgrows the cache bucket moves to the next one, as a
   lock-step batch does; past the largest bucket the episode forfeits ('overflow')."""

@@ -78,3 +78,29 @@ def test_rows_put_and_read_back_by_this_process(parallel):
       mesh_lib.host_rows(jax.device_put(np.zeros((16, 8), np.float32), seq))
   r = mesh_lib.put_replicated(np.arange(2, dtype=np.uint32), NamedSharding(mesh, P()))
   assert r.sharding.is_fully_replicated and np.asarray(r).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize('parallel', ['dp8', 'dp2.tp4'])
+def test_rows_held_by_one_process_go_over_in_one_explicit_transfer(parallel, monkeypatch):
+  """When this process holds every device, put_rows and put_replicated place the whole array
+  with one device_put (not one per device), allowed under the 'disallow' transfer guard, in
+  any order of rows, and on a copy: the host buffer may change afterwards."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def per_device(*args):
+    raise AssertionError('put one device at a time')
+
+  monkeypatch.setattr(mesh_lib, '_explicit', per_device)
+  mesh = mesh_lib.make_mesh(ParallelConfig.parse(parallel))
+  sharding = NamedSharding(mesh, P(('data', 'fsdp'), None))
+  values = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+  key = np.arange(2, dtype=np.uint32)
+  with jax.transfer_guard('disallow'):
+    x = mesh_lib.put_rows(values[::-1], np.arange(16)[::-1], (16, 3), sharding)
+    r = mesh_lib.put_replicated(key, NamedSharding(mesh, P()))
+  values[:] = -1
+  key[:] = 7
+  assert x.sharding == sharding and r.sharding.is_fully_replicated
+  np.testing.assert_array_equal(np.asarray(x), np.arange(16 * 3).reshape(16, 3))
+  assert np.asarray(r).tolist() == [0, 1]
