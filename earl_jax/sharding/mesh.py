@@ -180,7 +180,8 @@ def put_rows(
     # against 0.23 ms).
     order = np.argsort(rows, kind='stable')
     if np.array_equal(rows[order], np.arange(shape[0])):
-      return jax.device_put(np.ascontiguousarray(np.asarray(values)[order]), sharding)
+      # Indexing copies: a CPU device may alias the host buffer it is given.
+      return jax.device_put(np.asarray(values)[order], sharding)
   position = {int(r): i for i, r in enumerate(rows.tolist())}
 
   def block(index):
