@@ -224,11 +224,10 @@ def code() -> ExperimentConfig:
     advantages=AdvantageConfig(estimator='grpo'),
     loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token'),
     # Two updates per rollout, the second bounded by the clip; 3e-4 decaying to a tenth over the
-    # run's 240 updates. From the warm start of four near misses a task (held-out first / final
-    # pass 0.492 / 0.520): 0.551 / 0.578 at step 80, 0.531 / 0.570 at 120 (seed 0); 60 steps
-    # gave 0.520 / 0.539 and 0.543 / 0.563 (seeds 0, 1). A constant 5e-4 (the rate that helped
-    # the weaker warm start of one near miss) lowered them to 0.438 / 0.477 in 40 steps
-    # (docs/results.md).
+    # run's 240 updates. From the 800-step warm starts of init seeds 0, 1, 2 (held-out final
+    # pass 0.555, 0.555, 0.598) it ends at 0.547, 0.574, 0.574: RL holds the held-out pass, it
+    # does not raise it (1e-4: 0.559 from seed 1's). A constant 5e-4 lowered it by 4 points in
+    # 40 steps (docs/results.md).
     optim=OptimConfig(learning_rate=3e-4, warmup_steps=10, decay_steps=230, end_lr_fraction=0.1),
     update_epochs=2,
     buckets=CODE_BUCKETS,
