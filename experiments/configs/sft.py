@@ -35,7 +35,8 @@ def code() -> SFTConfig:
     # Four near misses a task: a sibling task's body, then the reference with one constant
     # changed (first the commonest slip, one constant copied into the other's place). With one
     # (the sibling) the held-out greedy first-turn pass after 400 steps (init seed 0) was 0.367,
-    # with four 0.492: telling the right constant from a wrong one also teaches where to copy it from.
+    # with four 0.492: telling the right constant from a wrong one also teaches where to copy it
+    # from.
     repair_examples=4,
     eval_env=CodeEnvConfig(task='functions', split='heldout', heldout_fraction=0.4, max_turns=1),
     # A first turn and its reply are 83 to 173 tokens: 192; a repair example (a near miss, one
