@@ -225,9 +225,9 @@ def code() -> ExperimentConfig:
     loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token'),
     # Two updates per rollout, the second bounded by the clip; 3e-4 decaying to a tenth over the
     # run's 240 updates. From the 800-step warm starts of init seeds 0, 1, 2 (held-out final
-    # pass 0.555, 0.555, 0.598) it ends at 0.547, 0.574, 0.574: RL holds the held-out pass, it
-    # does not raise it (1e-4: 0.559 from seed 1's). A constant 5e-4 lowered it by 4 points in
-    # 40 steps (docs/results.md).
+    # pass 0.555, 0.555, 0.598) it ends at 0.547, 0.574, 0.574: RL moves the held-out pass by
+    # -2.4 to +1.9, it does not raise it (1e-4: 0.559 from seed 1's). A constant 5e-4 lowered
+    # the 400-step warm start's by 4 points in 40 steps (docs/results.md).
     optim=OptimConfig(learning_rate=3e-4, warmup_steps=10, decay_steps=230, end_lr_fraction=0.1),
     update_epochs=2,
     buckets=CODE_BUCKETS,
