@@ -276,6 +276,7 @@ def step_record(
   programs: int,
   rollout: Mapping[str, float] | None = None,
   processes: int = 1,
+  figures: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """The record of one train step, in the order metrics.jsonl holds its keys.
 
@@ -296,6 +297,8 @@ def step_record(
       fractions of decode and prefill, slot occupancy and the drain; `rollout/...`).
     processes: the run's processes (the share of the step of the environment's seconds,
       `env_record`).
+    figures: per stage name, what its decision ranked by (`plan_figures`): whether it was
+      measured, the figure (tokens/s/device) and its relative uncertainty.
   """
   rates = episodes.outcome_rates()
   return {
@@ -319,6 +322,9 @@ def step_record(
     'dispatch/kernels': kernels,
     'switch_ms': switch_ms,
     **{f'plan/{stage}': plans[stage] for stage in STAGES},
+    **{
+      f'plan/{stage}/{k}': v for stage, figure in (figures or {}).items() for k, v in figure.items()
+    },
     **{f'time/{k}_s': v for k, v in times.items()},
     'time/step_s': step_s,
     'host/rss_mib': (rss_bytes or 0) / (1 << 20),
@@ -408,6 +414,36 @@ def _pass_text(r: Mapping[str, Any]) -> str:
   return text
 
 
+def plan_figures(decision) -> dict[str, Any]:
+  """What a selector decision ranked its layout by, for the step record: `measured` (1 or 0),
+  `figure` (tokens/s/device, measured or the cost model's; None while nothing is measured and
+  the model's figures are the analytic model's nominal ones) and `uncertainty` (its relative
+  standard deviation); {} for a stage ranked by the fewest-splits preference."""
+  if not decision.measured and not decision.basis:
+    return {}
+  nominal = decision.basis == 'analytic'  # nothing measured yet: nominal units, no figure
+  return {
+    'measured': float(decision.measured),
+    'figure': None if nominal else float(decision.throughput or 0.0),
+    'uncertainty': float(decision.uncertainty),
+  }
+
+
+def _plan_text(r: Mapping[str, Any], stage: str) -> str:
+  """'r=dp8.tp1@128 [176]' for a measured decision, 'r=dp8.tp1@128 [~162+-35%]' for one taken
+  on the cost model alone ('[~analytic]' before anything is measured), 'r=dp8.tp1@128' for one
+  ranked by the preference."""
+  text = f'{stage[0]}={r.get(f"plan/{stage}", "?")}'
+  if f'plan/{stage}/measured' not in r:
+    return text
+  figure = r[f'plan/{stage}/figure']
+  if figure is None:
+    return f'{text} [~analytic]'
+  if r[f'plan/{stage}/measured']:
+    return f'{text} [{figure:.0f}]'
+  return f'{text} [~{figure:.0f}+-{r[f"plan/{stage}/uncertainty"]:.0%}]'
+
+
 def format_line(record: Mapping[str, Any]) -> str:
   """The one-line summary of a step."""
   r = record
@@ -436,7 +472,7 @@ def format_line(record: Mapping[str, Any]) -> str:
       f'{r.get("env/programs", 0):.0f} timeout {r.get("env/timeouts", 0):.0f} crash '
       f'{r.get("env/crashes", 0):.0f}'
     )
-  parts.append('plan ' + ' '.join(f'{s[0]}={r.get(f"plan/{s}", "?")}' for s in STAGES))
+  parts.append('plan ' + ' '.join(_plan_text(r, str(s)) for s in STAGES))
   moves = [_move_text(r, name) for name in MOVES if f'dispatch/{name}/bytes' in r]
   if moves:
     parts.append('moved ' + ' '.join(moves))

@@ -7,7 +7,7 @@ then decides again: `placement.decide_compiled`); for the experience stage, the 
 permutation and the packing of its ranks; for the train stage, the train state switched to a
 new layout and the neighbouring buckets' programs precompiled in the background.
 
-  planner = StagePlanner(config, selector, profiling, executables, placement, log=print)
+  planner = StagePlanner(config, selector, scheduler, executables, placement, log=print)
   plan = planner.rollout(prev_stats)                   # plan.decision, plan.program
   plan = planner.experience(stats, lengths, roll_layout)  # + plan.perm, plan.packed
   plan = planner.train(stats, bucket, rows, step=7)    # + plan.switch
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from earl_jax import dispatch as dispatch_lib
-from earl_jax.assembly import RunProfile
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.placement import StagePlacement, decide_compiled
+from earl_jax.profiling.schedule import ProfileScheduler
 from earl_jax.programs import Executables, SwitchRecord
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
@@ -62,7 +62,7 @@ class StagePlanner:
     self,
     config: ExperimentConfig,
     selector: selector_lib.Selector,
-    profiling: RunProfile,
+    scheduler: ProfileScheduler,
     executables: Executables,
     placement: StagePlacement,
     *,
@@ -70,7 +70,7 @@ class StagePlanner:
   ):
     self.config = config
     self.selector = selector
-    self.profiling = profiling
+    self.scheduler = scheduler
     self.executables = executables
     self.placement = placement
     self.log = log
@@ -92,7 +92,7 @@ class StagePlanner:
     """The stage's decision, what `build` makes of it, and the seconds it waited for the
     profile (a lazy profile without the prior measures what it lacks; with it, the cells
     wanted are only sent to compile); see `placement.decide_compiled`."""
-    profile_s = self.profiling.measure_missing(self.selector, stage, stats)
+    profile_s = self.scheduler.before_decision(self.selector, stage, stats)
     decision, built = decide_compiled(self.selector, stage, stats, build, log=self.log)
     return decision, built, profile_s
 
@@ -101,7 +101,7 @@ class StagePlanner:
     engine's program, whose rows are the rollout's slots. First, while the devices are idle
     (the previous step is done), the profile cells measured between steps."""
     slots = self.config.rollout.slots
-    between_s = self.profiling.between_steps(self.selector, stats)
+    between_s = self.scheduler.between_steps(self.selector, stats)
     decision, program, profile_s = self._decide(
       Stage.ROLLOUT, stats, lambda d: self.executable(d, d.run_bucket, slots)
     )

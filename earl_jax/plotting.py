@@ -138,7 +138,16 @@ def stage_layouts(rows: list[dict]) -> dict[str, dict[str, list]]:
     switches = [
       step for step, before, after in zip(steps[1:], layouts, layouts[1:]) if before != after
     ]
-    out[stage] = {'steps': steps, 'layouts': layouts, 'buckets': buckets, 'switches': switches}
+    # Decisions taken on the cost model alone (not measured there); a row without the figures
+    # (an unprofiled stage, or an older run) counts as measured.
+    model_only = [r.get(f'{key}/measured', 1.0) == 0 for r in plans]
+    out[stage] = {
+      'steps': steps,
+      'layouts': layouts,
+      'buckets': buckets,
+      'switches': switches,
+      'model_only': model_only,
+    }
   return out
 
 
@@ -160,7 +169,12 @@ def plot_stage_layouts(rows: list[dict], path: str) -> str | None:
     ys = [names.index(name) for name in history['layouts']]
     colors = [cmap(buckets.index(b)) for b in history['buckets']]
     ax.step(history['steps'], ys, where='post', color='#bbbbbb', lw=1, zorder=1)
-    ax.scatter(history['steps'], ys, c=colors, s=14, zorder=2)
+    measured = [not m for m in history['model_only']]
+    for keep, style in ((measured, {}), (history['model_only'], {'marker': 'x'})):
+      pts = [(s, y, c) for s, y, c, k in zip(history['steps'], ys, colors, keep) if k]
+      if pts:
+        steps_k, ys_k, colors_k = zip(*pts)
+        ax.scatter(steps_k, ys_k, c=list(colors_k), s=14, zorder=2, **style)
     for step in history['switches']:
       ax.axvline(step, color='#d94801', lw=0.8, alpha=0.5)
     ax.set_yticks(range(len(names)), names)
@@ -168,7 +182,13 @@ def plot_stage_layouts(rows: list[dict], path: str) -> str | None:
     ax.set_ylabel(stage)
     switches = len(history['switches'])
     plural = '' if switches == 1 else 'es'
-    ax.set_title(f'{stage}: {switches} layout switch{plural}', fontsize=9, loc='left')
+    alone = sum(history['model_only'])
+    ax.set_title(
+      f'{stage}: {switches} layout switch{plural}, {alone} of {len(ys)} decisions on the '
+      'model alone (x)',
+      fontsize=9,
+      loc='left',
+    )
     ax.grid(alpha=0.3, axis='x')
   axes[-1].set_xlabel('step')
   handles = [

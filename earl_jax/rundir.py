@@ -35,7 +35,7 @@ from earl_jax import checkpointing, metrics
 from earl_jax.config import ParallelConfig
 from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig, config_diff
-from earl_jax.selector.profile import Profile
+from earl_jax.profiling.table import Profile
 from earl_jax.workdir_lock import LOCK, WorkdirError, WorkdirLock
 
 # The longest file or folder name (bytes) of the file systems a run writes to (ext4, xfs, tmpfs).

@@ -30,9 +30,9 @@ decision is taken from statistics that every process holds alike.
 Construction is explicit, each part built from what the one before returned: the model and
 tokenizer (and the config's checks that need them), the run directory (checked, and the
 checkpoint a resume continues from; the workdir is written only once all is built), the stage
-programs, the profile (measured by `programs.profiling`, unless one is passed in) and the
-selector on it (`assembly`), the parameters and train state on the first train layout
-(`placement`), the engines.
+programs, the profile (measured by `profiling.profiler` on the schedule of `profiling.schedule`,
+unless one is passed in) and the selector on it (`assembly`), the parameters and train state on
+the first train layout (`placement`), the engines.
 
   trainer = Trainer(ExperimentConfig(...), workdir='runs/default')
   summary = trainer.run()
@@ -55,6 +55,7 @@ from earl_jax.experiment import ExperimentConfig
 from earl_jax.metrics import StageTimer, format_line, move_summary
 from earl_jax.placement import StagePlacement
 from earl_jax.planning import StagePlanner
+from earl_jax.profiling.table import Profile
 from earl_jax.programs import Executables
 from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
@@ -63,7 +64,6 @@ from earl_jax.rl.batch import Batch
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
 from earl_jax.rundir import ResumeError, ResumePoint, RunDir, WorkdirError
 from earl_jax.selector import selector as selector_lib
-from earl_jax.selector.profile import Profile
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
@@ -113,7 +113,7 @@ class Trainer:
     move_aside: a workdir that holds a run is renamed to `<workdir>.<time>` (once the model,
       the tokenizer and the config have passed their checks) and the run starts afresh.
     profile: a measured start-up profile to decide on (default: measured by
-      `assembly.RunProfile.start`, which reuses `config.selector.profile.cache` when it
+      `assembly.start_profile`, which reuses `config.selector.profile.cache` when it
       matches).
     """
     self.config = config
@@ -140,7 +140,7 @@ class Trainer:
       # The measured profile the selector ranks its profiled stages by (and what a lazy profile
       # lacks, measured as decisions need it), preferring the cells of the checkpoint a resume
       # continues from.
-      self.profiling = assembly.RunProfile.start(
+      self.scheduler = assembly.start_profile(
         config,
         model=self.model_cfg,
         spec=self.spec,
@@ -152,7 +152,7 @@ class Trainer:
         config,
         self.model_cfg,
         self.spec,
-        self.profiling.profile,
+        self.scheduler.profile,
         len(self.devices),
         self._switch_cost,
       )
@@ -164,7 +164,7 @@ class Trainer:
         config, self.model_cfg, self.tokenizer, self.executables
       )
       self.planner = StagePlanner(
-        config, self.selector, self.profiling, self.executables, self.placement, log=self.log
+        config, self.selector, self.scheduler, self.executables, self.placement, log=self.log
       )
       self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
 
@@ -190,14 +190,14 @@ class Trainer:
   def _initial_decisions(self) -> dict[Stage, selector_lib.Decision]:
     """The first decision of every stage (no statistics yet), recording nothing."""
     for stage in self.selector.stages:
-      self.profile_s += self.profiling.measure_missing(self.selector, stage, None)
+      self.profile_s += self.scheduler.before_decision(self.selector, stage, None)
     return self.selector.initial_decisions()
 
   def _switch_cost(self, stage: Stage, src: ParallelConfig, dst: ParallelConfig, bucket, rows):
     """What moving `stage` from `src` to `dst` would stall a step, in ms (the profiled compile
     time unless compiled, and for train the state's move): the selector's switch gate."""
     del src
-    compile_ms = self.profiling.compile_ms(stage, bucket, rows, dst.name)
+    compile_ms = self.scheduler.compile_ms(stage, bucket, rows, dst.name)
     return self.placement.switch_cost_ms(stage, dst, bucket, rows, compile_ms=compile_ms)
 
   def _resume(self, point: ResumePoint) -> list[dict]:
@@ -373,6 +373,7 @@ class Trainer:
       kernels=self.dispatcher.traces,  # layout-aware kernels compiled so far
       switch_ms=switch_ms,
       plans={s: f'{d.config.name}@{d.bucket}' for s, d in decisions.items()},
+      figures={str(s): metrics.plan_figures(d) for s, d in decisions.items()},
       times=timer.times,
       step_s=time.perf_counter() - t_step,
       rss_bytes=memory_lib.host_rss_bytes(),
@@ -504,10 +505,19 @@ class Trainer:
       'eval_last': _eval_fields(evals[-1]) if evals else None,
       'skipped_steps': int(self.placement.state.skipped),
       'profile_s': self.profile_s,
+      'profile_share': self.profile_s / wall_s if wall_s > 0 else 0.0,
       'moves': move_summary(self.history),
       'switches': self.switches,
+      'decisions_measured': _measured_counts(self.selector.history),
       'decisions': self.selector.log(),
+      # The measured cells the decisions were taken on (`experiments/selector_regret.py` fits
+      # the cost model to them and checks it against an offline profile).
+      'profile': self._measured_profile(),
     }
+
+  def _measured_profile(self) -> dict | None:
+    stages = self.config.selector.profile.stages
+    return self.selector.profile(stages[0]).measured_only().to_json() if stages else None
 
   def _finish(self) -> None:
     """Closes the logs, waits for the background compiles and for the checkpoint being written
@@ -525,6 +535,19 @@ def _eval_fields(record: dict) -> dict:
 
 def _step_seed(seed: int, step: int) -> int:
   return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def _measured_counts(decisions: list[selector_lib.Decision]) -> dict[str, dict[str, int]]:
+  """Per stage: its decisions, how many ranked by measured figures, and how many switched."""
+  out: dict[str, dict[str, int]] = {}
+  for d in decisions:
+    if 'REFUSED' in d.reason:
+      continue
+    counts = out.setdefault(str(d.stage), {'decisions': 0, 'measured': 0, 'switches': 0})
+    counts['decisions'] += 1
+    counts['measured'] += int(d.measured)
+    counts['switches'] += int(d.switched)
+  return out
 
 
 __all__ = ['NonFiniteError', 'ResumeError', 'Trainer', 'WorkdirError']

@@ -226,8 +226,9 @@ def main(argv):
   import jax
 
   from earl_jax.models import qwen2
-  from earl_jax.programs import Executables, memory, profiling
-  from earl_jax.programs.profiling import ProfileConfig
+  from earl_jax.profiling import profiler
+  from earl_jax.profiling.profiler import ProfileGrid
+  from earl_jax.programs import Executables, memory
   from earl_jax.selector.selector import SelectorConfig
   from earl_jax.sharding import mesh as mesh_lib
   from earl_jax.stage import Stage
@@ -238,7 +239,7 @@ def main(argv):
   budget_mib = _BUDGET.value or bench.growth_budget_mib or bench.budget_mib
   budget = memory.device_budget(emulated=int(budget_mib * memory.MiB))
   spec = bench.spec
-  pconfig = ProfileConfig(
+  pconfig = ProfileGrid(
     stages=(Stage.ROLLOUT,),
     buckets=bench.buckets,
     rows=(bench.growth_rows,),
@@ -252,7 +253,7 @@ def main(argv):
   cache = _PROFILE.value or os.path.join(out_dir, f'selector_profile_{_PRESET.value}_growth.json')
   t0 = time.perf_counter()
   with Executables(model, spec=spec) as exe:
-    profile = profiling.run(model, pconfig, executables=exe, cache_path=cache)
+    profile = profiler.run(model, pconfig, executables=exe, cache_path=cache)
   profile_s = time.perf_counter() - t0
   sel_cfg = SelectorConfig(
     budget_mib=budget / memory.MiB, statistic=_STATISTIC.value, safety_margin=_MARGIN.value

@@ -279,10 +279,11 @@ def _train(plan: Plan, impl: str, repeats: int) -> dict:
 
 def _selector(plan: Plan, impl: str) -> dict:
   from earl_jax.config import BucketConfig
-  from earl_jax.programs import Executables, builders, memory, profiling
-  from earl_jax.programs.profiling import ProfileConfig
+  from earl_jax.profiling import profiler
+  from earl_jax.profiling.profiler import ProfileGrid
+  from earl_jax.profiling.table import MeasureConfig
+  from earl_jax.programs import Executables, builders, memory
   from earl_jax.rollout.sampler import SamplingConfig
-  from earl_jax.selector.profile import MeasureConfig
   from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
   from earl_jax.stage import Stage
 
@@ -292,17 +293,17 @@ def _selector(plan: Plan, impl: str) -> dict:
   spec = builders.StageSpec(
     sampling=SamplingConfig(greedy=True, max_new_tokens=plan.selector_tokens), chunk=1
   )
-  pconfig = ProfileConfig(
+  pconfig = ProfileGrid(
     stages=(Stage.ROLLOUT,),
     buckets=buckets,
     rows=plan.selector_rows,
     budget_bytes=budget,
     with_fsdp=False,
-    measure=MeasureConfig(warmup=1, repeats=2, rounds=1),
+    measure=MeasureConfig(warmup=1, repeats=3, rounds=1),
     spec=spec,
   )
   with Executables(cfg, spec=spec) as exe:
-    profile = profiling.run(cfg, pconfig, executables=exe)
+    profile = profiler.run(cfg, pconfig, executables=exe)
   names = [c.name for c in profile.candidates(Stage.ROLLOUT)]
   sel_cfg = SelectorConfig(
     budget_mib=budget / memory.MiB, profile=ProfileSettings(stages=(Stage.ROLLOUT,))

@@ -2,14 +2,15 @@
 of its profiled stages, compiled and timed (the paper's offline table).
 
   python -m experiments.profile                                 # the default -> its cache file
-  python -m experiments.profile --config=think --out=/tmp/think_profile.json --rounds=2
+  python -m experiments.profile --config=think --out=/tmp/think_profile.json --rounds=3
+  python -m experiments.selector_regret --run=runs/think --profile=/tmp/think_profile.json
   python -m experiments.train --config=think --config.selector.profile.cache=/tmp/think_profile.json
 
 A run started from the table (`--config.selector.profile.cache=<file>`, or the preset's own cache
 path, the default `--out`) decides on its measurements from the first step and measures nothing
 it holds. The file is keyed by what its figures depend on: device kind and count, software,
-model, candidates, bucket table, load, budget and program shapes (`programs.profiling
-.profile_key`). It can be copied to another machine of the same kind; a run whose setup differs
+model, candidates, bucket table, load, budget and program shapes
+(`profiling.profiler.profile_key`). It can be copied to another machine of the same kind; a run whose setup differs
 refuses it in one line naming the differing fields, and measures its own. How carefully it was
 timed (`--repeats`, `--rounds`, `--min_seconds`, by default the preset's) is not part of the
 key: a table timed more carefully offline serves runs that would time less.
@@ -56,7 +57,8 @@ def main(argv):
 
   from earl_jax import assembly
   from earl_jax.errors import UserError
-  from earl_jax.programs import Executables, profiling
+  from earl_jax.profiling import profiler
+  from earl_jax.programs import Executables
 
   config = _CONFIG.value
   settings = config.selector.profile
@@ -71,7 +73,7 @@ def main(argv):
   model, tok = assembly.load_model(config)
   spec = assembly.stage_spec(config, tok, model)
   with Executables(model, spec=spec) as exe:
-    profiler = profiling.RunProfiler.for_selector(
+    measurer = profiler.Profiler.for_selector(
       config.selector,
       model=model,
       buckets=config.buckets,
@@ -80,9 +82,9 @@ def main(argv):
       executables=exe,
       stage_rows=assembly.rollout_rows(config),
     )
-    pconfig = dataclasses.replace(profiler.config, measure=_measure(config))
+    grid = dataclasses.replace(measurer.config, measure=_measure(config))
     t0 = time.perf_counter()
-    profile = profiling.run(model, pconfig, executables=exe, cache_path=out, progress=_progress)
+    profile = profiler.run(model, grid, executables=exe, cache_path=out, progress=_progress)
     seconds = time.perf_counter() - t0
   if jax.process_index() == 0:
     _report(profile, out, seconds)
@@ -99,15 +101,11 @@ def _progress(cell) -> None:
 
 
 def _report(profile, out: str, seconds: float) -> None:
-  """The fastest layout of every stage and bucket, and where the table went."""
+  """The fastest layout of every stage and bucket, the calls' spread, and where the table went."""
+  from earl_jax.profiling import table
+
   print(f'\n{len(profile.cells)} cells in {seconds:.0f} s -> {os.path.abspath(out)}')
-  for stage in profile.stages:
-    for rows in profile.rows:
-      best = [profile.best(stage, b, rows) for b in profile.buckets]
-      row = ', '.join(
-        f'{b}: {c.config if c else "none fits"}' for b, c in zip(profile.buckets, best)
-      )
-      print(f'{stage} ({rows} responses): {row}')
+  print(table.report(profile))
   print(f'run from it: --config.selector.profile.cache={out}')
 
 

@@ -9,9 +9,10 @@ candidate layout), each warmed up, repeated and reduced to a median by the profi
 
 1. the *profile* the selector decides on (cached as JSON: a later run on the same setup reuses
    it, a file from another model or machine is refused);
-2. the *cheaper profile*: buckets shortest first, a layout left unmeasured where the prior from
-   the cells measured so far puts it below 1 / `--rule_out` of the best (`selector.prior`; the
-   selector decides on the prior there), as a run measures;
+2. the *cheaper profile*: buckets shortest first, a layout left unmeasured where the cost model
+   fitted to the cells measured so far puts its upper bound below the best layout's lower bound
+   (`--confidence` standard deviations; `profiling.cost_model`; the selector decides on the
+   model there), as a run measures;
 3. the *heatmap*, measured afresh in this run.
 
 For every cell it reports each layout's decode TGS (tokens per device per second) in the
@@ -62,12 +63,13 @@ _GOAL = flags.DEFINE_float(
 _CPU_DEVICES = flags.DEFINE_integer(
   'cpu_devices', 8, 'Fake CPU devices when there is no accelerator.', lower_bound=1
 )
-_RULE_OUT = flags.DEFINE_float(
-  'rule_out',
+_CONFIDENCE = flags.DEFINE_float(
+  'confidence',
   2.0,
-  'The cheaper profile: a layout is not measured where the prior puts it below 1/rule_out of '
-  'the best (selector.profile.rule_out).',
-  lower_bound=1.0,
+  "The cheaper profile: a layout is not measured where the cost model's upper bound for it is "
+  "below the best layout's lower bound, at this many standard deviations "
+  '(selector.profile.confidence).',
+  lower_bound=0.0,
 )
 _GROWTH = flags.DEFINE_bool(
   'growth',
@@ -87,7 +89,7 @@ def _speedup(a, b):
 def _h100_72b_table():
   """TP4 vs TP8 for Qwen2.5-72B on 8 x H100-80GB (analytic, fused attention)."""
   from earl_jax.config import ModelConfig, ParallelConfig
-  from earl_jax.selector import analytic
+  from earl_jax.profiling import analytic
   from earl_jax.stage import Stage
 
   cfg = ModelConfig.preset('qwen2.5-72b')
@@ -116,10 +118,10 @@ def _h100_72b_table():
 
 
 def _profile_config(bench, *, rows, budget, candidates, with_fsdp):
-  from earl_jax.programs.profiling import ProfileConfig
+  from earl_jax.profiling.profiler import ProfileGrid
   from earl_jax.stage import Stage
 
-  return ProfileConfig(
+  return ProfileGrid(
     stages=(Stage.ROLLOUT,),
     buckets=bench.buckets,
     rows=rows,
@@ -134,19 +136,19 @@ def _profile_config(bench, *, rows, budget, candidates, with_fsdp):
 def _passes(model, pconfig, exe, cache):
   """Three measurements of the same grid: the full profile (cached), the cheaper one (the prior
   rules layouts out, buckets shortest first; never cached) and the heatmap, measured afresh."""
-  from earl_jax.programs import profiling
-  from earl_jax.selector import profile as profile_lib
+  from earl_jax.profiling import profiler
+  from earl_jax.profiling import table as profile_lib
 
-  key = profiling.profile_key(model, pconfig, profiling.default_candidates(model, pconfig))
+  key = profiler.profile_key(model, pconfig, profiler.default_candidates(model, pconfig))
   reused = profile_lib.load_cached(cache, key) is not None
   out, seconds = {}, {}
   for name, kwargs in (
     ('full', {'cache_path': cache}),
-    ('cheap', {'rule_out': _RULE_OUT.value}),
+    ('cheap', {'confidence': _CONFIDENCE.value}),
     ('heat', {}),
   ):
     t0 = time.perf_counter()
-    out[name] = profiling.run(model, pconfig, executables=exe, **kwargs)
+    out[name] = profiler.run(model, pconfig, executables=exe, **kwargs)
     seconds[name] = time.perf_counter() - t0
   return out, seconds, reused
 
@@ -346,7 +348,7 @@ def _grid(bench, model, passes, sel_cfg):
     'counts': counts,
     'goal_met': counts['miss'] == 0 and counts['refused'] == 0,
     'cheap': {
-      'rule_out': _RULE_OUT.value,
+      'confidence': _CONFIDENCE.value,
       'timed_cells': {k: _timed_cells(v) for k, v in passes.items()},
       'same_choice': sum(c['cheap_choice'] == c['choice'] for c in scored),
       'within_noise': sum(c['cheap_within_noise'] for c in scored),
@@ -427,7 +429,7 @@ def main(argv):
 def _print_cheaper(r):
   ch, timed = r['cheap'], r['cheap']['timed_cells']
   print(
-    f'cheaper profile (rule_out {ch["rule_out"]:g}): {timed["cheap"]} layouts timed against '
+    f'cheaper profile (confidence {ch["confidence"]:g}): {timed["cheap"]} layouts timed against '
     f'{timed["full"]} in the full profile, {r["cheap_s"]:.0f} s against {r["profile_s"]:.0f} s; '
     f'same choice in {ch["same_choice"]}/{ch["scored"]} cells, within the median noise of the '
     f"full profile's choice (heatmap pass) in {ch['within_noise']}/{ch['scored']}"

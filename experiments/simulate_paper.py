@@ -33,7 +33,7 @@ Every transfer pays the per-message latency. Parameters, and where each comes fr
 
 Memory (Fig. 3). Qwen2.5-72B rollout engines at TP4 and TP8 on `--hbm_gib` GPUs, of which
 `--usable_fraction` is for weights and K/V (vLLM's gpu_memory_utilization): weights per GPU and
-K/V per token from the analytic memory model (`selector/analytic.py`), hence each engine's K/V
+K/V per token from the analytic memory model (`profiling/analytic.py`), hence each engine's K/V
 capacity in tokens. A cell of #responses x context holds P = responses x context tokens at the
 end of decoding. Predicted winner: TP4 while P fits in its K/V (decode is memory-bound and TP4
 runs two engines on the GPUs of one TP8), TP8 once it does not (TP4 must preempt and recompute).
@@ -237,7 +237,7 @@ def fit_rate(payload: float, target: float, p: dict) -> float:
 
 def memory_model(model_name: str, tps: list[int], hbm: float, usable: float, oom_ratio: float):
   from earl_jax.config import ModelConfig, ParallelConfig
-  from earl_jax.selector import analytic
+  from earl_jax.profiling import analytic
   from earl_jax.sharding import mesh as mesh_lib
 
   try:

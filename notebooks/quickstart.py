@@ -136,8 +136,8 @@ assert diff < 1e-4
 
 # %%
 from earl_jax.config import BucketConfig
+from earl_jax.profiling import analytic
 from earl_jax.programs.builders import StageSpec
-from earl_jax.selector import analytic
 from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
 from earl_jax.stage import Stage
 

@@ -121,7 +121,7 @@ for rows in (n, 4 * n):
 # the rollout stage is sized by the analytic memory model at each bucket, for 64 responses.
 
 # %%
-from earl_jax.selector import analytic
+from earl_jax.profiling import analytic
 
 budget = memory.device_budget(emulated=None if ON_GPU else 128 * memory.MiB)
 print(f'budget {budget / memory.MiB:,.0f} MiB per device')

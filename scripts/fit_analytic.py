@@ -7,7 +7,7 @@
 Compiles the experience and train programs of three small models ('tiny', 'small-kv',
 'tiny-game') on 8 fake CPU devices over a grid of layouts, context lengths and rows, reads each
 program's per-device peak (`programs.memory.xla_memory`), and fits the stage's activation
-coefficients of `selector.analytic.Coefficients` (non-negative least squares on the relative
+coefficients of `profiling.analytic.Coefficients` (non-negative least squares on the relative
 error, the other terms fixed). It prints the fitted values, the largest relative error above
 8 MiB and the largest absolute error below it, for the current and the fitted coefficients.
 Paste the fitted values into `Coefficients` and the errors into `ANALYTIC_REL_ERROR`'s comment.
@@ -65,10 +65,10 @@ def main(argv):
   del argv
   runtime.setup(cpu_devices=8)
   from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.profiling import analytic
   from earl_jax.programs import builders
   from earl_jax.programs.executables import Executables
   from earl_jax.rollout.sampler import SamplingConfig
-  from earl_jax.selector import analytic
   from earl_jax.stage import Stage
 
   zero = analytic.Coefficients(**{f: 0.0 for fs in FIELDS.values() for f in fs})

@@ -64,6 +64,49 @@ def test_the_step_line():
   assert 'moved' not in line and 'plan r=? e=? t=?' in line
 
 
+def test_the_plan_says_which_decisions_were_measured_and_the_models_uncertainty():
+  from earl_jax.config import ParallelConfig
+  from earl_jax.selector.selector import Decision
+
+  def decision(measured, basis, throughput=176.4, uncertainty=0.05):
+    return Decision(
+      stage=Stage.ROLLOUT,
+      step=0,
+      config=ParallelConfig(dp=8),
+      bucket=128,
+      run_bucket=128,
+      rows=16,
+      statistic=100.0,
+      throughput=throughput,
+      measured=measured,
+      need_bytes=1,
+      budget_bytes=None,
+      switched=False,
+      previous=None,
+      reason='',
+      options=(),
+      uncertainty=uncertainty,
+      basis=basis,
+    )
+
+  figures = {
+    'rollout': metrics.plan_figures(decision(True, '')),
+    'experience': metrics.plan_figures(decision(False, 'dp4.tp2@128', 162.0, 0.35)),
+    'train': metrics.plan_figures(decision(False, 'analytic', 5e6, 1.0)),
+  }
+  assert figures['rollout'] == {'measured': 1.0, 'figure': 176.4, 'uncertainty': 0.05}
+  assert figures['train']['figure'] is None  # nominal units: no figure to show
+  record = {**RECORD}
+  for stage, figure in figures.items():
+    record.update({f'plan/{stage}/{k}': v for k, v in figure.items()})
+  assert (
+    'plan r=dp8.tp1@128 [176] e=dp4.tp2@256 [~162+-35%] t=dp4.tp2@256 [~analytic] |'
+    in metrics.format_line(record)
+  )
+  # A stage ranked by the fewest-splits preference has no figure.
+  assert metrics.plan_figures(decision(False, '')) == {}
+
+
 def test_the_move_summary_counts_steps_layouts_and_bytes():
   second = {**RECORD, 'step': 8, 'plan/train': 'dp8.tp1@256'}
   second['dispatch/experience_train/bytes'] = 500

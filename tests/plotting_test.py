@@ -30,6 +30,16 @@ def test_stage_layouts_counts_layout_changes_not_bucket_changes():
   assert series['train']['switches'] == [2, 4]
   assert series['rollout']['buckets'] == [128, 256, 256, 512]
   assert series['train']['layouts'] == ['dp8.tp1', 'dp4.tp2', 'dp4.tp2', 'dp8.tp1']
+  assert series['rollout']['model_only'] == [False] * 4  # rows without figures: measured
+
+
+def test_stage_layouts_marks_the_decisions_taken_on_the_model_alone(tmp_path):
+  rows = _rows()
+  for row, measured in zip(rows[1:], (0.0, 1.0, 0.0, 1.0)):  # rows[0]: the evaluation
+    row['plan/train/measured'] = measured
+  assert plotting.stage_layouts(rows)['train']['model_only'] == [True, False, True, False]
+  path = plotting.plot_stage_layouts(rows, str(tmp_path / 'stage_layouts.png'))
+  assert path and (tmp_path / 'stage_layouts.png').stat().st_size > 10_000
 
 
 def test_plot_training_writes_every_png(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from earl_jax import rundir
 from earl_jax.config import ParallelConfig
-from earl_jax.selector.profile import Profile
+from earl_jax.profiling.table import Profile
 from earl_jax.testing.configs import smoke_experiment
 
 CONFIG = smoke_experiment(steps=4, checkpoint_every=1, eval_every=0)

@@ -166,7 +166,7 @@ def test_resume_errors(tmp_path):
 def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
   """The measured profile travels in the checkpoint: a resume whose cache file is gone (another
   working directory) decides on the same measurements instead of measuring again."""
-  from earl_jax.selector.profile import MeasureConfig
+  from earl_jax.profiling.table import MeasureConfig
   from earl_jax.selector.selector import ProfileSettings
 
   cache = tmp_path / 'profile.json'
@@ -179,7 +179,7 @@ def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
     cache=str(cache),
     lazy=True,
     prior=False,
-    measure=MeasureConfig(repeats=1, rounds=1),
+    measure=MeasureConfig(repeats=3, rounds=1),
   )
   config = smoke_experiment(
     steps=2,

@@ -14,8 +14,8 @@ compiled programs from one `Executables`, so each stage has a single compile pat
 
 Modules: builders (StageSpec, ProgramKey, Program, one builder per stage, make_inputs),
 executables (the cache, background precompile, switch), memory (XLA memory analysis, measured
-run peaks, the per-device budget), and profiling (compiles and times the candidates into the
-selector's `Profile`; import it as `earl_jax.programs.profiling`, it is not loaded here).
+run peaks, the per-device budget). The profile that times these programs per layout is
+`earl_jax.profiling`.
 """
 
 from earl_jax.programs import builders, executables, memory

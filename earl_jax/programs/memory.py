@@ -11,7 +11,7 @@ One unit, bytes per device:
   nothing runs out of memory, an emulated figure that must be given (a flag), so that "does not
   fit" is real and testable here.
 
-The analytic model for shapes too large to compile here is `earl_jax.selector.analytic`.
+The analytic model for shapes too large to compile here is `earl_jax.profiling.analytic`.
 """
 
 import contextlib

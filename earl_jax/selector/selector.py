@@ -11,7 +11,8 @@ the number of responses (the load) and, optionally, the free per-device memory. 
 3. Feasible layouts: their per-device peak at (run bucket, load) x (1 + safety margin) fits the
    budget (the configured one, or the free memory when smaller). None feasible: an error that
    names the smallest layout's need.
-4. The fastest feasible layout wins, with hysteresis so that the choice never flip-flops:
+4. The fastest feasible layout wins (a measured figure ranks as it is, a figure of the cost
+   model at its lower bound: see below), with hysteresis so that the choice never flip-flops:
    - the bucket moves *down* only after `patience` consecutive lower readings (up at once);
    - the layout is held for `patience` decisions after a switch (a minimum dwell), so it never
      flips back within that, unless it stops fitting;
@@ -25,21 +26,26 @@ the number of responses (the load) and, optionally, the free per-device memory. 
 
 The rule is pure: `Selector.rule(stage, state, stats, profile)` returns the decision and the
 stage's next `StageState` and changes nothing; `commit` records them. Nothing here compiles or
-measures. A lazily profiled cell the rule needs and nobody measured yet has a prior figure
-(`selector.prior`, with `ProfileSettings.prior`): the decision runs on it at once, its reason
-naming which figures were measured and which prior, and `Selector.wanted` names the cells worth
-measuring (the caller measures them between steps and hands them over with `use_profile`).
-Without the prior, `Selector.missing` names the buckets to measure before the decision.
+measures. A lazily profiled cell the rule needs and nobody measured yet has the cost model's
+figure and uncertainty (`profiling.cost_model`, with `ProfileSettings.prior`): the decision runs
+on it at once, its reason naming which figures were measured and which came from the model (with
+their uncertainty); once some layout is measured there, a layout the model alone rates ranks
+by the model's lower bound, so that it wins only where it is faster even if the model is
+optimistic. `Selector.wanted` names the cells
+worth measuring: those whose upper bound reaches the best lower bound, and every layout at the
+longest bucket the stage has reached and stays in (the caller measures them between steps and
+hands them over with `use_profile`). Without the prior, `Selector.missing` names the buckets to
+measure before the decision.
 
 Where the ranking comes from, per stage: a measured `Profile` (the paper: decode throughput per
-layout and context range, measured at start-up by `earl_jax.programs.profiling.run`, for
+layout and context range, measured by `earl_jax.profiling.profiler`, for
 `SelectorConfig.profile.stages`), or, for the other stages, the analytic memory model with a
 static preference for the fewest model-parallel splits (the layout that wins at short context in
 the paper and on CPU), so that they still move to wider layouts as their memory grows without
 paying for a profile.
 
-  pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
-  profile = profiling.run(cfg, pconfig, executables=exe, cache_path=sel_cfg.profile.cache)
+  grid = profiler.grid_for(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
+  profile = profiler.run(cfg, grid, executables=exe, cache_path=sel_cfg.profile.cache)
   sel = Selector(sel_cfg, model=cfg, buckets=table, rows=64, profile=profile, spec=spec)
   stats = StepStats(episode_lengths=lengths, num_responses=64)
   d, state = sel.propose(Stage.ROLLOUT, stats)    # pure; `sel.decide` also commits
@@ -60,67 +66,14 @@ from absl import logging
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig, check_float32
 from earl_jax.errors import ConfigError
 from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
-from earl_jax.selector import analytic
-from earl_jax.selector import prior as prior_lib
-from earl_jax.selector.analytic import ProgramShapes
+from earl_jax.profiling import analytic, cost_model
+from earl_jax.profiling.analytic import ProgramShapes
+from earl_jax.profiling.table import Cell, Profile, ProfileSettings
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
-from earl_jax.selector.profile import Cell, MeasureConfig, Profile
 from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
 STATISTICS = ('mean', 'max', 'p95')
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProfileSettings:
-  """Which stages the start-up profile measures, where it is cached, and how it times.
-
-  Attributes:
-    stages: stages ranked by a measured profile (the paper profiles rollout decode); the others
-      are ranked by the analytic model and the fewest-splits preference.
-    cache: JSON file of the profile (reused when it matches the setup).
-    measure: how each cell is timed.
-    lazy: measure a bucket when the run reaches it (a run pays only for the buckets it
-      reaches); False: every bucket at start-up, before the first step.
-    prior: with `lazy`, decide on the prior (`selector.prior`) where a cell is not measured
-      yet, and measure between steps, never holding a decision up: the cells the next
-      decisions would rank by and those of the next bucket up (`Selector.wanted`), compiled in
-      the background and timed at the start of a step; False: a decision waits until its
-      buckets are measured whole (`Selector.missing`).
-    rule_out: a candidate is not measured at a bucket where its own measurement elsewhere,
-      scaled there by the analytic model, is below 1 / rule_out of the best figure (0: measure
-      every candidate that fits). Why 2: replayed bucket by bucket over the default's stored
-      profile (CPU), the prior's figure relative to the best was 0.44-2.03x the measured one
-      (p5-p95; the think preset's 0.69-1.41x), and the choices it changed were 0.85-0.98 of
-      the best.
-    max_share: between steps, measuring stops once it would take the time spent measuring
-      past this share of the run's time so far (process 0's clock); what is left waits for a
-      later step, its prior standing in.
-    ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
-      come this share of the way from the bucket below the run bucket to the run bucket (0: as
-      soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps
-      stay below 900 tokens of their 1024 bucket; compiling the 1536 bucket's candidates there
-      would take CPU from the steps, on 2 cores, for a bucket the run never reaches.
-  """
-
-  stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
-  cache: str | None = None
-  measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
-  lazy: bool = False
-  prior: bool = True
-  rule_out: float = 2.0
-  max_share: float = 0.1
-  ahead: float = 0.75
-
-  def __post_init__(self):
-    object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
-    check_float32(self, 'rule_out', 'max_share', 'ahead')
-    if not 0 <= self.ahead <= 1:
-      raise ConfigError(f'ProfileSettings.ahead must be in [0, 1], got {self.ahead}.')
-    if not (self.rule_out == 0 or self.rule_out >= 1):
-      raise ConfigError(f'ProfileSettings.rule_out must be 0 (never) or >= 1, got {self.rule_out}.')
-    if not 0 < self.max_share <= 1:
-      raise ConfigError(f'ProfileSettings.max_share must be in (0, 1], got {self.max_share}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,8 +92,8 @@ class SelectorConfig:
       one.
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       the default lets the train stage shard parameters and moments over every device.
-    profile: what the start-up profile measures (`programs.profiling.profile_config` turns it
-      into a `ProfileConfig`; `programs.profiling.run` measures it).
+    profile: what the profile measures, and when (`profiler.grid_for` turns it into a
+      `ProfileGrid`; `profiler.run` and `schedule.ProfileScheduler` measure it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
   """
 
@@ -261,8 +214,10 @@ class StepStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
-  """One layout as the decision saw it (`measured`: its ranking figure was measured; else
-  `prior` says where it came from, or is '' for the analytic preference)."""
+  """One layout as the decision saw it (`measured`: its figure was measured; else `prior` says
+  where it came from, or is '' for the analytic preference; `uncertainty`: the figure's relative
+  standard deviation; `score`: what it is ranked by, the figure when measured, else the cost
+  model's lower bound, figure x exp(-confidence x uncertainty))."""
 
   config: str
   throughput: float | None
@@ -270,6 +225,12 @@ class Option:
   feasible: bool
   measured: bool = True
   prior: str = ''
+  uncertainty: float = 0.0
+  score: float | None = None
+
+  def __post_init__(self):
+    if self.score is None:
+      object.__setattr__(self, 'score', self.throughput)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -287,6 +248,9 @@ class Decision:
     throughput: the ranking score of `config` at (bucket, rows): measured tokens/s/device for a
       profiled stage, the fewest-splits preference otherwise.
     measured: whether the ranking came from measurements.
+    uncertainty: the relative standard deviation of `throughput` (the measurement's noise, or
+      the cost model's uncertainty; 0 for the preference).
+    basis: where an unmeasured `throughput` came from (`Cell.prior`; '' when measured).
     need_bytes: per-device peak of `config` at (run_bucket, rows) (XLA, or analytic).
     budget_bytes: the budget it was checked against (None: unlimited).
     switched: the layout differs from the previous decision's.
@@ -315,6 +279,8 @@ class Decision:
   options: tuple[Option, ...]
   gain_ms: float | None = None
   cost_ms: float | None = None
+  uncertainty: float = 0.0
+  basis: str = ''
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -412,6 +378,7 @@ class StageState:
   since_switch: int | None = None  # decisions since the layout last changed (None: never)
   bucket_steps: int = 0  # consecutive decisions at the current bucket
   bucket_runs: tuple[int, ...] = ()  # lengths of finished runs
+  top_bucket: int | None = None  # the longest run bucket of any decision so far
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -431,8 +398,11 @@ class StageState:
     until one has finished)."""
     return float(np.mean(self.bucket_runs)) if self.bucket_runs else float(patience)
 
-  def advanced(self, config: ParallelConfig, bucket: int, lower_readings: int) -> 'StageState':
-    """The state after a decision for `config` at `bucket` (with the reading's lower count)."""
+  def advanced(
+    self, config: ParallelConfig, bucket: int, lower_readings: int, run_bucket: int | None = None
+  ) -> 'StageState':
+    """The state after a decision for `config` at `bucket` (with the reading's lower count), run
+    at `run_bucket` (default: `bucket`)."""
     bucket_steps, bucket_runs = self.bucket_steps, self.bucket_runs
     if self.bucket is not None and bucket != self.bucket:
       bucket_runs = (*bucket_runs, bucket_steps)
@@ -450,6 +420,7 @@ class StageState:
       since_switch=since_switch,
       bucket_steps=bucket_steps + 1,
       bucket_runs=bucket_runs,
+      top_bucket=max(self.top_bucket or 0, run_bucket or bucket),
     )
 
 
@@ -493,20 +464,30 @@ TIMED = 'tok/s/dev'  # a measured figure, or a prior scaled by measurements
 def _unit_of(figure: Cell | Option) -> str:
   """The unit of a ranking figure: measured or scaled by measurements (tokens per device per
   second), the analytic time model's nominal speeds, or the unprofiled stages' preference."""
-  if figure.measured or figure.prior not in ('', prior_lib.ANALYTIC):
+  if figure.measured or figure.prior not in ('', cost_model.ANALYTIC):
     return TIMED
-  return '(analytic)' if figure.prior == prior_lib.ANALYTIC else '(preference)'
+  return '(analytic)' if figure.prior == cost_model.ANALYTIC else '(preference)'
+
+
+def _bound(option: Option) -> str:
+  """' (lower bound)' where an option ranks by the cost model's lower bound, not its figure."""
+  return '' if option.score == option.throughput else ' (lower bound)'
 
 
 def _figures(options: Sequence[Option]) -> str:
-  """'; measured: a, b; prior: c (c@256)' for a profiled stage: which ranking figures were
-  measured and where the others came from ('' for a stage ranked by the preference)."""
+  """'; measured: a, b; model: c (150+-20%, c@256)' for a profiled stage: which ranking figures
+  were measured, and the model's figure, uncertainty and basis of the others ('' for a stage
+  ranked by the preference)."""
   if not any(o.measured or o.prior for o in options):
     return ''
   measured = [o.config for o in options if o.measured]
-  prior = [f'{o.config} ({o.prior})' for o in options if not o.measured]
+  model = [
+    f'{o.config} ({o.throughput or 0:.1f}+-{o.uncertainty:.0%}, {o.prior})'
+    for o in options
+    if not o.measured
+  ]
   return f'; measured: {", ".join(measured) or "none"}' + (
-    f'; prior: {", ".join(prior)}' if prior else ''
+    f'; model: {", ".join(model)}' if model else ''
   )
 
 
@@ -545,7 +526,7 @@ class Selector:
     model: the model (needed unless every stage is in `profile`); with
       `config.profile.prior`, the cells a profile lacks get prior figures from it.
     num_devices: devices of every stage (default: all).
-    profile: a measured profile (`programs.profiling.run`); it must cover every stage of
+    profile: a measured profile (`profiler.run`); it must cover every stage of
       `config.profile.stages` (possibly not every bucket, with `lazy`).
     spec: static stage settings of the analytic model (decode tokens, prompt chunk,
       micro-batches; a `programs.StageSpec` has them); default `DEFAULT_SHAPES`.
@@ -576,8 +557,8 @@ class Selector:
     if unmeasured:
       raise ValueError(
         f'SelectorConfig.profile.stages names {[str(s) for s in unmeasured]}, which no '
-        'profile covers; measure one with programs.profiling.run(model, '
-        'profiling.profile_config(...)) and pass it as `profile`, or leave those stages to the '
+        'profile covers; measure one with profiling.profiler.run(model, '
+        'profiler.grid_for(...)) and pass it as `profile`, or leave those stages to the '
         'analytic model.'
       )
     unprofiled = [s for s in STAGES if s not in self._profiles]
@@ -639,7 +620,7 @@ class Selector:
         f'Buckets {self.buckets.lengths} differ from the profiled buckets {profile.buckets}.'
       )
     if self.config.profile.prior and self._model is not None:
-      profile = prior_lib.complete(profile, model=self._model, shapes=self._shapes)
+      profile = cost_model.complete(profile, model=self._model, shapes=self._shapes)
     self._profiles.update(dict.fromkeys(profile.stages, profile))
 
   def state_dict(self) -> dict[str, Any]:
@@ -677,16 +658,20 @@ class Selector:
     self, stage: Stage, stats: StepStats | None, *, ahead: bool = False
   ) -> list[tuple[int, int, str]]:
     """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
-    the most promising first (`prior.to_measure`): at the buckets a decision would rank and run
-    at, or (`ahead`) at the next bucket up once the longest context nears it
-    (`ProfileSettings.ahead`). [] for a stage ranked by the analytic model, and without the
-    prior (see `missing`). Pure: the same on every process that holds the same profile."""
+    the most promising first (`cost_model.to_measure`): at the buckets a decision would rank and
+    run at, or (`ahead`) at the next bucket up once the longest context nears it
+    (`ProfileSettings.ahead`). At the longest run bucket the stage has reached, once it has
+    stayed there `ProfileSettings.settle` decisions, every layout that fits is wanted, pruned or
+    not: crossovers happen at long contexts. [] for a stage
+    ranked by the analytic model, and without the prior (see `missing`). Pure: the same on
+    every process that holds the same profile."""
     stage = Stage.parse(stage)
     settings = self.config.profile
     if stage not in settings.stages or not settings.prior or self._model is None:
       return []
     profile = self.profile(stage)
-    reading = self._read(stage, stats or self._initial_stats(), self.state(stage), profile)
+    state = self.state(stage)
+    reading = self._read(stage, stats or self._initial_stats(), state, profile)
     buckets = [reading.bucket, reading.run_bucket]
     if ahead:
       lengths = self.buckets.lengths
@@ -695,16 +680,21 @@ class Selector:
       if reading.longest < below + settings.ahead * (reading.run_bucket - below):
         return []  # the run is not near the next bucket yet
       buckets = lengths[i + 1 : i + 2]
+    settled = settings.settle == 0 or (
+      state.bucket == reading.bucket and state.bucket_steps >= settings.settle
+    )
+    longest = not ahead and reading.run_bucket >= (state.top_bucket or 0) and settled
     out = []
     for bucket in dict.fromkeys(buckets):
-      names = prior_lib.to_measure(
+      names = cost_model.to_measure(
         profile,
         stage,
         bucket,
         reading.rows,
         budget=self.budget_bytes,
         margin=self.config.safety_margin,
-        factor=self.config.profile.rule_out,
+        confidence=settings.confidence,
+        every=longest and bucket == reading.run_bucket,
       )
       out += [(bucket, reading.rows, name) for name in names]
     return out
@@ -775,7 +765,10 @@ class Selector:
     feasible = [o for o in options if o.option.feasible]
     if not feasible:
       raise self._infeasible(stage, reading.run_bucket, reading.rows, reading.budget, options)
-    best = max(feasible, key=lambda o: o.option.throughput)
+    # By score (a model figure at its lower bound) once some layout is measured; before that,
+    # every figure is the model's alone and they rank as they are.
+    ranked = any(o.option.measured for o in feasible)
+    best = max(feasible, key=lambda o: o.option.score if ranked else o.option.throughput)
     unit = _unit_of(profile.cell(stage, reading.bucket, reading.rows, best.config))
     choice = self._choose(stage, stats, options, best, state, reading, unit)
     chosen = choice.chosen
@@ -806,11 +799,24 @@ class Selector:
       options=tuple(o.option for o in options),
       gain_ms=None if choice.gate is None else choice.gate[0],
       cost_ms=None if choice.gate is None else choice.gate[1],
+      uncertainty=chosen.option.uncertainty,
+      basis=chosen.option.prior if not chosen.option.measured else '',
     )
-    return decision, state.advanced(chosen.config, reading.bucket, reading.lower_readings)
+    return decision, state.advanced(
+      chosen.config, reading.bucket, reading.lower_readings, reading.run_bucket
+    )
 
   def _fits(self, need: int, budget: int | None) -> bool:
     return budget is None or fits(need, budget, margin=self.config.safety_margin)
+
+  def _score(self, figure: Cell) -> float | None:
+    """What a figure ranks by: a measurement as it is; the cost model's figure at its lower bound
+    (`ProfileSettings.confidence`), so that a layout the model alone rates, however fast, wins
+    only where it is faster even if the model is too optimistic (the measurement policy, which
+    looks at upper bounds, measures it meanwhile)."""
+    if figure.throughput is None or figure.measured or figure.prior == cost_model.ANALYTIC:
+      return figure.throughput
+    return figure.throughput * math.exp(-self.config.profile.confidence * figure.uncertainty)
 
   def _options(
     self, stage, profile: Profile, bucket: int, run_bucket: int, rows: int, budget: int | None
@@ -833,6 +839,8 @@ class Selector:
         feasible=feasible,
         measured=figure.measured,
         prior=figure.prior,
+        uncertainty=figure.uncertainty,
+        score=self._score(figure),
       )
       out.append(_Candidate(config, option))
     return out
@@ -892,10 +900,10 @@ class Selector:
     """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, or None when
     the time per step is not known (no throughputs, or no token count for the stage)."""
     work = stats.stage_tokens.get(str(stage))
-    if not work or not prev.option.throughput or not best.option.throughput:
+    if not work or not prev.option.score or not best.option.score:
       return None
     per_step = work / self.num_devices  # tokens per device per step
-    saved_s = per_step / prev.option.throughput - per_step / best.option.throughput
+    saved_s = per_step / prev.option.score - per_step / best.option.score
     gain = 1e3 * saved_s * state.expected_steps(self.config.patience)
     cost = 0.0
     if self._switch_cost is not None:
@@ -922,17 +930,15 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    now, top = current.option.throughput, best.option.throughput
+    now, top = current.option.score, best.option.score
+    figures = f'{top:.1f}{_bound(best.option)} vs {now:.1f}{_bound(current.option)} {unit}'
     if now >= (1.0 - cfg.switch_threshold) * top:
       return _Choice(
         current,
         f'kept {prev.name} (within {cfg.switch_threshold:.0%} of best {best.config.name}: '
-        f'{now:.1f} vs {top:.1f} {unit})',
+        f'{figures})',
       )
-    faster = (
-      f'{best.config.name} is {top / now - 1:.0%} faster than {prev.name} '
-      f'({top:.1f} vs {now:.1f} {unit})'
-    )
+    faster = f'{best.config.name} is {top / now - 1:.0%} faster than {prev.name} ({figures})'
     timed = unit == TIMED and _unit_of(current.option) == TIMED
     gate = self._gate(stage, stats, state, current, best, reading) if timed else None
     if gate is None:
@@ -969,7 +975,7 @@ class Selector:
     feasible = [o for o in options if o.option.feasible]
     if not feasible:
       return None
-    return max(feasible, key=lambda o: o.option.throughput).config
+    return max(feasible, key=lambda o: o.option.score).config
 
   def lookahead(self, decision: Decision) -> list[tuple[Stage, ParallelConfig, int, int]]:
     """Keys worth compiling in the background now: the chosen one, and its neighbours'.

@@ -53,9 +53,9 @@ def staged_profile(config, winners: dict[str, str], needs: dict[str, dict[str, i
     needs: stage name -> {layout name: per-device bytes} replacing the analytic memory there.
   """
   from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.profiling import table as profile_lib
   from earl_jax.programs.builders import StageSpec
   from earl_jax.selector import candidates as candidates_lib
-  from earl_jax.selector import profile as profile_lib
   from earl_jax.selector import selector
   from earl_jax.stage import STAGES, Stage
 

@@ -23,9 +23,9 @@ import dataclasses
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.errors import ConfigError
+from earl_jax.profiling.table import MeasureConfig
 from earl_jax.programs.builders import StageSpec
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector.profile import MeasureConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,12 +34,12 @@ import dataclasses
 from earl_jax.config import BucketConfig
 from earl_jax.envs.base import PLAY_HINT, THINK, CodeEnvConfig, EnvConfig
 from earl_jax.experiment import ExperimentConfig
+from earl_jax.profiling.table import MeasureConfig
 from earl_jax.rl.advantages import AdvantageConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.rl.train_step import OptimConfig
 from earl_jax.rollout.engine import RolloutConfig
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector.profile import MeasureConfig
 from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 from earl_jax.stage import STAGES, Stage
 from earl_jax.testing import configs
@@ -70,8 +70,10 @@ def default() -> ExperimentConfig:
     loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token'),
     optim=OptimConfig(learning_rate=3e-3, grad_clip=1.0),
     buckets=GAME_BUCKETS,
-    # Every stage ranked by measurements of its own program (each bucket measured when the run
-    # first reaches it, cached), the train stage with an fsdp layout among its candidates.
+    # Every stage ranked by measurements of its own program, each figure the median of 3 calls
+    # after a warm-up (measured between steps as the run reaches a bucket, cached), and by the
+    # cost model fitted to them where a layout is not measured yet; the train stage with an
+    # fsdp layout among its candidates.
     selector=SelectorConfig(
       statistic='max',
       candidates=('dp8', 'dp4.tp2', 'dp2.tp4', 'fsdp8'),
@@ -79,7 +81,9 @@ def default() -> ExperimentConfig:
       profile=ProfileSettings(
         stages=STAGES,
         cache='.earl_cache/profile_default.json',
-        measure=MeasureConfig(repeats=1, rounds=1),
+        # At least 0.2 s of calls a cell: a rollout call takes 20-60 ms here, and its time
+        # varies by up to 1.5x from call to call.
+        measure=MeasureConfig(min_seconds=0.2),
         lazy=True,
       ),
     ),

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
+from earl_jax.profiling import analytic
+from earl_jax.profiling.table import Cell, Profile
 from earl_jax.programs import memory
 from earl_jax.programs.builders import StageSpec
-from earl_jax.selector import analytic
-from earl_jax.selector.profile import Cell, Profile
 from earl_jax.selector.selector import (
   DEFAULT_SHAPES,
   ProfileSettings,
@@ -440,7 +440,13 @@ def test_the_rule_is_pure_on_a_json_profile():
   decision, after = first
   assert decision.config == TP8 and decision.switched and decision.step == 3
   assert after == StageState(
-    config=TP8, bucket=4096, decisions=4, since_switch=0, bucket_steps=1, bucket_runs=(2, 4)
+    config=TP8,
+    bucket=4096,
+    decisions=4,
+    since_switch=0,
+    bucket_steps=1,
+    bucket_runs=(2, 4),
+    top_bucket=4096,
   )
   assert (json.dumps(sel.state_dict()), sel.log(), dataclasses.asdict(state)) == before
   # A lower reading is counted in the returned state only.
@@ -477,10 +483,11 @@ def test_importing_the_selector_never_imports_the_programs():
   assert out.stdout.strip() == '[]', out.stdout
 
 
-def test_a_decision_with_no_measured_cell_runs_on_the_prior_and_says_so():
-  """A lazy profile with the prior: the first decision needs no measurement (every figure is the
-  analytic model's); the cells it would rank by are named to measure (`wanted`), and the next
-  bucket's ahead; once measured, the reason says which figures were measured and which prior."""
+def test_a_decision_with_no_measured_cell_runs_on_the_model_and_says_so():
+  """A lazy profile with the cost model: the first decision needs no measurement (every figure is
+  the analytic model's); the cells it would rank by are named to measure (`wanted`), and the next
+  bucket's ahead; once measured, the reason says which figures were measured, and the model's
+  figure, uncertainty and basis of the others."""
   cfg = ModelConfig.preset('small-kv')
   table = BucketConfig(lengths=(128, 256, 512))
   empty = Profile(
@@ -492,15 +499,14 @@ def test_a_decision_with_no_measured_cell_runs_on_the_prior_and_says_so():
     },
     cells={},
   )
-  settings = ProfileSettings(stages=('rollout',), lazy=True, rule_out=2.0)
+  settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=2.0, settle=1)
   sel = Selector(SelectorConfig(profile=settings), buckets=table, rows=16, profile=empty, model=cfg)
   d = sel.decide(Stage.ROLLOUT, None)
   assert not d.measured and all(not o.measured and o.prior == 'analytic' for o in d.options)
-  assert 'measured: none; prior: dp8.tp1 (analytic)' in d.reason
-  assert '(analytic)' in d.reason
-  assert sel.wanted(Stage.ROLLOUT, None) == [
-    (128, 16, n) for n in ('dp8.tp1', 'dp2.tp4', 'dp1.tp8')
-  ]
+  assert 'measured: none; model: dp8.tp1 (' in d.reason and '+-500%, analytic)' in d.reason
+  assert d.uncertainty >= 1.0 and d.basis == 'analytic'
+  # Nothing measured yet: the analytic figures are nominal, so none is pruned.
+  assert sorted(c[2] for c in sel.wanted(Stage.ROLLOUT, None)) == ['dp1.tp8', 'dp2.tp4', 'dp8.tp1']
   assert [c[0] for c in sel.wanted(Stage.ROLLOUT, None, ahead=True)] == [256] * 3
   assert sel.wanted(Stage.TRAIN, None) == []  # a stage ranked by the analytic model
   # Measured at 128: tp8 is 3x slower than dp2.tp4 and dp8 was not timed (say, over the share).
@@ -513,21 +519,84 @@ def test_a_decision_with_no_measured_cell_runs_on_the_prior_and_says_so():
       peak_bytes=MiB,
       oom=False,
       throughput=tgs,
+      times_ms=(1.0, 1.0, 1.0),
     )
     for c, tgs in ((DP2TP4, 300.0), (TP8, 100.0))
   }
   sel.use_profile(Profile(key=empty.key, cells=cells))
   d = sel.decide(Stage.ROLLOUT, _stats(100))
-  assert d.config == DP2TP4 and d.measured
-  assert 'measured: dp2.tp4, dp1.tp8; prior: dp8.tp1 (layouts)' in d.reason
-  # dp8 is still wanted at 128; at 256 tp8's own measurement rules it out (3x < 1/2 of the best).
+  # dp8, measured nowhere, ranks by the model's lower bound: below dp2.tp4's measurement.
+  dp8 = next(o for o in d.options if o.config == DP8.name)
+  assert dp8.score == pytest.approx(dp8.throughput * np.exp(-2.0 * dp8.uncertainty))
+  assert d.config == DP2TP4 and d.measured and d.uncertainty == pytest.approx(0.05)
+  assert 'measured: dp2.tp4, dp1.tp8; model: dp8.tp1 (' in d.reason and ', stage)' in d.reason
   assert sel.wanted(Stage.ROLLOUT, _stats(100)) == [(128, 16, 'dp8.tp1')]
-  assert sel.wanted(Stage.ROLLOUT, _stats(100), ahead=True) == [
-    (256, 16, 'dp2.tp4'),
-    (256, 16, 'dp8.tp1'),
-  ]
+  # At 256, ahead: tp8's upper bound (from its own cell at 128) is below dp2.tp4's lower bound.
+  ahead = sel.wanted(Stage.ROLLOUT, _stats(100), ahead=True)
+  assert {c[2] for c in ahead} == {'dp2.tp4', 'dp8.tp1'} and {c[0] for c in ahead} == {256}
   # Ahead only once the longest context has come 3/4 of the way up its bucket (96 of 0-128).
   assert sel.wanted(Stage.ROLLOUT, _stats(95), ahead=True) == []
-  # At 256, nothing measured yet: the decision runs on the prior scaled from 128.
+  # At 256, nothing measured yet: the decision runs on the model fitted at 128, and says so.
   d = sel.decide(Stage.ROLLOUT, _stats(200))
-  assert d.config == DP2TP4 and not d.measured and 'dp2.tp4 (dp2.tp4@128)' in d.reason
+  assert d.config == DP2TP4 and not d.measured and d.basis == 'dp2.tp4@128'
+  assert 'dp2.tp4 (' in d.reason and ', dp2.tp4@128)' in d.reason
+  # Once it stays there (`settle`, 1 decision here), the longest bucket reached wants every
+  # layout, tp8 included.
+  assert {c[2] for c in sel.wanted(Stage.ROLLOUT, _stats(200))} == {
+    'dp8.tp1',
+    'dp2.tp4',
+    'dp1.tp8',
+  }
+
+
+def test_no_switch_to_a_layout_the_model_alone_rates_within_its_uncertainty():
+  """Held on dp2.tp4 (measured: 100), the model rates dp8, measured nowhere, at 120 +-50%: its
+  lower bound (120 / e) does not beat 100, so the selector keeps dp2.tp4; measured at 150, dp8
+  wins and the selector switches. With `confidence` 0 the model's figure alone would switch."""
+  table = BucketConfig(lengths=(128, 256))
+  key = {
+    'stages': ['rollout'],
+    'candidates': {'rollout': [DP8.name, DP2TP4.name]},
+    'buckets': list(table.lengths),
+    'rows': [16],
+  }
+
+  def cell(config, bucket, tgs, **kw):
+    return Cell(
+      stage=Stage.ROLLOUT,
+      config=config.name,
+      bucket=bucket,
+      rows=16,
+      peak_bytes=MiB,
+      oom=False,
+      throughput=tgs,
+      times_ms=(1.0, 1.0, 1.0),
+      **kw,
+    )
+
+  def profile(dp8: Cell) -> Profile:
+    cells = {}
+    for b in table.lengths:
+      cells[(Stage.ROLLOUT, b, 16, DP2TP4.name)] = cell(DP2TP4, b, 100.0, uncertainty=0.05)
+      cells[(Stage.ROLLOUT, b, 16, DP8.name)] = dataclasses.replace(dp8, bucket=b)
+    return Profile(key=key, cells=cells)
+
+  modelled = cell(DP8, 128, 120.0, measured=False, prior='stage', uncertainty=0.5)
+  for confidence, switches in ((2.0, False), (0.0, True)):
+    settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=confidence)
+    sel = Selector(
+      SelectorConfig(profile=settings, patience=1, initial_context=100),
+      buckets=table,
+      rows=16,
+      profile=profile(cell(DP8, 128, 90.0)),  # dp8 measured slower at first: dp2.tp4 is chosen
+    )
+    assert sel.decide(Stage.ROLLOUT, _stats(100)).config == DP2TP4
+    sel.use_profile(profile(modelled))  # say the measurement was withdrawn as cold
+    d = sel.decide(Stage.ROLLOUT, _stats(100))
+    assert d.switched == switches, d.reason
+    if not switches:
+      assert d.config == DP2TP4 and 'kept dp2.tp4 (fastest feasible)' in d.reason
+      assert next(o for o in d.options if o.config == DP8.name).score == pytest.approx(120 / np.e)
+      sel.use_profile(profile(cell(DP8, 128, 150.0)))
+      d = sel.decide(Stage.ROLLOUT, _stats(100))
+      assert d.config == DP8 and d.switched and d.measured

@@ -1,11 +1,12 @@
-"""The profile: per (stage, context bucket, rows, layout), a measured throughput and peak memory.
+"""The profile table: per (stage, context bucket, rows, layout), a throughput and peak memory,
+measured or (for a cell not measured yet) the cost model's (`profiling.cost_model`).
 
 Pure data with a JSON round trip (`to_json` / `from_json`, `save` / `load_cached`): what the
 selector ranks layouts by, what a checkpoint keeps and what a cache file holds. It is measured by
-`earl_jax.programs.profiling.run` (which compiles and times the programs); nothing here compiles.
-A cell that is not measured yet may hold a prior figure (`Cell.prior`, filled by
-`selector.prior.complete`); a cache file and a checkpoint keep only the measured cells
-(`measured_only`).
+`profiling.profiler` (which compiles and times the programs); nothing here compiles. A cell that
+is not measured yet may hold the cost model's figure (`Cell.prior` says what it rests on,
+`Cell.uncertainty` how uncertain it is; `cost_model.complete`); a cache file and a checkpoint
+keep only the measured cells (`measured_only`). `ProfileSettings` says what a run measures.
 
 The cache file is the profile of one setup, shareable between runs and machines of that setup:
 its key names everything the figures depend on (device kind and count, software, model,
@@ -26,16 +27,19 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from earl_jax.config import ParallelConfig
+from earl_jax.config import ParallelConfig, check_float32
 from earl_jax.errors import ConfigError
 from earl_jax.stage import Stage
 
-FORMAT_VERSION = 3  # 3: cells carry `prior`; the key leaves out the measurement settings
+FORMAT_VERSION = (
+  4  # 4: cells carry `uncertainty`; 3: `prior`, and no measurement settings in the key
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeasureConfig:
-  """How one cell is timed.
+  """How one cell is timed: its figure is the median of at least `MIN_CALLS` timed calls, each
+  visit after a warm-up call, so that no single (cold) call decides.
 
   Attributes:
     warmup: untimed calls before timing, per visit (the first call after a switch is slower).
@@ -45,10 +49,12 @@ class MeasureConfig:
     seed: seed of the random weights and inputs.
   """
 
+  MIN_CALLS = 3
+
   warmup: int = 1
-  repeats: int = 2
+  repeats: int = 3
   min_seconds: float = 0.0
-  rounds: int = 2
+  rounds: int = 1
   seed: int = 0
 
   def __post_init__(self):
@@ -61,6 +67,70 @@ class MeasureConfig:
         raise ConfigError(f'MeasureConfig.{name} must be >= 1, got {getattr(self, name)}.')
     if self.min_seconds < 0:
       raise ConfigError(f'MeasureConfig.min_seconds must be >= 0, got {self.min_seconds}.')
+    if self.repeats * self.rounds < self.MIN_CALLS:
+      raise ConfigError(
+        f'MeasureConfig.repeats x rounds is {self.repeats} x {self.rounds}: a figure is the median '
+        f'of at least {self.MIN_CALLS} timed calls; raise repeats or rounds.'
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+  """Which stages a run's profile measures, where it is cached, and how and when it measures
+  (the `SelectorConfig.profile` of a run; `profiler.ProfileGrid` is the grid it resolves to).
+
+  Attributes:
+    stages: stages ranked by a measured profile (the paper profiles rollout decode); the others
+      are ranked by the analytic model and the fewest-splits preference.
+    cache: JSON file of the profile (reused when it matches the setup).
+    measure: how each cell is timed.
+    lazy: measure a bucket when the run reaches it (a run pays only for the buckets it
+      reaches); False: every bucket at start-up, before the first step.
+    prior: with `lazy`, decide on the cost model (`profiling.cost_model`) where a cell is not
+      measured yet, and measure between steps, never holding a decision up: the cells the next
+      decisions would rank by and those of the next bucket up (`Selector.wanted`), compiled in
+      the background and timed at the start of a step (`schedule.ProfileScheduler`); False: a
+      decision waits until its buckets are measured whole (`Selector.missing`).
+    confidence: the model's bounds are its figure x exp(+-confidence x its relative standard
+      deviation); a candidate is left unmeasured at a bucket only while its upper bound is below
+      the best candidate's lower bound, and a layout not measured there ranks by its lower bound
+      (0: measure every candidate that fits, and rank on the model's figure alone).
+    settle: at the longest bucket a stage has reached, once it has decided there this many
+      times in a row (a bucket it stays in, not one it passes through), every layout that fits
+      is wanted there, pruned or not: crossovers happen at long contexts.
+    max_share: between steps, measuring stops once it would take the time spent measuring
+      past this share of the run's time so far (process 0's clock); what is left waits for a
+      later step, the model standing in.
+    ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
+      come this share of the way from the bucket below the run bucket to the run bucket (0: as
+      soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps
+      stay below 900 tokens of their 1024 bucket; compiling the 1536 bucket's candidates there
+      would take CPU from the steps, on 2 cores, for a bucket the run never reaches.
+  """
+
+  stages: tuple[Stage | str, ...] = (Stage.ROLLOUT,)
+  cache: str | None = None
+  measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
+  lazy: bool = False
+  prior: bool = True
+  confidence: float = 2.0
+  settle: int = 5
+  max_share: float = 0.1
+  ahead: float = 0.75
+
+  def __post_init__(self):
+    object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
+    check_float32(self, 'confidence', 'max_share', 'ahead')
+    if not 0 <= self.ahead <= 1:
+      raise ConfigError(f'ProfileSettings.ahead must be in [0, 1], got {self.ahead}.')
+    if not 0 <= self.confidence <= 10:
+      raise ConfigError(
+        f'ProfileSettings.confidence must be in [0, 10] standard deviations, got {self.confidence}.'
+      )
+    if not 0 < self.max_share <= 1:
+      raise ConfigError(f'ProfileSettings.max_share must be in (0, 1], got {self.max_share}.')
+    if not isinstance(self.settle, int) or self.settle < 0:
+      raise ConfigError(f'ProfileSettings.settle must be an int >= 0, got {self.settle!r}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,12 +143,15 @@ class Cell:
     throughput: median tokens per device per second (None when OOM).
     times_ms: every timed call.
     compile_ms: lower + compile time of the executable.
-    measured: a measurement (False: an analytic estimate and a preference score, or a prior).
-    prior: where an unmeasured figure comes from (`selector.prior`): '<layout>@<bucket>' (that
-      measured cell of the same layout, scaled by the analytic model), 'layouts' (the stage's
-      measured layouts, scaled so), 'device' (the analytic time model, scaled by the other
-      stages' cells) or 'analytic' (the analytic time model in nominal units); '' for a
-      measurement and for an unprofiled stage's preference.
+    measured: a measurement (False: an analytic estimate and a preference score, or the cost
+      model's figure).
+    prior: where an unmeasured figure comes from (`cost_model`): '<layout>@<buckets>' (the
+      layout's own curve, fitted to its measured cells at those buckets), 'stage' (the stage's
+      pooled curve: the layout is not measured anywhere), 'device' (the analytic time model,
+      scaled by the other stages' cells) or 'analytic' (the analytic time model in nominal
+      units); '' for a measurement and for an unprofiled stage's preference.
+    uncertainty: the relative standard deviation of the throughput (a measurement's noise, or
+      the cost model's uncertainty; `cost_model.complete` fills it).
   """
 
   stage: Stage
@@ -92,6 +165,7 @@ class Cell:
   compile_ms: float = 0.0
   measured: bool = True
   prior: str = ''
+  uncertainty: float = 0.0
 
   @property
   def spread(self) -> float | None:
@@ -135,6 +209,12 @@ class Profile:
   def rows(self) -> tuple[int, ...]:
     return tuple(self.key['rows'])
 
+  def rows_for(self, stage: Stage) -> tuple[int, ...]:
+    """The row counts profiled for `stage`: its one count where the key fixes it (the rollout
+    on its slots), else every load bin."""
+    fixed = self.key.get('stage_rows', {}).get(str(Stage.parse(stage)))
+    return (fixed,) if fixed is not None else self.rows
+
   def candidates(self, stage: Stage) -> list[ParallelConfig]:
     if stage not in self.key['candidates']:
       raise KeyError(f'The profile has no {stage!r} stage; it has {self.stages}.')
@@ -169,8 +249,10 @@ class Profile:
     )
 
   def best(self, stage: Stage, bucket: int, rows: int) -> Cell | None:
-    cells = [self.cell(stage, bucket, rows, c) for c in self.candidates(stage)]
-    cells = [c for c in cells if c.throughput is not None]
+    """The fastest cell with a figure at (stage, bucket, rows) (None: none has one)."""
+    stage = Stage.parse(stage)
+    cells = [self.cells.get((stage, bucket, rows, c.name)) for c in self.candidates(stage)]
+    cells = [c for c in cells if c is not None and c.throughput is not None]
     return max(cells, key=lambda c: c.throughput) if cells else None
 
   def to_json(self) -> dict[str, Any]:
@@ -202,6 +284,26 @@ class Profile:
       logging.warning('Profile %s was not written (%s); the run goes on without it.', path, e)
       return False
     return True
+
+
+def report(profile: Profile) -> str:
+  """What a profile says, in lines: the fastest layout of every stage and bucket at each load the
+  stage is profiled at (`rows_for`), and the median and p90 spread of the cells' timed calls."""
+  lines = []
+  for stage in profile.stages:
+    for rows in profile.rows_for(stage):
+      best = [profile.best(stage, b, rows) for b in profile.buckets]
+      row = ', '.join(
+        f'{b}: {c.config if c else "none fits"}' for b, c in zip(profile.buckets, best)
+      )
+      lines.append(f'{stage} ({rows} responses): {row}')
+  spreads = [c.spread for c in profile.cells.values() if c.spread is not None]
+  if spreads:
+    lines.append(
+      f'within-cell spread of the timed calls, (p75 - p25) / median: median '
+      f'{np.median(spreads):.1%}, p90 {np.percentile(spreads, 90):.1%}'
+    )
+  return '\n'.join(lines)
 
 
 def key_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 from absl import logging
 
 from earl_jax.config import ParallelConfig
-from earl_jax.selector.profile import (
+from earl_jax.profiling.table import (
   FORMAT_VERSION,
   Cell,
   MeasureConfig,

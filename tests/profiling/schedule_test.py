@@ -1,14 +1,16 @@
-"""The run's profile (`assembly.RunProfile`) with the prior: no decision waits, the wanted cells
-are compiled in the background and timed between steps, and the reasons say which figures were
-measured."""
+"""A run's profile schedule (`schedule.ProfileScheduler`) with the cost model: no decision waits,
+the wanted cells are compiled in the background and timed between steps, a cell at a time, the
+stages taking turns, within the share; the reasons say which figures were measured."""
 
 import dataclasses
+from typing import ClassVar
 
 import pytest
 
 from earl_jax import assembly
+from earl_jax.profiling import schedule
+from earl_jax.profiling.table import MeasureConfig, load_cached
 from earl_jax.programs import Executables
-from earl_jax.selector.profile import MeasureConfig, load_cached
 from earl_jax.selector.selector import ProfileSettings, StepStats
 from earl_jax.stage import Stage
 from earl_jax.testing import multiprocess
@@ -22,14 +24,14 @@ def _run_parts(tmp_path, rollout=None, **settings):
     stages=('rollout',),
     cache=str(tmp_path / 'profile.json'),
     lazy=True,
-    measure=MeasureConfig(repeats=1, rounds=1),
+    measure=MeasureConfig(repeats=3, rounds=1),
     **settings,
   )
   config = dataclasses.replace(base, selector=dataclasses.replace(base.selector, profile=profile))
   model, tok = assembly.load_model(config)
   spec = assembly.stage_spec(config, tok, model)
   exe = Executables(model, spec=spec)
-  run_profile = assembly.RunProfile.start(config, model=model, spec=spec, executables=exe)
+  run_profile = assembly.start_profile(config, model=model, spec=spec, executables=exe)
   selector = assembly.make_selector(config, model, spec, run_profile.profile, 8, lambda *_: 0.0)
   return config, exe, run_profile, selector
 
@@ -38,13 +40,13 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
   config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0)
   with exe:
     # Before the first step: nothing measured, nothing waited for; the wanted cells queued.
-    assert run_profile.measure_missing(sel, Stage.ROLLOUT, None) == 0.0
+    assert run_profile.before_decision(sel, Stage.ROLLOUT, None) == 0.0
     assert run_profile.between_steps(sel, None) == 0.0  # the first step never waits
     first = sel.decide(Stage.ROLLOUT, None)
-    assert 'measured: none' in first.reason and '(analytic)' in first.reason
+    assert 'measured: none' in first.reason and '+-500%, analytic)' in first.reason
     wanted = sel.wanted(Stage.ROLLOUT, None)
     assert [c[2] for c in wanted] == ['dp8.tp1', 'dp4.tp2']  # every candidate at bucket 64
-    # Between steps, once compiled: the wanted cells are timed and replace their prior.
+    # Between steps, once compiled: the wanted cells are timed and replace the model's figures.
     run_profile.wait_compiles()
     stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
     assert run_profile.between_steps(sel, stats) > 0
@@ -53,7 +55,7 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     d = sel.decide(Stage.ROLLOUT, stats)
     assert d.measured and 'measured: dp8.tp1, dp4.tp2' in d.reason
     assert sel.wanted(Stage.ROLLOUT, stats) == []
-    # The measurements went to the cache file, without the prior.
+    # The measurements went to the cache file, without the model's figures.
     cached = load_cached(config.selector.profile.cache, run_profile.profile.key)
     assert {k for k, c in cached.cells.items()} == {(Stage.ROLLOUT, 64, 8, n) for _, _, n in wanted}
 
@@ -67,7 +69,7 @@ def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
   config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0, rollout=rollout)
   assert sel.rows == (8, 16) and assembly.rollout_rows(config) == {Stage.ROLLOUT: 8}
   with exe:
-    run_profile.measure_missing(sel, Stage.ROLLOUT, None)
+    run_profile.before_decision(sel, Stage.ROLLOUT, None)
     assert {rows for _, rows, _ in sel.wanted(Stage.ROLLOUT, None)} == {8}
     run_profile.wait_compiles()
     stats = StepStats(
@@ -89,23 +91,83 @@ def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
 
 
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
-  """A group is timed while the time spent measuring, with the group's estimate (its calls at
-  the prior's figures, times the overhead the last group showed), stays within the share of the
-  run's time; after a group that ran over, nothing is timed until the run catches up."""
+  """A cell is timed while the time spent measuring, with the cell's estimate (its calls at the
+  model's figures, plus the median time the cells timed so far took beyond their calls), stays
+  within the share of the run's time; after a cell that ran over, nothing is timed until the run
+  catches up. The overhead is per cell: a cheap cell's does not price an expensive one out."""
   now = [100.0]
-  monkeypatch.setattr(assembly.time, 'perf_counter', lambda: now[0])
-  share = assembly._Share(0.1)
+  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
+  share = schedule._Share(0.1)
   now[0] = 200.0  # 100 s into the run: 10 s to spend
   assert share.allows(0.0)  # nothing known of its cost yet (the first measurement): timed
   now[0] = 206.0
-  assert share.allows(1.0)  # 6 s spent, overhead 6 / 0 unknown: 1 s more fits
-  now[0] = 209.0  # that group took 3 s for 1 s of calls: overhead 3
-  assert not share.allows(1.0)  # 9 + 3 x 1 > 10.9
-  assert share.spent == 9.0 and share.overhead == 3.0
+  assert share.allows(1.0)  # 6 s spent (no calls to learn an overhead from): 1 s more fits
+  now[0] = 209.0  # that cell took 3 s for 1 s of calls: 2 s a cell beyond its calls
+  assert not share.allows(1.0)  # 9 + 1 + 2 > 10.9
+  assert share.spent == 9.0 and share.overhead_s == 2.0
   now[0] = 240.0  # 14 s to spend by now
   assert share.allows(1.0)
   share.done()
   assert share.spent == 9.0  # no time passed in it
+  # An expensive cell is priced at its calls plus the median overhead, not a multiple of it.
+  assert share.overhead_s == 1.0  # the median of 2 and 0
+  now[0] = 400.0  # 30 s to spend, 9 spent: an 18 s cell fits (9 + 18 + 1 <= 30), 21 s does not
+  assert not share.allows(21.0)
+  assert share.allows(18.0)
+
+
+class _Wanting:
+  """A selector as `ProfileScheduler._wanted` reads it: what each stage wants, ahead, and its
+  profile (at bucket 256: rollout has 2 layouts measured, experience 1, train none)."""
+
+  config = dataclasses.make_dataclass('C', ['profile'])(
+    dataclasses.make_dataclass('P', ['stages'])((Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN))
+  )
+  MEASURED: ClassVar = {
+    Stage.ROLLOUT: ('dp4.tp2', 'dp2.tp4'),
+    Stage.EXPERIENCE: ('dp1.fsdp8.tp1',),
+    Stage.TRAIN: (),
+  }
+
+  def wanted(self, stage, stats, *, ahead=False):
+    if ahead:
+      return [(512, 64, 'dp8.tp1')] if stage == Stage.TRAIN else []
+    per_stage = {
+      Stage.ROLLOUT: ['dp8.tp1', 'fsdp8', 'dp1.tp8'],
+      Stage.EXPERIENCE: ['dp2.tp4'],
+      Stage.TRAIN: ['fsdp8', 'dp8.tp1'],
+    }
+    return [(256, 64, n) for n in per_stage[stage]]
+
+  def profile(self, stage):
+    from earl_jax.profiling.table import Cell, Profile
+
+    names = ('dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.fsdp8.tp1')
+    key = {'stages': [str(stage)], 'candidates': {str(stage): list(names)}, 'buckets': [256],
+           'rows': [64]}  # fmt: skip
+    cells = {
+      (stage, 256, 64, n): Cell(
+        stage=stage, config=n, bucket=256, rows=64, peak_bytes=1, oom=False, throughput=1.0
+      )
+      for n in self.MEASURED[stage]
+    }
+    return Profile(key=key, cells=cells)
+
+
+def test_the_stages_take_turns_the_least_measured_first():
+  """One cell of each stage in turn, the needed bucket's before the next one up, the stage with
+  the fewest measured layouts where it wants some first: train (none measured), experience (1),
+  rollout (2); so train is measured before the others are measured again."""
+  order = schedule.ProfileScheduler._wanted(_Wanting(), None)
+  assert order == [
+    (Stage.TRAIN, 256, 64, 'fsdp8'),
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
+    (Stage.ROLLOUT, 256, 64, 'dp8.tp1'),
+    (Stage.TRAIN, 256, 64, 'dp8.tp1'),
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'),
+    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
+    (Stage.TRAIN, 512, 64, 'dp8.tp1'),
+  ]
 
 
 def measured_run(workdir: str, steps: int) -> dict:
@@ -120,7 +182,7 @@ def measured_run(workdir: str, steps: int) -> dict:
     stages=('rollout', 'experience'),
     lazy=True,
     max_share=1.0,
-    measure=MeasureConfig(repeats=1, rounds=1),
+    measure=MeasureConfig(repeats=3, rounds=1),
   )
   config = dataclasses.replace(base, selector=dataclasses.replace(base.selector, profile=profile))
   t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
@@ -140,7 +202,7 @@ def test_two_processes_measure_the_same_cells_and_decide_alike(tmp_path):
   """Each process compiles in the background at its own pace; only cells compiled on both are
   timed, the figures are process 0's, and every decision is the same on both."""
   one, two = multiprocess.run(
-    'tests.assembly_test:measured_run',
+    'tests.profiling.schedule_test:measured_run',
     num_processes=2,
     devices_per_process=4,
     kwargs={'workdir': str(tmp_path / 'run'), 'steps': 4},

@@ -4,10 +4,10 @@ import pytest
 
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
+from earl_jax.profiling import analytic
 from earl_jax.programs import builders, memory
 from earl_jax.programs.executables import Executables
 from earl_jax.rollout.sampler import SamplingConfig
-from earl_jax.selector import analytic
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 

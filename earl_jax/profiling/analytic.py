@@ -1,9 +1,10 @@
-"""The analytic memory model: per-device bytes of a stage program, for shapes too large to compile.
+"""The analytic models: per-device bytes of a stage program, for shapes too large to compile, and
+the roofline time of one call, the shape the cost model fits to measurements (`call_terms`).
 
 Weights, optimizer state and gradients, KV cache and activations, for shapes such as Qwen2.5-72B
 on 8 x H100-80GB. Its activation terms count the arrays XLA materialises for *this* model code
 (for instance the attention score tiles of the blockwise attention, and the f32 transposed copy
-of one layer's K/V in decode). `tests/selector/analytic_test.py` checks it against XLA's memory
+of one layer's K/V in decode). `tests/profiling/analytic_test.py` checks it against XLA's memory
 analysis of the compiled programs (`earl_jax.programs.memory.xla_memory`) on small models; the
 measured error is `ANALYTIC_REL_ERROR`.
 """
@@ -273,8 +274,8 @@ def kv_capacity_tokens(
 class Speeds:
   """Nominal per-device speeds of the analytic time model (about an H100's).
 
-  Only their ratios shape a prior: the first measured cell of a layout scales it to the device
-  at hand (`selector.prior`), and until then its figures are in these nominal units.
+  Only their ratios shape the cost model: measured cells scale it to the device at hand
+  (`profiling.cost_model`), and until then its figures are in these nominal units.
 
   Attributes:
     flops: matmul FLOP/s.
@@ -291,12 +292,14 @@ class Speeds:
 
 @dataclasses.dataclass(frozen=True)
 class _Work:
-  """What one call of a stage program does on one device."""
+  """What one call of a stage program does on one device (`attention_flops`: the part of `flops`
+  in the attention scores, quadratic in the context)."""
 
   flops: float
   memory_bytes: float
   link_bytes: float
   collectives: int
+  attention_flops: float = 0.0
 
 
 def call_seconds(
@@ -315,17 +318,49 @@ def call_seconds(
   the bytes of weights, K/V and activations it reads, and its collectives (tp all-reduces of the
   activations, fsdp gathers of the weights, the dp all-reduce of the gradients), at `speeds`.
 
-  A roofline sum, not a simulation: it is the prior's shape over buckets, loads and layouts,
-  which measurements then scale (`selector.prior`). Arguments as in `estimate`.
+  A roofline sum, not a simulation: the shape over buckets, loads and layouts that the cost
+  model (`profiling.cost_model`) fits to measurements, term by term (`call_terms`). Arguments as
+  in `estimate`.
   """
+  return sum(
+    call_terms(
+      stage,
+      model,
+      parallel,
+      bucket,
+      rows,
+      decode_tokens=decode_tokens,
+      chunk=chunk,
+      micro_batches=micro_batches,
+      speeds=speeds,
+    )
+  )
+
+
+def call_terms(
+  stage: Stage | str,
+  model: ModelConfig,
+  parallel: ParallelConfig,
+  bucket: int,
+  rows: int,
+  *,
+  decode_tokens: int = 8,
+  chunk: int = 0,
+  micro_batches: int = 1,
+  speeds: Speeds = Speeds(),
+) -> tuple[float, float, float, float]:
+  """`call_seconds` in its four terms, seconds of: the weights' matmul FLOPs, the attention
+  scores' FLOPs (quadratic in the context), memory traffic, and communication. The first three
+  are one device's share of the stage's work (divided by the layout's width); communication is
+  its collectives (tp all-reduces that grow with the bucket, fsdp gathers, the gradient
+  all-reduce) and their fixed costs. Apart, so that a device whose speeds stand in other ratios
+  than `speeds` (a CPU, whose attention costs far more per FLOP than its matmuls) can be fitted
+  term by term."""
   stage = Stage.parse(stage)
   work = _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batches)
-  return (
-    work.flops / speeds.flops
-    + work.memory_bytes / speeds.memory_bytes
-    + work.link_bytes / speeds.link_bytes
-    + work.collectives * speeds.collective_s
-  )
+  comm = work.link_bytes / speeds.link_bytes + work.collectives * speeds.collective_s
+  matmul = (work.flops - work.attention_flops) / speeds.flops
+  return matmul, work.attention_flops / speeds.flops, work.memory_bytes / speeds.memory_bytes, comm
 
 
 def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batches) -> _Work:
@@ -341,22 +376,24 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
   if stage == Stage.ROLLOUT:
     # Prefill of P tokens, then N decode steps, each attending to the whole cache of `bucket`.
     passes, tokens = decode_tokens + 1, chunk + decode_tokens
-    flops = B_l * tokens * (matmul + 4 * L * H_l * Dh * bucket)
+    attention = B_l * tokens * 4 * L * H_l * Dh * bucket
+    flops = B_l * tokens * matmul + attention
     kv = kv_cache_bytes_per_device(model, parallel, bucket, rows)
     memory_bytes = passes * (gathered + kv)
     link = (2 * L * B_l * tokens * D * act * reduce if tp > 1 else 0) + (
       gathered * (fsdp - 1) / fsdp
     )
     collectives = (2 * L * passes if tp > 1 else 0) + (L if fsdp > 1 else 0)
-    return _Work(flops, memory_bytes, link, collectives)
+    return _Work(flops, memory_bytes, link, collectives, attention)
   # A forward over [B_l, T] (causal attention: half the score tiles), once or for the update.
   T = bucket
-  flops = B_l * T * matmul + B_l * 2 * L * H_l * Dh * T * T
+  attention = B_l * 2 * L * H_l * Dh * T * T
+  flops = B_l * T * matmul + attention
   memory_bytes = gathered + 4 * L * B_l * T * (D + F_l) * act
   link = (2 * L * B_l * T * D * act * reduce if tp > 1 else 0) + gathered * (fsdp - 1) / fsdp
   collectives = (2 * L if tp > 1 else 0) + (L if fsdp > 1 else 0)
   if stage == Stage.EXPERIENCE:
-    return _Work(flops, memory_bytes, link, collectives)
+    return _Work(flops, memory_bytes, link, collectives, attention)
   # The update: forward and backward (about 3x the forward), every micro-batch; then AdamW
   # over the local shard (weights, gradients and two moments read and written).
   local = weight_bytes_per_device(model, parallel)
@@ -366,4 +403,5 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
     memory_bytes=3 * memory_bytes + 8 * local,
     link_bytes=2 * link + grads,
     collectives=micro_batches * 2 * collectives + (1 if dp > 1 else 0) + (L if fsdp > 1 else 0),
+    attention_flops=3 * attention,
   )

@@ -8,11 +8,12 @@ import pytest
 from absl import logging
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.programs import builders, memory, profiling
+from earl_jax.profiling import profiler
+from earl_jax.profiling.table import Cell, MeasureConfig, Profile, load_cached
+from earl_jax.programs import builders, memory
 from earl_jax.programs.executables import Executables
 from earl_jax.rollout.sampler import SamplingConfig
 from earl_jax.selector.candidates import stage_candidates
-from earl_jax.selector.profile import Cell, MeasureConfig, Profile, load_cached
 from earl_jax.selector.selector import Selector, SelectorConfig, StepStats
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
@@ -34,14 +35,14 @@ def _write(path, text):
     f.write(text)
 
 
-def _config(budget: int, **kw) -> profiling.ProfileConfig:
-  return profiling.ProfileConfig(
+def _config(budget: int, **kw) -> profiler.ProfileGrid:
+  return profiler.ProfileGrid(
     stages=(Stage.ROLLOUT,),
     buckets=TABLE,
     rows=(8,),
     budget_bytes=budget,
     candidates=(DP8, DP2TP4),
-    measure=MeasureConfig(warmup=1, repeats=2, rounds=1),
+    measure=MeasureConfig(warmup=1, repeats=3, rounds=1),
     spec=SPEC,
     **kw,
   )
@@ -66,7 +67,7 @@ def budget(exe):
 def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
   path = str(tmp_path / 'profile.json')
   compiles = exe.compiles
-  prof = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert exe.compiles == compiles  # every executable came from the cache
   assert len(prof.cells) == 4
   oom = prof.cell(Stage.ROLLOUT, 2048, 8, DP8)
@@ -83,7 +84,7 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
   assert saved['key']['candidates'] == {'rollout': ['dp8.tp1', 'dp2.tp4']}
 
   # Same setup: reused as is, nothing measured again.
-  again = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  again = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert again.wall_s == prof.wall_s and again.cells == prof.cells
 
   # The selector on top: the faster one at 32, dp2.tp4 when the longest context needs 2048.
@@ -102,7 +103,7 @@ def test_profile_measures_feasible_cells_and_marks_oom(exe, budget, tmp_path):
 
 def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatch):
   path = str(tmp_path / 'profile.json')
-  prof = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  prof = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   warnings = []
   monkeypatch.setattr(logging, 'warning', lambda msg, *a: warnings.append(msg % a))
   # Another machine: the file claims an H100.
@@ -110,7 +111,7 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
   data['key']['hardware']['device_kind'] = 'NVIDIA H100 80GB HBM3'
   data['cells'][0]['throughput'] = 1e9  # a poisoned number that must not be trusted
   _write(path, json.dumps(data))
-  rebuilt = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  rebuilt = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert rebuilt.wall_s != prof.wall_s
   assert max(c.throughput or 0 for c in rebuilt.cells.values()) < 1e9
   assert 'made for another setup (differs in' in warnings[-1]
@@ -119,7 +120,7 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
   # Another model: the key differs in the model's fields, so the file is not loaded.
   other = CFG.replace(name='tiny-wide', intermediate_size=256)
   cands = {Stage.ROLLOUT: stage_candidates(Stage.ROLLOUT, other, num_devices=8, only=(DP8, DP2TP4))}
-  key = profiling.profile_key(other, _config(budget), cands)
+  key = profiler.profile_key(other, _config(budget), cands)
   assert load_cached(path, key) is None
   assert 'model.{intermediate_size, name}' in warnings[-1]
   # A corrupt file is rebuilt too.
@@ -130,7 +131,7 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
 
 def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
   tiny_budget = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak // 2
-  prof = profiling.run(CFG, _config(tiny_budget), executables=exe)
+  prof = profiler.run(CFG, _config(tiny_budget), executables=exe)
   assert all(c.oom for c in prof.cells.values())
   sel = Selector(
     SelectorConfig(budget_mib=tiny_budget / MiB), buckets=TABLE, rows=8, profile=prof, model=CFG
@@ -147,19 +148,49 @@ def test_experience_and_train_are_profiled_in_tokens_per_second(exe):
     _config(None),
     stages=(Stage.EXPERIENCE, Stage.TRAIN),
     buckets=BucketConfig(lengths=(32,)),
-    measure=MeasureConfig(repeats=1, rounds=1),
+    measure=MeasureConfig(repeats=3, rounds=1),
   )
-  prof = profiling.run(CFG, config, executables=exe)
+  prof = profiler.run(CFG, config, executables=exe)
   assert len(prof.cells) == 4
   for stage in (Stage.EXPERIENCE, Stage.TRAIN):
     for c in (DP8, DP2TP4):
       cell = prof.cell(stage, 32, 8, c)
       assert not cell.oom and cell.measured and cell.peak_bytes > 0
       # Every one of the rows x bucket tokens counts, per device and second.
-      assert cell.throughput == pytest.approx(8 * 32 / (cell.times_ms[0] / 1e3) / 8)
+      median_s = sorted(cell.times_ms)[1] / 1e3
+      assert cell.throughput == pytest.approx(8 * 32 / median_s / 8)
   # The train step holds the AdamW moments: more memory than the log-prob forward.
   train, experience = (prof.cell(s, 32, 8, DP8) for s in (Stage.TRAIN, Stage.EXPERIENCE))
   assert train.peak_bytes > experience.peak_bytes
+
+
+class _FakeProgram:
+  """A program whose calls advance a fake clock: `slow` calls (the first ones) take 100x longer."""
+
+  key = type('Key', (), {'stage': Stage.EXPERIENCE})
+
+  def __init__(self, clock: list[float], slow: int):
+    self.clock, self.slow, self.calls = clock, slow, 0
+
+  def __call__(self, *args):
+    self.clock[0] += 10.0 if self.calls < self.slow else 0.1
+    self.calls += 1
+    return args
+
+
+@pytest.mark.parametrize('cold', [1, 2])
+def test_a_cold_call_cannot_decide_a_figure(monkeypatch, cold):
+  """A figure is the median of at least 3 timed calls after a warm-up: one cold call (the
+  warm-up) or two (the warm-up and the first timed one) leave it at the warm time, 100 ms."""
+  clock = [0.0]
+  monkeypatch.setattr(profiler.time, 'perf_counter', lambda: clock[0])
+  program = _FakeProgram(clock, slow=cold)
+  settings = MeasureConfig()  # the default: 1 warm-up, 3 timed calls
+  times, _ = profiler.measure(program, (0,), warmup=settings.warmup, repeats=settings.repeats)
+  assert program.calls == 4 and len(times) == 3
+  assert sorted(times)[1] == pytest.approx(100.0)  # ms: the warm call, not the cold one
+  with pytest.raises(ValueError, match='median of at least 3 timed calls'):
+    MeasureConfig(repeats=1, rounds=2)
 
 
 def test_profile_config_validation():
@@ -170,7 +201,7 @@ def test_profile_config_validation():
   with pytest.raises(ValueError, match="Unknown stage 'decode'"):
     dataclasses.replace(_config(MiB), stages=('decode',))
   with pytest.raises(mesh_lib.ShardingError, match='num_kv_heads'):
-    profiling.default_candidates(
+    profiler.default_candidates(
       CFG, dataclasses.replace(_config(MiB), candidates=(ParallelConfig(tp=8),))
     )
 
@@ -185,7 +216,7 @@ def test_the_cache_key_holds_only_what_shapes_the_programs():
 
   def key(**spec):
     config = dataclasses.replace(_config(1 << 30), spec=dataclasses.replace(SPEC, **spec))
-    return profiling.profile_key(CFG, config, cands)
+    return profiler.profile_key(CFG, config, cands)
 
   base = key()
   assert key(optim=train_lib.OptimConfig(learning_rate=0.123, weight_decay=0.1)) == base
@@ -198,20 +229,20 @@ def test_a_table_timed_more_carefully_serves_a_run_that_times_less(exe, budget, 
   """The shareable table: how it was timed is not part of its key."""
   path = str(tmp_path / 'table.json')
   careful = dataclasses.replace(_config(budget), measure=MeasureConfig(repeats=3, rounds=2))
-  table = profiling.run(CFG, careful, executables=exe, cache_path=path)
+  table = profiler.run(CFG, careful, executables=exe, cache_path=path)
   assert all(len(c.times_ms) == 6 for c in table.cells.values() if not c.oom)
-  cands = profiling.default_candidates(CFG, careful)
-  assert profiling.profile_key(CFG, careful, cands) == profiling.profile_key(
+  cands = profiler.default_candidates(CFG, careful)
+  assert profiler.profile_key(CFG, careful, cands) == profiler.profile_key(
     CFG, _config(budget), cands
   )
-  reused = profiling.run(CFG, _config(budget), executables=exe, cache_path=path)
+  reused = profiler.run(CFG, _config(budget), executables=exe, cache_path=path)
   assert reused.cells == table.cells and reused.wall_s == table.wall_s  # nothing timed again
 
 
 def _fabricated(path, config, tgs: dict[str, float]):
   """A cache of `config`'s setup holding rollout cells at bucket 32 with the given speeds."""
-  cands = profiling.default_candidates(CFG, config)
-  key = profiling.profile_key(CFG, config, cands)
+  cands = profiler.default_candidates(CFG, config)
+  key = profiler.profile_key(CFG, config, cands)
   cells = {
     (Stage.ROLLOUT, 32, 8, name): Cell(
       stage=Stage.ROLLOUT,
@@ -228,43 +259,50 @@ def _fabricated(path, config, tgs: dict[str, float]):
   Profile(key=key, cells=cells).save(path)
 
 
-def test_the_prior_rules_a_far_slower_layout_out_of_a_cheaper_profile(exe, budget, tmp_path):
-  """Measured at 32, dp8 is 100x slower than dp2.tp4: at 2048 only dp2.tp4 is timed (a factor
-  of 2), and dp8 keeps no cell there; without the rule-out both are timed."""
+def test_the_model_rules_a_far_slower_layout_out_of_a_cheaper_profile(exe, budget, tmp_path):
+  """Measured at 32, dp8 is 100x slower than dp2.tp4: at 2048 only dp2.tp4 is timed (dp8's
+  upper bound stays below dp2.tp4's lower bound), and dp8 keeps no cell there; without pruning
+  both are timed."""
   config = _config(None)
   path = str(tmp_path / 'profile.json')
   _fabricated(path, config, {'dp8.tp1': 1.0, 'dp2.tp4': 100.0})
-  cheap = profiling.run(CFG, config, executables=exe, cache_path=path, rule_out=2.0)
+  cheap = profiler.run(CFG, config, executables=exe, cache_path=path, confidence=2.0)
   assert cheap.cell(Stage.ROLLOUT, 2048, 8, DP2TP4).measured
   assert (Stage.ROLLOUT, 2048, 8, 'dp8.tp1') not in cheap.cells
   _fabricated(path, config, {'dp8.tp1': 1.0, 'dp2.tp4': 100.0})
-  full = profiling.run(CFG, config, executables=exe, cache_path=path)
+  full = profiler.run(CFG, config, executables=exe, cache_path=path)
   assert full.covers(Stage.ROLLOUT, 2048, 8)
 
 
 def test_cells_are_timed_between_steps_only_as_far_as_allowed(exe, budget, tmp_path):
   config = _config(None)
   path = str(tmp_path / 'profile.json')
-  profiler = profiling.RunProfiler(model=CFG, config=config, executables=exe, cache_path=path)
-  empty = profiler.start(measure=False)
+  measurer = profiler.Profiler(model=CFG, config=config, executables=exe, cache_path=path)
+  empty = measurer.start(measure=False)
   assert not empty.cells
   cells = [
     (Stage.ROLLOUT, 32, 8, 'dp8.tp1'),
     (Stage.ROLLOUT, 32, 8, 'dp2.tp4'),
     (Stage.ROLLOUT, 2048, 8, 'dp2.tp4'),
   ]
-  assert all(profiler.compiled_here(c) for c in cells)  # the fixtures compiled them
-  assert profiler.agreed([True, False, True]) == [True, False, True]  # one process: its own
+  assert all(measurer.compiled_here(c) for c in cells)  # the fixtures compiled them
+  assert measurer.agreed([True, False, True]) == [True, False, True]  # one process: its own
   asked = []
 
   def proceed(stage, bucket, rows, names):
     asked.append((bucket, names))
     return bucket == 32
 
-  profile = profiler.measure_cells(empty, cells, proceed=proceed)
-  assert asked == [(32, ['dp8.tp1', 'dp2.tp4']), (2048, ['dp2.tp4'])]  # a group at a time
+  profile, params = measurer.measure_cells(empty, cells, proceed=proceed)
+  # A cell at a time, until one is not allowed.
+  assert asked == [(32, ['dp8.tp1']), (32, ['dp2.tp4']), (2048, ['dp2.tp4'])]
   assert set(profile.cells) == set(cells[:2]) and all(c.measured for c in profile.cells.values())
+  assert all(len(c.times_ms) == 3 for c in profile.cells.values())  # the median of 3 calls
   assert set(load_cached(path, profile.key).cells) == set(cells[:2])
+  # The weights are handed back, and the next call reuses them (no new random weights).
+  assert params is not None
+  again, kept = measurer.measure_cells(profile, cells[2:], proceed=lambda *a: True, params=params)
+  assert kept is not None and again.cell(Stage.ROLLOUT, 2048, 8, 'dp2.tp4').measured
   unknown = (Stage.ROLLOUT, 2048, 16, 'dp8.tp1')
-  assert not profiler.compiled_here(unknown)
-  profiler.compiler.shutdown()
+  assert not measurer.compiled_here(unknown)
+  measurer.compiler.shutdown()

@@ -7,21 +7,21 @@ tokens per device per second for experience and train. Every measurement is warm
 repeated; the median is kept. To keep background load on a shared machine from favouring one
 layout, the candidates of a cell are visited in `rounds` passes, in a rotating order.
 
-The result is a `selector.profile.Profile` (pure data, what the selector decides on), cached as
+The result is a `profiling.table.Profile` (pure data, what the selector decides on), cached as
 JSON keyed by hardware, software, model, candidate set, grid, budget and program shapes: a later
 run on the same setup reuses it (or a table `experiments/profile.py` wrote once, on another
 machine of the same kind), and a file made for another model or machine is refused in one line,
-never trusted. This module is the one bridge from the programs to the selector's data: it
-imports `earl_jax.selector`, which never imports `earl_jax.programs`.
+never trusted. This module is the one bridge from the programs to the profile table: the
+selector never imports it, nor `earl_jax.programs`.
 
-Cheaper profiles: `run(..., rule_out=2.0)` visits the buckets shortest first and measures, at
-each, only the candidates the prior (`selector.prior`, from the cells measured so far) does not
-rule out by that factor. A run measures between steps instead (`RunProfiler.measure_cells`, the
-cells `Selector.wanted` names), its programs compiled in the background first
-(`RunProfiler.compile`).
+Cheaper profiles: `run(..., confidence=2.0)` visits the buckets shortest first and measures, at
+each, only the candidates the cost model (`cost_model.to_measure`, fitted to the cells measured
+so far) cannot rule out. A run measures between steps instead (`schedule.ProfileScheduler`,
+which times the cells `Selector.wanted` names with `Profiler.measure_cells`, their programs
+compiled in the background first by `Profiler.compile`).
 
-  pconfig = profiling.profile_config(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
-  profile = profiling.run(cfg, pconfig, executables=exe, cache_path='runs/profile.json')
+  grid = profiler.grid_for(sel_cfg, buckets=table, rows=64, spec=spec, budget_bytes=b)
+  profile = profiler.run(cfg, grid, executables=exe, cache_path='runs/profile.json')
   profile.cell(Stage.ROLLOUT, 1024, 16, ParallelConfig(tp=8)).throughput
 
 The programs measured are the ones that run: `executables.get(...)` of every candidate key, so
@@ -47,19 +47,19 @@ from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
+from earl_jax.profiling import cost_model
+from earl_jax.profiling.table import Cell, CellKey, MeasureConfig, Profile, load_cached
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables, background_pool
-from earl_jax.selector import prior as prior_lib
 from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.candidates import candidates_for, fsdp_stages
-from earl_jax.selector.profile import Cell, CellKey, MeasureConfig, Profile, load_cached
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ProfileConfig:
+class ProfileGrid:
   """What to profile.
 
   Attributes:
@@ -88,24 +88,24 @@ class ProfileConfig:
 
   def __post_init__(self):
     if not self.stages:
-      raise ConfigError('ProfileConfig.stages is empty.')
+      raise ConfigError('ProfileGrid.stages is empty.')
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
-      raise ConfigError(f'ProfileConfig.rows must be positive ints, got {rows}.')
+      raise ConfigError(f'ProfileGrid.rows must be positive ints, got {rows}.')
     if list(rows) != sorted(set(rows)):
-      raise ConfigError(f'ProfileConfig.rows must be strictly increasing, got {rows}.')
+      raise ConfigError(f'ProfileGrid.rows must be strictly increasing, got {rows}.')
     object.__setattr__(self, 'rows', rows)
     stage_rows = {Stage.parse(k): v for k, v in dict(self.stage_rows).items()}
     if any(v not in rows for v in stage_rows.values()):
-      raise ConfigError(f'ProfileConfig.stage_rows must be among rows {rows}, got {stage_rows}.')
+      raise ConfigError(f'ProfileGrid.stage_rows must be among rows {rows}, got {stage_rows}.')
     object.__setattr__(self, 'stage_rows', stage_rows)
     if self.budget_bytes is not None and (
       not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
     ):
       raise ConfigError(
-        f'ProfileConfig.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
+        f'ProfileGrid.budget_bytes must be a positive int, got {self.budget_bytes!r}.'
       )
 
   def rows_for(self, stage: Stage) -> tuple[int, ...]:
@@ -113,7 +113,7 @@ class ProfileConfig:
     return (self.stage_rows[stage],) if stage in self.stage_rows else self.rows
 
 
-def profile_config(
+def grid_for(
   config: selector_lib.SelectorConfig,
   *,
   buckets: BucketConfig,
@@ -121,9 +121,9 @@ def profile_config(
   spec: builders.StageSpec,
   budget_bytes: int | None,
   stage_rows: Mapping[Stage, int] | None = None,
-) -> ProfileConfig:
+) -> ProfileGrid:
   """The start-up profile a selector with `config` ranks its profiled stages by."""
-  return ProfileConfig(
+  return ProfileGrid(
     stages=config.profile.stages,
     buckets=buckets,
     rows=selector_lib.load_bins(rows),
@@ -165,7 +165,7 @@ def _cpu_model() -> str:
 
 
 def profile_key(
-  model: ModelConfig, config: ProfileConfig, candidates: dict[Stage, list[ParallelConfig]]
+  model: ModelConfig, config: ProfileGrid, candidates: dict[Stage, list[ParallelConfig]]
 ) -> dict[str, Any]:
   """The JSON-able identity of a profile: a cached file is reused only when this matches. What
   the figures depend on, and nothing else: how carefully they were timed (`config.measure`) is
@@ -230,7 +230,7 @@ def measure(
 
 
 def default_candidates(
-  model: ModelConfig, config: ProfileConfig, num_devices: int | None = None
+  model: ModelConfig, config: ProfileGrid, num_devices: int | None = None
 ) -> dict[Stage, list[ParallelConfig]]:
   n = num_devices or len(mesh_lib.canonical_devices())
   return {
@@ -243,7 +243,7 @@ def default_candidates(
 
 def run(
   model: ModelConfig,
-  config: ProfileConfig,
+  config: ProfileGrid,
   *,
   executables: Executables | None = None,
   params: nnx.State | None = None,
@@ -252,13 +252,13 @@ def run(
   buckets: Sequence[int] | None = None,
   measure: bool = True,
   base: Profile | None = None,
-  rule_out: float = 0.0,
+  confidence: float = 0.0,
 ) -> Profile:
   """Profiles every (stage, bucket, rows, candidate), or loads a matching cached profile.
 
   Several processes of one program run it together (every process calls it): the programs are
   SPMD, and process 0's cache and measurements are broadcast (after every bucket of a stage, so
-  that what the prior rules out is the same everywhere), so that every process holds the same
+  that what the cost model rules out is the same everywhere), so that every process holds the same
   profile and takes the same decisions.
 
   Args:
@@ -274,9 +274,10 @@ def run(
     measure: False: return what the cache holds (possibly no cell), measuring nothing.
     base: cells measured before, e.g. kept in a checkpoint; used when made for this setup, and
       preferred to the cache's.
-    rule_out: > 0: the buckets shortest first, each measuring only the candidates that the prior
-      from the cells measured so far does not rule out by this factor, nor put over the budget
-      (`selector.prior.to_measure`); the others keep no cell (0: every candidate).
+    confidence: > 0: the buckets shortest first, each measuring only the candidates that the
+      cost model fitted to the cells measured so far cannot rule out at this many standard
+      deviations, nor puts over the budget (`cost_model.to_measure`); the others keep no cell
+      (0: every candidate).
 
   Returns:
     The profile. Every cell over budget is OOM; every other cell has a median throughput.
@@ -284,7 +285,7 @@ def run(
   candidates = default_candidates(model, config)
   key = profile_key(model, config, candidates)
   have = _start(key, cache_path, base)
-  select = functools.partial(_to_measure, model, config, candidates, rule_out)
+  select = functools.partial(_to_measure, model, config, candidates, confidence)
   wanted = sorted(config.buckets.lengths if buckets is None else buckets)
   grid = [(s, r) for s in config.stages for r in config.rows_for(s)]
   missing = [b for b in wanted if any(select(have, s, b, r) for s, r in grid)]
@@ -342,21 +343,21 @@ def _agreed(key: dict[str, Any], cells: dict[CellKey, Cell]) -> Profile:
 
 def _to_measure(
   model: ModelConfig,
-  config: ProfileConfig,
+  config: ProfileGrid,
   candidates: dict[Stage, list[ParallelConfig]],
-  rule_out: float,
+  confidence: float,
   have: Profile,
   stage: Stage,
   bucket: int,
   rows: int,
 ) -> list[ParallelConfig]:
   """The candidates of (stage, bucket, rows) to measure: every one without a cell, or (with
-  `rule_out`) those `selector.prior.to_measure` names on `have` completed with the prior."""
-  if not rule_out:
+  `confidence`) those `cost_model.to_measure` names on `have` completed by the cost model."""
+  if not confidence:
     return [c for c in candidates[stage] if (stage, bucket, rows, c.name) not in have.cells]
-  full = prior_lib.complete(have, model=model, shapes=config.spec)
-  names = prior_lib.to_measure(
-    full, stage, bucket, rows, budget=config.budget_bytes, margin=0.0, factor=rule_out
+  full = cost_model.complete(have, model=model, shapes=config.spec)
+  names = cost_model.to_measure(
+    full, stage, bucket, rows, budget=config.budget_bytes, margin=0.0, confidence=confidence
   )
   return [ParallelConfig.parse(n) for n in names]
 
@@ -427,7 +428,7 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunProfiler:
+class Profiler:
   """How one run measures its profile: the setup, its cache file, and the cells a resumed
   checkpoint brought (preferred to the cache's, so that a resume decides on the same numbers).
 
@@ -437,7 +438,7 @@ class RunProfiler:
 
   Attributes:
     model: the model.
-    config: the profile's grid, budget and measurement settings (`profile_config`).
+    config: the profile's grid, budget and measurement settings (`grid_for`).
     executables: the run's compile cache (the measured programs are the ones that run).
     cache_path: the JSON cache to reuse and fill (None: none).
     base: cells measured before, e.g. kept in the checkpoint a run resumes.
@@ -445,7 +446,7 @@ class RunProfiler:
   """
 
   model: ModelConfig
-  config: ProfileConfig
+  config: ProfileGrid
   executables: Executables
   cache_path: str | None = None
   base: Profile | None = None
@@ -467,10 +468,10 @@ class RunProfiler:
     executables: Executables,
     base: Profile | None = None,
     stage_rows: Mapping[Stage, int] | None = None,
-  ) -> 'RunProfiler':
+  ) -> 'Profiler':
     """The profiler of a selector with `config` (which profiles some stage): its stages,
     candidates, measurement settings and cache file, on this device budget."""
-    pconfig = profile_config(
+    pconfig = grid_for(
       config,
       buckets=buckets,
       rows=rows,
@@ -562,30 +563,32 @@ class RunProfiler:
     cells: Sequence[CellKey],
     *,
     proceed: Callable[[Stage, int, int, list[str]], bool],
-  ) -> Profile:
-    """`profile` with `cells` measured, a (stage, bucket, rows) at a time in their order, each
-    once `proceed(stage, bucket, rows, layouts)` agrees, until it does not (it must answer alike
-    on every process: every process times the same programs together); a program not compiled
-    yet is compiled first. Process 0's figures on every process; process 0's cache file
-    updated."""
-    groups: dict[tuple[Stage, int, int], list[ParallelConfig]] = {}
+    params: nnx.State | None = None,
+  ) -> tuple[Profile, nnx.State | None]:
+    """`profile` with `cells` measured one at a time in their order, each once
+    `proceed(stage, bucket, rows, [layout])` agrees, until it does not (it must answer alike on
+    every process: every process times the same programs together); a program not compiled yet
+    is compiled first. Process 0's figures on every process; process 0's cache file updated.
+
+    `params`: the random weights of an earlier call (on any layout), reused; returns them, on
+    the last layout measured, for the next call (None when nothing was measured)."""
+    t0, measured_any = time.perf_counter(), False
     for stage, bucket, rows, name in cells:
-      groups.setdefault((stage, bucket, rows), []).append(ParallelConfig.parse(name))
-    params, t0 = None, time.perf_counter()
-    for (stage, bucket, rows), chosen in groups.items():
-      if not proceed(stage, bucket, rows, [c.name for c in chosen]):
+      if not proceed(stage, bucket, rows, [name]):
         break
+      config = ParallelConfig.parse(name)
       if params is None:
-        mesh = self.executables.mesh(chosen[0])
+        mesh = self.executables.mesh(config)
         _, params = qwen2.init_model(self.model, mesh, seed=self.config.measure.seed)
       measured: dict[CellKey, Cell] = {}
       params = _profile_cell(
-        self.executables, stage, bucket, rows, chosen, self.config, params, measured, None
+        self.executables, stage, bucket, rows, [config], self.config, params, measured, None
       )
       profile = profile.merged(_agreed(profile.key, measured))
-    if params is None:
-      return profile
+      measured_any = True
+    if not measured_any:
+      return profile, params
     profile.wall_s += time.perf_counter() - t0
     if self.cache_path and jax.process_index() == 0:
       profile.save(self.cache_path)
-    return profile
+    return profile, params

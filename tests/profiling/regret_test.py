@@ -1,0 +1,83 @@
+"""The regret of a run's decisions against an offline profile, the cost model's error on the cells
+the run did not measure, crossovers, and the noise between two profiles."""
+
+import pytest
+
+from earl_jax.profiling import regret
+from earl_jax.profiling.table import Profile
+from earl_jax.testing import profiles
+
+TRUTH = profiles.crossing_truth()  # dp8 wins at 128 and 256, dp4.tp2 at 512, by 25%
+_decision = profiles.decision
+
+
+def test_the_regret_of_each_decision_at_the_cell_it_ran():
+  decisions = [
+    _decision('rollout', 0, 'dp8.tp1', 128),  # best: 0
+    _decision('rollout', 1, 'dp8.tp1', 512, measured=False),  # 75 / 60 - 1 = 0.25
+    _decision('rollout', 2, 'dp4.tp2', 512),  # best: 0
+    _decision('train', 0, 'dp4.tp2', 128),  # 100 / 80 - 1 = 0.25
+    _decision('train', 1, 'dp4.tp2', 256, reason='...; REFUSED: too big'),  # skipped
+    _decision('train', 1, 'dp8.tp1', 256),  # 0
+  ]
+  rows = regret.per_step(decisions, TRUTH)
+  assert [round(r.regret, 6) for r in rows] == [0.0, 0.25, 0.0, 0.25, 0.0]
+  assert rows[1].best == 'dp4.tp2' and not rows[1].measured
+  stages = regret.by_stage(rows)
+  assert stages['rollout'] == {
+    'steps': 3,
+    'mean': pytest.approx(0.25 / 3),
+    'max': 0.25,
+    'off_best': 1,
+    'model_only': 1,
+    'unknown': 0,
+  }
+  assert stages['train']['mean'] == pytest.approx(0.125) and stages['train']['off_best'] == 1
+  # A cell the truth lacks is unknown, not zero.
+  lacking = regret.per_step([_decision('rollout', 0, 'dp1.tp8', 128)], TRUTH)
+  assert lacking[0].regret is None and regret.by_stage(lacking)['rollout']['unknown'] == 1
+
+
+def test_crossovers_and_the_noise_between_two_profiles():
+  found = regret.crossovers(TRUTH)
+  assert [(c['stage'], c['from_bucket'], c['bucket'], c['before'], c['after']) for c in found] == [
+    ('rollout', 256, 512, 'dp8.tp1', 'dp4.tp2'),
+    ('train', 256, 512, 'dp8.tp1', 'dp4.tp2'),
+  ]
+  assert found[0]['margin'] == pytest.approx(0.25)
+  # A second profile 10% slower on dp4.tp2 everywhere: dp4.tp2 still wins at 512 by 67.5/60.
+  other = profiles.profile(
+    {
+      (str(s), b, n): c.throughput * (0.9 if n == 'dp4.tp2' else 1.0)
+      for (s, b, r, n), c in TRUTH.cells.items()
+    }
+  )
+  assert regret.crossovers(TRUTH, other)[0]['margin_other'] == pytest.approx(67.5 / 60 - 1)
+  noise = regret.noise(TRUTH, other)
+  assert noise['cells'] == 12 and noise['best_agree'] == 1.0
+  # Half the cells agree exactly, half differ by 1/0.9 - 1: the median is between the two.
+  assert noise['median'] == pytest.approx((1 / 0.9 - 1) / 2, rel=1e-6)
+  assert noise['p90'] == pytest.approx(1 / 0.9 - 1, rel=1e-6)
+
+
+def test_the_model_error_on_the_cells_the_run_did_not_measure():
+  """A run that measured the truth's own cells at 128 and 512: the model fitted to them is
+  scored on the 256 cells only, and is within a few percent there (the truth is smooth)."""
+  measured = Profile(
+    key=TRUTH.key, cells={k: c for k, c in TRUTH.cells.items() if k[1] in (128, 512)}
+  )
+  errors = regret.model_error(measured, TRUTH)
+  assert set(errors) == {'rollout', 'train'}
+  assert all(e['cells'] == 2 for e in errors.values())
+  assert all(0 <= e['median'] < 0.5 for e in errors.values())
+  # Nothing left unmeasured: nothing to score.
+  assert regret.model_error(TRUTH, TRUTH) == {}
+  # Only where the run went: its loads, up to its longest run bucket (rollout to 256 here).
+  steps = regret.per_step(
+    [_decision('rollout', 0, 'dp8.tp1', 128), _decision('rollout', 1, 'dp8.tp1', 256)], TRUTH
+  )
+  within = regret.reach(steps)
+  assert within == {'rollout': ({16}, 256)}
+  assert regret.model_error(measured, TRUTH, within) == {
+    'rollout': {**regret.model_error(measured, TRUTH)['rollout']}
+  }
