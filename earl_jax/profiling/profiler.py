@@ -533,11 +533,12 @@ class Profiler:
     run's precompile thread, whose next-bucket programs must not queue behind it)."""
     return self.compiler.submit(self._prepare, cell)
 
-  def _prepare(self, cell: CellKey) -> None:
+  def _prepare(self, cell: CellKey) -> float:
     """Compiles the program of `cell`; on one process of CPU devices (host memory, no
     collective a background thread could interleave with the run's), also runs once what
     timing it will need (random weights, the program's inputs) so that their own compiles are
-    done before the step boundary that times it."""
+    done before the step boundary that times it. Returns the seconds it took."""
+    t0 = time.perf_counter()
     stage, bucket, rows, name = cell
     config = ParallelConfig.parse(name)
     entry = self.executables.get(stage, config, bucket, rows)
@@ -545,6 +546,7 @@ class Profiler:
       seed = self.config.measure.seed
       _, params = qwen2.init_model(self.model, self.executables.mesh(config), seed=seed)
       builders.make_inputs(entry.program, params, seed=seed)
+    return time.perf_counter() - t0
 
   def compiled_here(self, cell: CellKey) -> bool:
     """Whether this process holds the compiled program of `cell`."""

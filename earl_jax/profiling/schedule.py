@@ -178,12 +178,18 @@ class ProfileScheduler:
   def _pump(self) -> None:
     """Keeps `IN_FLIGHT` compiles of the most wanted cells going (a cell compiled already, being
     compiled, or whose compile failed is skipped: the model's figure stays), except while the
-    most wanted cell is compiled and waits to be timed: then the compiles under way drain, so
-    that `between_steps` times it with no compile beside it."""
+    most wanted cell is compiled and waits to be timed (then the compiles under way drain, so
+    that `between_steps` times it with no compile beside it), and within the compile budget:
+    the profile's background compiles take at most `compile_share` of the run's time, a compile
+    counted at the median of those done so far (a compile takes a core from the steps)."""
     head = next((c for c in self._queue if c not in self._failed), None)
     if head is not None and self._ready_here(head):
       return
     busy = sum(not f.done() for f in self._compiling.values())
+    done = [f.result() for f in self._compiling.values() if f.done() and not f.exception()]
+    spent = sum(done)
+    each = statistics.median(done) if done else 0.0
+    allowed = self._settings.compile_share * (time.perf_counter() - self._share.start)
     for cell in self._queue:
       if busy >= self.IN_FLIGHT:
         return
@@ -197,6 +203,8 @@ class ProfileScheduler:
         continue
       if self._profiler.compiled_here(cell):
         continue
+      if spent + (busy + 1) * each > allowed:
+        return
       self._compiling[cell] = self._profiler.compile(cell)
       busy += 1
 

@@ -101,6 +101,10 @@ class ProfileSettings:
     max_share: between steps, measuring stops once it would take the time spent measuring
       past this share of the run's time so far (process 0's clock); what is left waits for a
       later step, the model standing in.
+    compile_share: the profile's background compiles (programs only the profile runs) start
+      only while their seconds stay within this share of the run's time: a compile takes a core
+      from the steps. Why 0.3: on the default (2 cores), no limit took the demo from 5:23 to
+      8:48, and 0.1 left 4 cells measured in 60 steps (docs/results.md).
     ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
       come this share of the way from the bucket below the run bucket to the run bucket (0: as
       soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps
@@ -116,11 +120,12 @@ class ProfileSettings:
   confidence: float = 2.0
   settle: int = 5
   max_share: float = 0.1
+  compile_share: float = 0.3
   ahead: float = 0.75
 
   def __post_init__(self):
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
-    check_float32(self, 'confidence', 'max_share', 'ahead')
+    check_float32(self, 'confidence', 'max_share', 'compile_share', 'ahead')
     if not 0 <= self.ahead <= 1:
       raise ConfigError(f'ProfileSettings.ahead must be in [0, 1], got {self.ahead}.')
     if not 0 <= self.confidence <= 10:
@@ -129,6 +134,10 @@ class ProfileSettings:
       )
     if not 0 < self.max_share <= 1:
       raise ConfigError(f'ProfileSettings.max_share must be in (0, 1], got {self.max_share}.')
+    if not 0 < self.compile_share <= 1:
+      raise ConfigError(
+        f'ProfileSettings.compile_share must be in (0, 1], got {self.compile_share}.'
+      )
     if not isinstance(self.settle, int) or self.settle < 0:
       raise ConfigError(f'ProfileSettings.settle must be an int >= 0, got {self.settle!r}.')
 

@@ -15,6 +15,7 @@ from earl_jax.selector.selector import ProfileSettings, StepStats
 from earl_jax.stage import Stage
 from earl_jax.testing import multiprocess
 from earl_jax.testing.configs import smoke_experiment
+from earl_jax.testing.typecheck import unchecked
 
 
 def _run_parts(tmp_path, rollout=None, **settings):
@@ -211,3 +212,43 @@ def test_two_processes_measure_the_same_cells_and_decide_alike(tmp_path):
   assert one['decisions'] == two['decisions'] and one['cells'] == two['cells']
   assert one['cells'], 'nothing was measured in 4 steps'
   assert 'measured: none' in one['decisions'][0][3]
+
+
+class _Compiler:
+  """A profiler as `ProfileScheduler._pump` reads it: every compile done at once, in 5 s."""
+
+  def __init__(self):
+    self.started = []
+
+  def compile(self, cell):
+    from concurrent import futures
+
+    self.started.append(cell)
+    done = futures.Future()
+    done.set_result(5.0)
+    return done
+
+  def compiled_here(self, cell):
+    return cell in self.started
+
+
+def test_background_compiles_keep_within_the_share(monkeypatch):
+  """The profile's compiles take at most `compile_share` of the run's time, each counted at the
+  median of those done so far: 60 s into a run at 10%, two 5 s compiles use the 6 s and more."""
+  now = [0.0]
+  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
+  compiler = _Compiler()
+  settings = ProfileSettings(stages=('rollout',), lazy=True, compile_share=0.1)
+  with unchecked():  # a stand-in for the Profiler
+    scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
+  cells = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2', 'dp2.tp4')]
+  scheduler._queue = dict.fromkeys(cells)
+  now[0] = 60.0
+  scheduler._pump()  # nothing known of a compile's cost yet: IN_FLIGHT of them start
+  assert compiler.started == cells[:2]
+  scheduler._pump()  # both done, 10 s spent of the 6 s allowed: no third
+  assert compiler.started == cells[:2]
+  now[0] = 150.0  # 15 s allowed: 10 + 5 fits (the first two timed meanwhile)
+  scheduler._queue = dict.fromkeys(cells[2:])
+  scheduler._pump()
+  assert compiler.started == cells
