@@ -11,7 +11,9 @@ and the max, the steps not on the fastest layout and the decisions taken on the 
 the cost model (fitted to the cells the run measured) against the profile on the cells the run
 did not measure, at the loads its decisions ran at and up to the longest bucket it reached; the
 profile's crossovers; and, with `--profile_b` (a second profile of the same setup), the two
-profiles' run-to-run noise and whether each crossover holds in both. Writes
+profiles' run-to-run noise, each step's regret beyond it (the smaller of its regrets against the
+two: 0 where the chosen layout is the fastest in either) and whether each crossover holds in
+both; and the layouts the run chose at each crossover's bucket. Writes
 `regret.json` and `regret.png` (per-step regret of each stage) next to the run's summary, or
 where `--out` says.
 """
@@ -74,7 +76,7 @@ def main(argv):
     raise UserError(f'--run={_RUN.value!r}: {summary_path} holds no selector decisions.')
   truth = _profile(_PROFILE.value, '--profile')
   other = _profile(_PROFILE_B.value, '--profile_b') if _PROFILE_B.value else None
-  rows = regret.per_step(summary['decisions'], truth)
+  rows = regret.per_step(summary['decisions'], truth, other)
   if not rows:
     raise UserError(f'--run={_RUN.value!r} has no decisions to score.')
   stages = regret.by_stage(rows)
@@ -88,9 +90,10 @@ def main(argv):
     'wall_s': summary.get('wall_s'),
     'stages': stages,
     'model_error': errors,
-    'crossovers': regret.crossovers(truth, other),
+    'profile_b': os.path.abspath(_PROFILE_B.value) if _PROFILE_B.value else None,
+    'crossovers': regret.crossovers(truth, other, rows),
     'noise': regret.noise(truth, other) if other is not None else None,
-    'steps': [r.__dict__ for r in rows],
+    'steps': [{**r.__dict__, 'beyond_noise': r.beyond_noise} for r in rows],
   }
   out_dir = _OUT.value or _RUN.value
   os.makedirs(out_dir, exist_ok=True)
@@ -102,16 +105,20 @@ def main(argv):
 
 
 def _table(result: dict) -> str:
+  two = result['noise'] is not None
   lines = [
-    f'{"stage":>10} {"steps":>5} {"mean":>7} {"max":>7} {"off best":>8} {"model only":>10} '
-    f'{"model err (median, cells)":>26}'
+    f'{"stage":>10} {"steps":>5} {"mean":>7} {"max":>7} '
+    + (f'{"beyond noise":>14} ' if two else '')
+    + f'{"off best":>8} {"model only":>10} {"model err (median, cells)":>26}'
   ]
   for stage, s in result['stages'].items():
     err = result['model_error'].get(stage)
     err_text = f'{err["median"]:.1%} ({err["cells"]})' if err else '-'
+    agreed = f'{_fmt(s["beyond_noise_mean"])} / {_fmt(s["beyond_noise_max"])}'
     lines.append(
       f'{stage:>10} {s["steps"]:>5} {_fmt(s["mean"]):>7} {_fmt(s["max"]):>7} '
-      f'{s["off_best"]:>8} {s["model_only"]:>10} {err_text:>26}'
+      + (f'{agreed:>14} ' if two else '')
+      + f'{s["off_best"]:>8} {s["model_only"]:>10} {err_text:>26}'
     )
   if result['profile_share'] is not None:
     lines.append(f'profile share of the run: {result["profile_share"]:.1%}')
@@ -127,6 +134,7 @@ def _table(result: dict) -> str:
       f'crossover {c["stage"]} x{c["rows"]}: {c["before"]} @{c["from_bucket"]} -> {c["after"]} '
       f'@{c["bucket"]} by {_fmt(c["margin"])}'
       + ('' if other is None else f' (the other profile: {other:+.1%})')
+      + (f'; the run chose {", ".join(c["run_chose"])}' if 'run_chose' in c else '')
     )
   return '\n'.join(lines)
 

@@ -36,6 +36,15 @@ class StepRegret:
   best: str | None
   measured: bool
   regret: float | None
+  regret_other: float | None = None  # against a second profile of the same setup, if given
+
+  @property
+  def beyond_noise(self) -> float | None:
+    """The regret both profiles agree on (the smaller of the two): 0 where the chosen layout is
+    the fastest in either, since then the two profiles' run-to-run noise decides the ranking."""
+    if self.regret is None or self.regret_other is None:
+      return None
+    return min(self.regret, self.regret_other)
 
 
 def _timed(profile: Profile, stage: Stage, bucket: int, rows: int) -> dict[str, float]:
@@ -47,32 +56,43 @@ def _timed(profile: Profile, stage: Stage, bucket: int, rows: int) -> dict[str, 
   return out
 
 
-def per_step(decisions: Iterable[Mapping[str, Any]], truth: Profile) -> list[StepRegret]:
+def _regret(profile: Profile, stage: Stage, bucket: int, rows: int, chosen: str):
+  """(the fastest layout, the chosen one's regret) at a cell of `profile` (None: not timed)."""
+  timed = _timed(profile, stage, bucket, rows)
+  best = max(timed, key=timed.get) if timed else None
+  return best, (timed[best] / timed[chosen] - 1 if chosen in timed else None)
+
+
+def per_step(
+  decisions: Iterable[Mapping[str, Any]], truth: Profile, other: Profile | None = None
+) -> list[StepRegret]:
   """The regret of every committed decision (`Selector.log()` entries; refused ones skipped),
-  at its run bucket and load, against `truth`."""
+  at its run bucket and load, against `truth` (and against `other`, a second profile)."""
   out = []
   for d in decisions:
     if 'REFUSED' in d.get('reason', ''):
       continue
     stage = Stage.parse(d['stage'])
-    bucket, rows = d['run_bucket'], d['rows']
-    timed = _timed(truth, stage, bucket, rows)
-    best = max(timed, key=timed.get) if timed else None
-    chosen = d['config']
-    value = timed[best] / timed[chosen] - 1 if chosen in timed else None
+    bucket, rows, chosen = d['run_bucket'], d['rows'], d['config']
+    best, value = _regret(truth, stage, bucket, rows, chosen)
+    value_other = None if other is None else _regret(other, stage, bucket, rows, chosen)[1]
     out.append(
-      StepRegret(str(stage), d['step'], bucket, rows, chosen, best, bool(d['measured']), value)
+      StepRegret(
+        str(stage), d['step'], bucket, rows, chosen, best, bool(d['measured']), value, value_other
+      )
     )
   return out
 
 
 def by_stage(rows: Sequence[StepRegret]) -> dict[str, dict[str, Any]]:
   """Per stage: steps, mean and max regret, steps not on the fastest layout, decisions on the
-  model alone, and steps whose chosen cell the truth lacks."""
+  model alone, steps whose chosen cell the truth lacks, and (with a second profile) the mean and
+  max of the regret beyond the two profiles' noise (`StepRegret.beyond_noise`)."""
   out = {}
   for stage in dict.fromkeys(r.stage for r in rows):
     mine = [r for r in rows if r.stage == stage]
     known = [r.regret for r in mine if r.regret is not None]
+    agreed = [r.beyond_noise for r in mine if r.beyond_noise is not None]
     out[stage] = {
       'steps': len(mine),
       'mean': statistics.fmean(known) if known else None,
@@ -80,6 +100,8 @@ def by_stage(rows: Sequence[StepRegret]) -> dict[str, dict[str, Any]]:
       'off_best': sum(1 for r in mine if r.best is not None and r.chosen != r.best),
       'model_only': sum(1 for r in mine if not r.measured),
       'unknown': len(mine) - len(known),
+      'beyond_noise_mean': statistics.fmean(agreed) if agreed else None,
+      'beyond_noise_max': max(agreed) if agreed else None,
     }
   return out
 
@@ -138,10 +160,13 @@ def model_error(
   return out
 
 
-def crossovers(truth: Profile, other: Profile | None = None) -> list[dict[str, Any]]:
+def crossovers(
+  truth: Profile, other: Profile | None = None, steps: Sequence[StepRegret] = ()
+) -> list[dict[str, Any]]:
   """Where the fastest layout of a stage changes between neighbouring buckets (at each load),
   with the winner's margin over the loser; with `other` (a second profile of the same setup),
-  the margin there too: a crossover is real where both profiles agree on it."""
+  the margin there too (a crossover is real where both profiles agree on it); with a run's
+  `steps`, the layouts the run chose at that stage, load and bucket (`run_chose`)."""
   out = []
   for stage in truth.stages:
     for rows in truth.rows_for(stage):
@@ -165,6 +190,13 @@ def crossovers(truth: Profile, other: Profile | None = None) -> list[dict[str, A
             there = _timed(other, stage, bucket, rows)
             if best in there and prev[1] in there:
               entry['margin_other'] = there[best] / there[prev[1]] - 1
+          chose = {
+            r.chosen
+            for r in steps
+            if r.stage == str(stage) and r.rows == rows and r.bucket == bucket
+          }
+          if chose:
+            entry['run_chose'] = sorted(chose)
           out.append(entry)
         prev = (bucket, best)
   return out

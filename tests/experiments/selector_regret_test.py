@@ -37,10 +37,14 @@ def test_the_regret_table_json_and_png_of_a_recorded_run(tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   lines = r.stdout.splitlines()
   rollout = next(line for line in lines if line.split()[:1] == ['rollout'])
-  assert rollout.split()[1:4] == ['2', '12.5%', '25.0%'], rollout  # steps, mean, max
+  # steps, mean, max, then beyond the noise of the two (here identical) profiles: the same
+  assert rollout.split()[1:7] == ['2', '12.5%', '25.0%', '12.5%', '/', '25.0%'], rollout
   assert 'profile share of the run: 5.0%' in r.stdout
   assert 'same fastest layout in 100% of the cells' in r.stdout
-  assert 'crossover rollout x16: dp8.tp1 @256 -> dp4.tp2 @512 by 25.0%' in r.stdout
+  assert (
+    'crossover rollout x16: dp8.tp1 @256 -> dp4.tp2 @512 by 25.0% (the other profile: +25.0%); '
+    'the run chose dp8.tp1' in r.stdout
+  )
   result = json.loads((run / 'regret.json').read_text())
   assert result['stages']['train']['mean'] == 0.25
   assert result['model_error']['rollout']['cells'] == 4  # 256 and 512, both layouts

@@ -31,6 +31,8 @@ def test_the_regret_of_each_decision_at_the_cell_it_ran():
     'off_best': 1,
     'model_only': 1,
     'unknown': 0,
+    'beyond_noise_mean': None,
+    'beyond_noise_max': None,
   }
   assert stages['train']['mean'] == pytest.approx(0.125) and stages['train']['off_best'] == 1
   # A cell the truth lacks is unknown, not zero.
@@ -58,6 +60,42 @@ def test_crossovers_and_the_noise_between_two_profiles():
   # Half the cells agree exactly, half differ by 1/0.9 - 1: the median is between the two.
   assert noise['median'] == pytest.approx((1 / 0.9 - 1) / 2, rel=1e-6)
   assert noise['p90'] == pytest.approx(1 / 0.9 - 1, rel=1e-6)
+  # The layouts a run chose at a crossover's bucket.
+  steps = regret.per_step([_decision('rollout', 3, 'dp8.tp1', 512)], TRUTH)
+  assert regret.crossovers(TRUTH, other, steps)[0]['run_chose'] == ['dp8.tp1']
+  assert 'run_chose' not in regret.crossovers(TRUTH, other, steps)[1]
+
+
+def test_regret_beyond_the_noise_of_two_profiles():
+  """Where the second profile ranks the chosen layout first, the regret beyond noise is 0; where
+  both rank it behind, it is the smaller of the two regrets."""
+  other = profiles.profile(
+    {
+      (str(s), b, n): c.throughput * (1.5 if (b, n) == (512, 'dp8.tp1') else 1.0)
+      for (s, b, r, n), c in TRUTH.cells.items()
+      if not (str(s) == 'train' and b == 128)
+    }
+  )
+  decisions = [
+    _decision('rollout', 0, 'dp8.tp1', 512),  # truth: 75 / 60 - 1; other: dp8 first (90 > 75)
+    _decision('rollout', 1, 'dp8.tp1', 256),  # the fastest in both: 0
+    _decision('train', 0, 'dp4.tp2', 128),  # the other profile lacks the cell: unknown
+  ]
+  rows = regret.per_step(decisions, TRUTH, other)
+  assert rows[0].regret == pytest.approx(0.25) and rows[0].regret_other == 0.0
+  assert [r.beyond_noise for r in rows] == [0.0, 0.0, None]
+  stages = regret.by_stage(rows)
+  assert stages['rollout']['beyond_noise_max'] == 0.0 and stages['rollout']['max'] == 0.25
+  assert stages['train']['beyond_noise_mean'] is None
+  # Both ranking it behind: the smaller regret.
+  slower = profiles.profile(
+    {
+      (str(s), b, n): c.throughput * (0.5 if n == 'dp8.tp1' else 1.0)
+      for (s, b, r, n), c in TRUTH.cells.items()
+    }
+  )
+  (row,) = regret.per_step([_decision('rollout', 0, 'dp8.tp1', 512)], TRUTH, slower)
+  assert row.beyond_noise == pytest.approx(0.25) and row.regret_other == pytest.approx(1.5)
 
 
 def test_the_model_error_on_the_cells_the_run_did_not_measure():
