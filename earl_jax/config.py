@@ -241,7 +241,8 @@ _MODEL_PRESETS: dict[str, ModelConfig] = {
   # The code presets' policy: `tiny`'s size with 4 heads of 16 dims instead of 8 of 8. Warm
   # started on the 'functions' tasks (experiments/configs/sft.py `code`), it learns to copy a
   # task's constants from the words into the body; with 8-dim heads, or 2 heads of 32, it had
-  # not after 400 steps of one init seed (docs/results.md).
+  # not after 400 steps of one init seed (docs/results/main-job.md, "The warm start's init
+  # seed").
   'tiny-code': ModelConfig(
     name='tiny-code',
     vocab_size=512,

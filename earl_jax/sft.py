@@ -101,7 +101,8 @@ class SFTConfig:
       with one constant changed), the feedback the environment shows for it (`env`'s feedback
       settings), and the reference; the loss is on the last reply alone. The RL job's repair
       turns then start in distribution; several near misses of one task also teach the first
-      turn which constant goes where (docs/results.md).
+      turn which constant goes where (docs/results/main-job.md, "Four near misses per
+      warm-start task").
     eval_env: the held-out tasks (the 'heldout' split by default): the held-out loss, and the
       greedy first-turn pass rate with `pass_episodes`.
     buckets: the sequence-length buckets a batch is padded to (the largest holds every example);

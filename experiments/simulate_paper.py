@@ -98,7 +98,8 @@ PAPER_FIG3 = {
   2048: (-20.0, -28.6, -26.3, -16.6, -5.5),
   1024: (-21.1, -32.2, -30.7, -29.1, -6.9),
 }
-# Defaults when --nomeasure (this machine, 2 cores, loopback; docs/results.md).
+# Defaults when --nomeasure (this machine, 2 cores, loopback; docs/results/paper-figures.md,
+# "The paper's scale, modelled").
 DEFAULT_RATES = {'tcp_bytes_per_s': 2.0e9, 'latency_s': 30e-6, 'copy_bytes_per_s': 5.0e9}
 
 

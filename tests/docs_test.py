@@ -1,5 +1,6 @@
 """The docs: the README stays a landing page, every link and path in the docs resolves, every
-results entry says when, how and where it was measured, and docs/config.md is current."""
+current figure in docs/results.md and every results entry says when, how and where it was
+measured (scripts/check_results.py), and docs/config.md is current."""
 
 import dataclasses
 import importlib.util
@@ -9,18 +10,20 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
 # Top-level folders whose paths the docs name; a path under one of them must exist.
 TOP = ('earl_jax', 'experiments', 'scripts', 'tests', 'notebooks', 'docs', '.ci')
 
 
-def _script():
-  spec = importlib.util.spec_from_file_location(
-    'make_config_docs', ROOT / 'scripts' / 'make_config_docs.py'
-  )
+def _script(name='make_config_docs'):
+  spec = importlib.util.spec_from_file_location(name, ROOT / 'scripts' / f'{name}.py')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _doc_id(path):
+  return str(path.relative_to(ROOT))
 
 
 def _slugs(text: str) -> set[str]:
@@ -129,7 +132,7 @@ def test_reference_covers_every_config_of_the_main_job():
   assert sampling and reachable[sampling[0]] == ['rollout.sampling.']
 
 
-@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize('doc', DOCS, ids=_doc_id)
 def test_relative_links_resolve(doc):
   text = doc.read_text()
   bad = []
@@ -145,7 +148,7 @@ def test_relative_links_resolve(doc):
   assert not bad, f'{doc.name}: {bad}'
 
 
-@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize('doc', DOCS, ids=_doc_id)
 def test_named_paths_exist(doc):
   text = doc.read_text()
   bad = []
@@ -162,7 +165,7 @@ def test_named_paths_exist(doc):
 
 def test_readme_is_a_landing_page():
   lines = (ROOT / 'README.md').read_text().splitlines()
-  assert len(lines) <= 220, f'README.md has {len(lines)} lines; measurements go to docs/results.md'
+  assert len(lines) <= 220, f'README.md has {len(lines)} lines; measurements go to docs/results/'
   first_block = lines[lines.index('```bash') + 1 : lines.index('```')]
   assert [line.split()[0] for line in first_block] == ['scripts/demo.sh', 'scripts/test.sh']
   assert 'scripts/test.sh' in (ROOT / '.ci' / 'run').read_text()
@@ -171,14 +174,58 @@ def test_readme_is_a_landing_page():
     assert heading in lines, heading
 
 
-def test_every_results_entry_says_when_how_and_where():
-  text = (ROOT / 'docs' / 'results.md').read_text()
-  entries = re.split(r'\n(?=### )', text)[1:]
-  assert len(entries) > 20
-  for entry in entries:
-    title = entry.splitlines()[0]
-    body = entry.split('\n## ')[0]
-    assert re.search(r'\*\*Recorded:\*\* \d{4}-\d\d-\d\d, commits? `[0-9a-f]{7}', body), title
-    assert '**Command:**' in body and '**Machine:**' in body, title
-  assert '\n## Tried and not kept\n' in text
-  assert 'not the\nREADME' in text or 'not the README' in text
+def test_every_results_row_and_entry_says_when_how_and_where():
+  checker = _script('check_results')
+  assert checker.check(ROOT) == []
+  assert len(checker.entries(ROOT)) > 20
+  rows = [
+    row for _, _, rows in checker.tables((ROOT / 'docs' / 'results.md').read_text()) for row in rows
+  ]
+  assert len(rows) > 20
+  assert 'scripts/demo.sh' in rows[0][1][0], 'the first row is the demo'
+
+
+_PAGE = """# Results
+
+A new measurement adds an entry and updates its row here, not the README.
+
+| what | figure | command | recorded | entry |
+|---|---|---|---|---|
+| the demo | 6:18 | `scripts/demo.sh` | 2026-12-04, `1280365` | [it](results/main.md#the-demo) |
+{extra}
+See [main](results/main.md) and [tried](results/tried.md).
+"""
+_ENTRY = """# Main
+
+### The demo
+
+- **Recorded:** 2026-12-04, commit `1280365`
+{command}
+- **Machine:** the 2-core CPU dev machine
+"""
+
+
+def test_check_results_catches_a_row_without_a_commit_and_an_entry_without_a_command(tmp_path):
+  checker = _script('check_results')
+  (tmp_path / 'docs' / 'results').mkdir(parents=True)
+  page, entry = tmp_path / 'docs' / 'results.md', tmp_path / 'docs' / 'results' / 'main.md'
+  (tmp_path / 'docs' / 'results' / 'tried.md').write_text('# Tried and not kept\n')
+  page.write_text(_PAGE.format(extra=''))
+  entry.write_text(_ENTRY.format(command='- **Command:** `scripts/demo.sh`'))
+  assert checker.check(tmp_path) == []
+  assert checker.main(['check_results.py', str(tmp_path)]) == 0
+
+  row = '| the eval | 0.672 | `scripts/demo.sh` | 2026-12-03 | [it](results/main.md#the-demo) |'
+  page.write_text(_PAGE.format(extra=row))
+  entry.write_text(_ENTRY.format(command=''))
+  problems = checker.check(tmp_path)
+  assert len(problems) == 2, problems
+  assert "'the eval' names no commit" in problems[0]
+  assert problems[1] == 'docs/results/main.md: ### The demo: no **Command:**'
+  assert checker.main(['check_results.py', str(tmp_path)]) == 1
+
+  row = '| the eval | 0.672 | by hand | 2026-12-03, `5e62983` | [it](results/main.md#the-eval) |'
+  page.write_text(_PAGE.format(extra=row))
+  problems = checker.check(tmp_path)
+  assert any('names no command' in p for p in problems), problems
+  assert any('main.md#the-eval, no such heading' in p for p in problems), problems

@@ -4,7 +4,8 @@ CPU from a fresh kernel (a cell that raises fails the test).
 Their run times are not asserted here: beside the other xdist workers, on a cold compilation
 cache, a notebook's wall time measures the machine's load (the quickstart took 118 s on one
 fresh-clone run and 281 s on another). `python scripts/make_notebooks.py` prints each notebook's
-time on its own, and docs/results.md reports it. The per-cell timeout still bounds a hang."""
+time on its own, and docs/results/run-times.md reports it. The per-cell timeout still bounds a
+hang."""
 
 import glob
 import importlib.util

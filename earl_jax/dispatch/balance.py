@@ -396,7 +396,8 @@ def _ring_permutation(
 
   best, best_cost = identity, price(identity)
   # j a power of two: every j is a kernel to compile (per bucket), and with the main job's
-  # packing cost a j in between did not pack into fewer rows than the powers (docs/results.md).
+  # packing cost a j in between did not pack into fewer rows than the powers
+  # (docs/results/main-job.md, "The demo with ring balancing").
   for j in (2**i for i in range((per // 2).bit_length())):
     perm = in_slots(ring_bins(lengths, ranks, j))
     c = price(perm)

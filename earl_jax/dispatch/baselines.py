@@ -29,7 +29,8 @@ the controller's host memory (`device_get` on arrival, `device_put` before sendi
 the same links the layout-aware dispatcher uses, so what the comparison measures is the path:
 each byte crosses the controller's link twice, one transfer at a time, and is copied through its
 host. (The other transport every process has, the coordination service's gRPC key-value store,
-is much slower than the collectives (docs/results.md): a weaker stand-in for Ray's object
+is much slower than the collectives (docs/results/from-docstrings.md, "The single controller's
+key-value store"): a weaker stand-in for Ray's object
 transfer, so it is not used.)
 
 Per-transfer shapes of the controller (one 1-D mesh 'd' over the same devices, in the layout's

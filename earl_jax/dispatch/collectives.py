@@ -135,7 +135,7 @@ def _exchange(
   concatenated, so the round is one collective per item size present (ppermute: [words];
   all_to_all: [n, words per peer]). Converting everything to bytes instead would be a single
   collective, but on XLA:CPU a bitcast to uint8 (a new minor dimension) costs more than the
-  transfer it saves (docs/results.md).
+  transfer it saves (docs/results/tried.md, "The collective, and packing rounds into bytes").
   """
 
   def move(x):

@@ -48,9 +48,10 @@ permutation may route units over gets one capacity, the capacity bucket of the m
 pair, one kernel per class, so the wire follows each move's own class down as well as up
 (tests/dispatch/capacity_classes_test.py). Such a move is not held to `max_padding`: with 2-16
 rows of 64 moving over changing pairs, a kernel that serves every move pays for the pairs it
-does not use (docs/results.md). The main job's balancing avoids that: its 'ring' permutations
-send j rows from every rank to the next, one ring shift, whose class covers the pairs it uses
-only, so the wire carries exactly the rows that move. Where the layouts move little, the plans fit per ring shift
+does not use (docs/results/main-job.md, "The demo's first run with the selector's prior"). The
+main job's balancing avoids that: its 'ring' permutations send j rows from every rank to the
+next, one ring shift, whose class covers the pairs it uses only, so the wire carries exactly the
+rows that move. Where the layouts move little, the plans fit per ring shift
 (the earlier policy: every pair of a shift sends its one power-of-two capacity) after
 `_FLOORS_BEFORE_SETTLING` floors that still left reachable pairs without capacity, and then
 neither shed nor compile per move; fit 'shifts' also takes it where the layouts move nothing. An
@@ -124,8 +125,8 @@ class DispatchConfig:
 
   Attributes:
     strategy: the default strategy (a Strategy or its value string).
-    collective: 'ppermute' rounds (faster than all_to_all with gloo on CPU, docs/results.md) or
-      one 'all_to_all'.
+    collective: 'ppermute' rounds (faster than all_to_all with gloo on CPU,
+      docs/results/tried.md) or one 'all_to_all'.
     buckets_per_octave: capacity buckets per power of two for permuted dispatches; fewer buckets
       mean fewer compiles and more padding (at most 1/buckets_per_octave).
     pack_max_bytes: rounds whose buffer is at most this many bytes per device carry all their

@@ -2,14 +2,15 @@
 
 XLA:CPU allocates every program output afresh, and a fresh block costs a first-touch page fault
 and a kernel page clear per 4 KiB before the received bytes land in it, about as much as moving
-the block over loopback (docs/results.md). A recycling kernel (`recycling_kernel`, what
-`collectives.make_kernel(recycle=True)` returns) therefore takes, for every field whose output
-is a new buffer (a received region, a slice or a row gather: `landing_fields`), a donated
-landing buffer of the output's shape (`output_struct`) that its output is written into; with
-`donate` it also hands back the source blocks of those fields, spent and ready to land the next
-dispatch (`BufferPool`); a caller may also hand back a batch it is done with
-(`Dispatcher.release`), which lands outputs larger than their sources. GPU and TPU allocators
-already reuse freed device memory, so only CPU needs this (the dispatcher's default there).
+the block over loopback (docs/results/from-docstrings.md, "Landing buffers and temporaries").
+A recycling kernel (`recycling_kernel`, what `collectives.make_kernel(recycle=True)` returns)
+therefore takes, for every field whose output is a new buffer (a received region, a slice or a
+row gather: `landing_fields`), a donated landing buffer of the output's shape (`output_struct`)
+that its output is written into; with `donate` it also hands back the source blocks of those
+fields, spent and ready to land the next dispatch (`BufferPool`); a caller may also hand back a
+batch it is done with (`Dispatcher.release`), which lands outputs larger than their sources. GPU
+and TPU allocators already reuse freed device memory, so only CPU needs this (the dispatcher's
+default there).
 
 Temporaries. The received buffers of every round, and the send buffers, are a kernel's
 temporary memory, and XLA:CPU allocates it afresh on every call too (above glibc's 32 MiB mmap

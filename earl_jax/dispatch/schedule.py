@@ -26,7 +26,8 @@ read). Which rounds, by the plan's options (`PlanOptions`):
              With fit='shifts' (the earlier policy, kept for comparison) every ring shift gets
              one power-of-two capacity instead, and all n pairs of a shift send it.
   all_to_all one round with every pair and one cap per group, for backends whose all-to-all is
-             fast (NCCL); on XLA:CPU with gloo, ppermute rounds are faster (docs/results.md).
+             fast (NCCL); on XLA:CPU with gloo, ppermute rounds are faster
+             (docs/results/tried.md).
 
 A small round (at most `pack_max_bytes` per device) is packed: the fields of every group with
 the same item size travel as one buffer of unsigned words in one collective, because on a
@@ -49,12 +50,13 @@ Collective = Literal['ppermute', 'all_to_all']
 ROUND_COST_BYTES = 256 * 1024
 # Rounds up to this size (per device) carry all their fields in one collective: on gloo over
 # 2 CPU cores an extra collective costs about what packing copies cost at this size
-# (docs/results.md). On GPUs the break-even is larger; tune per platform.
+# (docs/results/from-docstrings.md, "Plan defaults"). On GPUs the break-even is larger; tune
+# per platform.
 DEFAULT_PACK_MAX_BYTES = 4 << 20
 # A landing plan writes each round into the landing buffer as it arrives only when the rounds
 # receive at least this many bytes per device: below it the gather's received buffers stay far
 # under glibc's 32 MiB mmap ceiling and come from the reused heap, while the scatter chain
-# compiles more slowly and runs no faster (docs/results.md).
+# compiles more slowly and runs no faster (docs/results/from-docstrings.md, "Plan defaults").
 LAND_MIN_BYTES = 8 << 20
 # A permuted (bucketed) plan takes an edge colouring over the ring shifts when it costs at most
 # this share of them.

@@ -73,7 +73,8 @@ def play(
 
 def _cells_last(boards: Int8[np.ndarray, 'M 6 7']) -> Int8[np.ndarray, '6 7 M']:
   """The boards with the position axis last, so that the window sums below run over long
-  contiguous rows of positions instead of 4-7 cells at a time (faster: see docs/results.md)."""
+  contiguous rows of positions instead of 4-7 cells at a time (faster: see
+  docs/results/from-docstrings.md, "Connect Four's window sums")."""
   return np.ascontiguousarray(boards.transpose(1, 2, 0))
 
 

@@ -11,7 +11,8 @@ its output and one f32 value per query and head, and no pass holds more than one
 Because both passes are loops (`lax.fori_loop`), the compiled program has one loop body whatever
 T / block is: compile time and the program's memory no longer grow with the number of blocks, as
 they did when every block was its own copy of the attention in the program (measured on the main
-job's train program at T = 1536, block 128: see docs/results.md).
+job's train program at T = 1536, block 128: see docs/results/model-and-tests.md, "Blockwise
+attention in loops").
 
 Shapes (dimension letters as in `earl_jax.config`; Q = H / K query heads per KV head, b = block):
   q        [B, T, K, Q, Dh]   k, v   [B, T, K, Dh]   segment_ids [B, T] or None

@@ -36,9 +36,9 @@ MiB = 1 << 20
 
 # The analytic model's stated error against XLA's peak: |analytic - xla| <= max(REL x xla, ABS),
 # a bound over the programs `scripts/fit_analytic.py` fits it on (the measured errors are in
-# docs/results.md, "Fig. 3 at the paper's scale"); tests/selector/analytic_test.py checks a
-# subset. Where a stage is compiled, XLA's own figure decides (a program it refuses is marked
-# and left out).
+# docs/results/paper-figures.md, "Fig. 3 at the paper's scale");
+# tests/profiling/analytic_test.py checks a subset. Where a stage is compiled, XLA's own figure
+# decides (a program it refuses is marked and left out).
 ANALYTIC_REL_ERROR = 0.30
 ANALYTIC_ABS_ERROR = 3 * MiB
 

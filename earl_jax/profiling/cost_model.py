@@ -59,7 +59,7 @@ STAGE = 'stage'  # the layout has no measured cell: the stage's pooled weights
 
 # Prior standard deviation of the stage's weights, relative to the device's scale: weakly
 # informative, since a CPU's speeds stand in other ratios than the nominal ones (fitted over the
-# default's offline profile, `docs/results.md`: 1 gave a median error of 73% on experience
+# default's offline profile, `docs/results/tried.md`: 1 gave a median error of 73% on experience
 # cells from two measured buckets, 30 gave 9%).
 DEVICE_SPREAD = 30.0
 LAYOUT_SPREAD = 1.0  # prior standard deviation of a layout's weights, relative to the stage's

@@ -110,7 +110,8 @@ def release_host_memory() -> None:
   """Hands the heap that freed programs and buffers left behind back to the OS (glibc's
   `malloc_trim`; a no-op elsewhere). XLA's CPU compiles free most of what they allocate, but
   glibc keeps it in its arenas: without this, resident memory grows with every compile even
-  when the executable cache is bounded (measured in docs/results.md)."""
+  when the executable cache is bounded (docs/results/from-docstrings.md, "Host memory handed
+  back after compiles")."""
   trim = _malloc_trim()
   if trim is not None:
     trim(0)

@@ -47,7 +47,8 @@ def code() -> SFTConfig:
     # 800 steps: the model starts to copy constants from the words (train loss ~0.2 -> ~0.02)
     # somewhere between steps 300 and 500, as its random init has it. A 400-step schedule
     # crossed for init seed 0 only (held-out greedy pass 0.492; seeds 1-3: 0.074, 0.055,
-    # 0.016); this one crosses for every seed tried, then memorises (docs/results.md).
+    # 0.016); this one crosses for every seed tried, then memorises (docs/results/main-job.md,
+    # "The warm start's init seed").
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, decay_steps=780, end_lr_fraction=0.1),
     steps=800,
     log_every=25,

@@ -3,7 +3,7 @@
 default   the embedded default: a tiny model from scratch, the built-in tokenizer, Connect Four
           against the random opponent, 8 fake CPU devices, under 10 minutes on 2 cores; 64
           episodes a step on 16 rollout slots, each refilled as soon as its episode ends.
-long      the same task to >= 80% greedy wins against random (see docs/results.md): replies
+long      the same task to >= 80% greedy wins against random (docs/results/main-job.md): replies
           constrained to the column digits, a cue naming full columns, only the opponent's last
           move in each observation (the agent tracks the game in its own context), REINFORCE++
           with turn-level discounted credit.
@@ -217,7 +217,8 @@ def code() -> ExperimentConfig:
     # of them; experiments/configs/sft.py), where 4 samples often differ. 64 slots: the
     # evaluation's episodes run on the rows of the training programs. All 64 at once: 16 or 32
     # refilled slots measured slower (most episodes take both turns, so refill makes as many
-    # calls as lock-step; 64 at once 1.17-1.27x the episodes/s of 32 or 16, docs/results.md).
+    # calls as lock-step; 64 at once 1.17-1.27x the episodes/s of 32 or 16,
+    # docs/results/main-job.md, "Rollout slot refill against lock-step").
     rollout=RolloutConfig(
       num_episodes=64,
       num_slots=64,
@@ -231,7 +232,8 @@ def code() -> ExperimentConfig:
     # run's 240 updates. From the 800-step warm starts of init seeds 0, 1, 2 (held-out final
     # pass 0.555, 0.555, 0.598) it ends at 0.547, 0.574, 0.574: RL moves the held-out pass by
     # -2.4 to +1.9, it does not raise it (1e-4: 0.559 from seed 1's). A constant 5e-4 lowered
-    # the 400-step warm start's by 4 points in 40 steps (docs/results.md).
+    # the 400-step warm start's by 4 points in 40 steps (docs/results/main-job.md, "Four near
+    # misses per warm-start task").
     optim=OptimConfig(learning_rate=3e-4, warmup_steps=10, decay_steps=230, end_lr_fraction=0.1),
     update_epochs=2,
     buckets=CODE_BUCKETS,
