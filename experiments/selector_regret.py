@@ -10,7 +10,8 @@ from the offline profile at the cell the step ran (run bucket and load); then pe
 and the max, the steps not on the fastest layout and the decisions taken on the cost model alone;
 the cost model (fitted to the cells the run measured) against the profile on the cells the run
 did not measure, at the loads its decisions ran at and up to the longest bucket it reached; the
-profile's crossovers; and, with `--profile_b` (a second profile of the same setup), the two
+run's own timings against the profile's on the cells both timed (a bias there inflates the model
+error); the profile's crossovers; and, with `--profile_b` (a second profile of the same setup), the two
 profiles' run-to-run noise, each step's regret beyond it (the smaller of its regrets against the
 two: 0 where the chosen layout is the fastest in either) and whether each crossover holds in
 both; and the layouts the run chose at each crossover's bucket. Writes
@@ -90,6 +91,7 @@ def main(argv):
     'wall_s': summary.get('wall_s'),
     'stages': stages,
     'model_error': errors,
+    'agreement': regret.agreement(measured, truth) if measured is not None else {},
     'profile_b': os.path.abspath(_PROFILE_B.value) if _PROFILE_B.value else None,
     'crossovers': regret.crossovers(truth, other, rows),
     'noise': regret.noise(truth, other) if other is not None else None,
@@ -119,6 +121,11 @@ def _table(result: dict) -> str:
       f'{stage:>10} {s["steps"]:>5} {_fmt(s["mean"]):>7} {_fmt(s["max"]):>7} '
       + (f'{agreed:>14} ' if two else '')
       + f'{s["off_best"]:>8} {s["model_only"]:>10} {err_text:>26}'
+    )
+  for stage, a in result['agreement'].items():
+    lines.append(
+      f"{stage}: the run timed {a['cells']} cells at {a['ratio']:.2f}x the profile's throughput "
+      f'(median; |run/profile - 1| median {a["median"]:.1%}, max {a["max"]:.1%})'
     )
   if result['profile_share'] is not None:
     lines.append(f'profile share of the run: {result["profile_share"]:.1%}')

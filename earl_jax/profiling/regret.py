@@ -11,6 +11,7 @@ measured, is from the offline profile on the cells the run did not measure.
   rows = regret.per_step(summary['decisions'], truth)     # [StepRegret(stage, step, ...)]
   regret.by_stage(rows)                                   # {'rollout': {'mean': .., 'max': ..}}
   regret.model_error(Profile.from_json(summary['profile']), truth)
+  regret.agreement(Profile.from_json(summary['profile']), truth)   # the run's timings vs truth's
 """
 
 import dataclasses
@@ -158,6 +159,27 @@ def model_error(
       'p90': errs[min(len(errs) - 1, int(0.9 * len(errs)))],
     }
   return out
+
+
+def agreement(measured: Profile, truth: Profile) -> dict[str, dict[str, Any]]:
+  """Per stage: the run's own timings against the truth's on the cells both timed: how many,
+  the median ratio run / truth (above 1: the run timed them faster), and the median and max of
+  |run / truth - 1|. A ratio far from 1 on every layout alike is a bias of the run's timing (it
+  inflates the model error against the truth, not the ranking); a spread is noise."""
+  ratios: dict[str, list[float]] = {}
+  for key, cell in measured.cells.items():
+    other = truth.cells.get(key)
+    if cell.measured and cell.throughput and other is not None and other.throughput:
+      ratios.setdefault(str(key[0]), []).append(cell.throughput / other.throughput)
+  return {
+    stage: {
+      'cells': len(rs),
+      'ratio': statistics.median(rs),
+      'median': statistics.median(abs(r - 1) for r in rs),
+      'max': max(abs(r - 1) for r in rs),
+    }
+    for stage, rs in ratios.items()
+  }
 
 
 def crossovers(

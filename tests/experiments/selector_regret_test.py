@@ -40,6 +40,7 @@ def test_the_regret_table_json_and_png_of_a_recorded_run(tmp_path):
   # steps, mean, max, then beyond the noise of the two (here identical) profiles: the same
   assert rollout.split()[1:7] == ['2', '12.5%', '25.0%', '12.5%', '/', '25.0%'], rollout
   assert 'profile share of the run: 5.0%' in r.stdout
+  assert "rollout: the run timed 2 cells at 1.00x the profile's throughput" in r.stdout
   assert 'same fastest layout in 100% of the cells' in r.stdout
   assert (
     'crossover rollout x16: dp8.tp1 @256 -> dp4.tp2 @512 by 25.0% (the other profile: +25.0%); '

@@ -119,3 +119,18 @@ def test_the_model_error_on_the_cells_the_run_did_not_measure():
   assert regret.model_error(measured, TRUTH, within) == {
     'rollout': {**regret.model_error(measured, TRUTH)['rollout']}
   }
+
+
+def test_the_runs_timings_against_the_truths():
+  """A run that timed every rollout cell 20% faster and the train cells as the truth did."""
+  run = profiles.profile(
+    {
+      (str(s), b, n): c.throughput * (1.2 if str(s) == 'rollout' else 1.0)
+      for (s, b, r, n), c in TRUTH.cells.items()
+      if b != 256
+    }
+  )
+  found = regret.agreement(run, TRUTH)
+  assert found['rollout']['cells'] == 4 and found['rollout']['ratio'] == pytest.approx(1.2)
+  assert found['rollout']['median'] == pytest.approx(0.2)
+  assert found['train'] == {'cells': 4, 'ratio': 1.0, 'median': 0.0, 'max': 0.0}
