@@ -548,6 +548,10 @@ class Profiler:
       builders.make_inputs(entry.program, params, seed=seed)
     return time.perf_counter() - t0
 
+  def busy(self) -> bool:
+    """Whether the run's own background compiles (`Executables.precompile`) are under way here."""
+    return self.executables.busy()
+
   def compiled_here(self, cell: CellKey) -> bool:
     """Whether this process holds the compiled program of `cell`."""
     stage, bucket, rows, name = cell

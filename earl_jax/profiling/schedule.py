@@ -222,10 +222,12 @@ class ProfileScheduler:
     if not wanted:
       return 0.0
     # In the order wanted, up to the first cell not compiled on every process yet (the most
-    # wanted cells are timed first, not passed by cheaper ones), and only while no profile
-    # compile runs on any process (a compile takes one core of two).
+    # wanted cells are timed first, not passed by cheaper ones), and only while no compile runs
+    # on any process, the profile's or the run's own precompiles (a compile takes a core: the
+    # timings it overlaps are slower, and more so for layouts whose collectives wait on every
+    # device).
     wanted = [c for c in wanted if c not in self._failed]
-    quiet = all(f.done() for f in self._compiling.values())
+    quiet = all(f.done() for f in self._compiling.values()) and not self._profiler.busy()
     quiet, *held = self._profiler.agreed([quiet] + [self._ready_here(c) for c in wanted])
     ready = list(itertools.takewhile(lambda pair: pair[1], zip(wanted, held)))
     ready = [c for c, _ in ready]

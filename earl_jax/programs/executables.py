@@ -160,6 +160,7 @@ class Executables:
     self._param_shardings: dict[ParallelConfig, Any] = {}
     self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
     self._pool = background_pool(background_workers, 'earl-precompile')
+    self._background: list[futures.Future] = []  # what `precompile` queued: builds and moves
     self.log: list[dict[str, Any]] = []
     self.hits = 0
     self.compiles = 0
@@ -337,10 +338,14 @@ class Executables:
       entry = self._entries.get(key)
       if entry is None and key not in self._pending:
         self._pending[key] = self._pool.submit(self._build, key, True)
+        self._background.append(self._pending[key])
       future = self._pending.get(key)
     if layout is not None:
       # Queued after the build (one worker, first in first out), so the build is done first.
-      return self._pool.submit(self._prepare_move, key, layout)
+      move = self._pool.submit(self._prepare_move, key, layout)
+      with self._lock:
+        self._background.append(move)
+      return move
     if future is None:
       future = futures.Future()
       future.set_result(entry)
@@ -362,6 +367,13 @@ class Executables:
     from the persistent compilation cache)."""
     with self._lock:
       return key in self._requested
+
+  def busy(self) -> bool:
+    """Whether a background compile `precompile` queued (a program or a move) is under way or
+    waiting: a timing taken meanwhile shares the host's cores with it."""
+    with self._lock:
+      self._background = [f for f in self._background if not f.done()]
+      return bool(self._background)
 
   def wait(self) -> None:
     """Waits for every background compile (re-raising the first error)."""

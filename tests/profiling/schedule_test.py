@@ -8,6 +8,7 @@ from typing import ClassVar
 import pytest
 
 from earl_jax import assembly
+from earl_jax.config import ParallelConfig
 from earl_jax.profiling import schedule
 from earl_jax.profiling.table import MeasureConfig, load_cached
 from earl_jax.programs import Executables
@@ -47,9 +48,16 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     assert 'measured: none' in first.reason and '+-500%, analytic)' in first.reason
     wanted = sel.wanted(Stage.ROLLOUT, None)
     assert [c[2] for c in wanted] == ['dp8.tp1', 'dp4.tp2']  # every candidate at bucket 64
-    # Between steps, once compiled: the wanted cells are timed and replace the model's figures.
+    # Between steps, once compiled: the wanted cells are timed and replace the model's figures,
+    # but not while the run's own precompile is under way (it would take a core from them).
     run_profile.wait_compiles()
     stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
+    exe.precompile(Stage.TRAIN, ParallelConfig(dp=8), 64, 8)
+    assert exe.busy()
+    assert run_profile.between_steps(sel, stats) == 0.0
+    assert not any(c.measured for c in sel.profile(Stage.ROLLOUT).cells.values())
+    exe.wait()
+    assert not exe.busy()
     assert run_profile.between_steps(sel, stats) > 0
     cells = sel.profile(Stage.ROLLOUT).cells
     assert all(cells[(Stage.ROLLOUT, 64, 8, n)].measured for _, _, n in wanted)
