@@ -214,11 +214,11 @@ def test_two_processes_measure_the_same_cells_and_decide_alike(tmp_path):
     'tests.profiling.schedule_test:measured_run',
     num_processes=2,
     devices_per_process=4,
-    kwargs={'workdir': str(tmp_path / 'run'), 'steps': 4},
+    kwargs={'workdir': str(tmp_path / 'run'), 'steps': 8},
     timeout=600,
   )
   assert one['decisions'] == two['decisions'] and one['cells'] == two['cells']
-  assert one['cells'], 'nothing was measured in 4 steps'
+  assert one['cells'], 'nothing was measured in 8 steps'
   assert 'measured: none' in one['decisions'][0][3]
 
 
