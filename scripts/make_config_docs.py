@@ -32,7 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, 'docs', 'config.md')
 SUFFIXES = ('Config', 'Settings', 'Options')
 # Packages whose classes are test or benchmark helpers, not settings of the library.
-SKIP_PACKAGES = ('earl_jax.testing',)
+# earl_jax.sandbox._*: the launcher's own modules, loaded by path in the `python -I -S` launcher
+# process (they import each other by plain name), never as package modules; no configs there.
+SKIP_PACKAGES = ('earl_jax.testing', 'earl_jax.sandbox._')
 
 HEADER = """\
 # Config reference

@@ -12,7 +12,8 @@ reaping it. Output is capped (head and tail kept).
 
 Verdicts cannot be forged: the program reports each test call's return value, encoded with its
 type, over a pipe; this process decodes plain values only (`values.py`) and compares them with
-expected values that never leave it. A failure of the sandbox's own machinery raises
+expected values that never leave it. Both sides take the frames, their kinds and the runner's exit
+codes from one definition, `_wire.py`. A failure of the sandbox's own machinery raises
 SandboxError; it is never a reward.
 """
 
@@ -38,16 +39,13 @@ from typing import Any
 
 from absl import logging
 
-from earl_jax.sandbox import values
+from earl_jax.sandbox import _wire, values
 
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), '_launcher.py')
 NAMESPACE_FLAGS = ('--pid', '--fork', '--kill-child', '--mount-proc', '--net', '--mount', '--ipc')
 STATUSES = ('pass', 'fail', 'timeout', 'memory', 'crash', 'error')
 _ISOLATIONS = ('auto', 'namespaces', 'limits')
 _LAUNCHER_ENV = {'PATH': '/usr/local/bin:/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': '/'}
-# Result kinds and the runner's exit code, as `_launcher.py` defines them.
-_KIND_VALUE, _KIND_EXCEPTION, _KIND_UNSUPPORTED = 2, 3, 4
-_EXIT_MEMORY = 86
 _FEEDBACK_CHARS = 400
 _GOT_CHARS = 200
 
@@ -401,12 +399,11 @@ class Sandbox:
   def _read_first_frame(self, process: subprocess.Popen) -> dict:
     deadline = time.monotonic() + self.config.start_timeout_s
     fd = process.stdout.fileno()
-    data = b''
+    data = bytearray()
     while True:
-      if len(data) >= 4:
-        size = int.from_bytes(data[:4], 'big')
-        if len(data) >= 4 + size:
-          return json.loads(data[4 : 4 + size])
+      frames = _wire.take_frames(data)
+      if frames:
+        return frames[0]
       left = deadline - time.monotonic()
       if left <= 0:
         raise SandboxError(
@@ -427,10 +424,11 @@ class Sandbox:
     stream = self._process.stdout
     try:
       while True:
-        header = stream.read(4)
-        if len(header) < 4:
+        header = stream.read(_wire.FRAME_HEADER.size)
+        if len(header) < _wire.FRAME_HEADER.size:
           break
-        frame = json.loads(stream.read(int.from_bytes(header, 'big')))
+        (size,) = _wire.FRAME_HEADER.unpack(header)
+        frame = _wire.decode_frame(stream.read(size))
         if frame.get('op') == 'fatal':
           self._fail(f'the sandbox launcher failed: {frame.get("message")}')
           return
@@ -470,8 +468,7 @@ class Sandbox:
         pending = _Pending()
         self._pending[job['id']] = pending
         pendings.append(pending)
-        frame = json.dumps(job, separators=(',', ':')).encode()
-        data += len(frame).to_bytes(4, 'big') + frame
+        data += _wire.encode_frame(job)
       try:
         self._process.stdin.write(data)
         self._process.stdin.flush()
@@ -593,7 +590,7 @@ class Sandbox:
     if end == 'memory':
       return 'memory', f'out of memory: {reply["detail"]}'
     code, sig, cpu_s = reply['exit_code'], reply['signal'], reply['cpu_s']
-    if code == _EXIT_MEMORY:
+    if code == _wire.EXIT_MEMORY:
       return 'memory', 'MemoryError: out of memory'
     if sig == signal.SIGXCPU or (
       sig == signal.SIGKILL and cpu_s is not None and cpu_s >= self.config.cpu_s
@@ -679,11 +676,11 @@ def _exception_fields(payload: str) -> tuple[str, str]:
 
 
 def _judge(test: TestCase, kind: int, payload: str) -> TestResult:
-  if kind == _KIND_EXCEPTION:
+  if kind == _wire.KIND_EXCEPTION:
     name, line = _exception_fields(payload)
     error = f'{name}: {line}' if line else name
     return TestResult(False, '', error, 'memory' if name == 'MemoryError' else 'error')
-  if kind == _KIND_UNSUPPORTED:
+  if kind == _wire.KIND_UNSUPPORTED:
     fields = _list_or_empty(payload)
     got = f'<object of type {shorten(fields[0], 100) if fields else "unknown"}>'
     return TestResult(False, got, f'returned {got}: not a plain value', 'fail')

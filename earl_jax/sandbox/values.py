@@ -1,6 +1,6 @@
 """Strict decoding of the values a sandboxed program reports, and their comparison with expected ones.
 
-The program encodes each return value with its type (`_launcher.encode_value`): tagged JSON lists
+The program encodes each return value with its type (`_wire.encode_value`): tagged JSON lists
 that can only describe None, bool, int, float, complex, str, bytes and lists, tuples, sets,
 frozensets and dicts of them. This side rebuilds exactly those types and nothing else, so an
 object of a user class (one whose `__eq__` always returns True, say) can never reach a comparison:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from earl_jax.sandbox import _launcher, values
+from earl_jax.sandbox import _wire, values
 
 PLAIN = [
   None,
@@ -28,7 +28,7 @@ PLAIN = [
 
 @pytest.mark.parametrize('value', PLAIN, ids=lambda value: type(value).__name__)
 def test_plain_values_round_trip_with_their_type(value):
-  back = values.decode_value(json.dumps(_launcher.encode_value(value)))
+  back = values.decode_value(json.dumps(_wire.encode_value(value)))
   assert type(back) is type(value)
   assert back == value
   if not isinstance(value, (set, frozenset)):  # a set's order may change on the way
@@ -48,15 +48,15 @@ class _AlwaysEqual:
   'value', [_Int(3), _AlwaysEqual(), [_AlwaysEqual()], {'k': _Int(1)}, range(3), object()]
 )
 def test_the_program_refuses_to_encode_anything_else(value):
-  with pytest.raises(_launcher._UnsupportedError):
-    _launcher.encode_value(value)
+  with pytest.raises(_wire.UnsupportedError):
+    _wire.encode_value(value)
 
 
 def test_self_referencing_containers_are_refused():
   loop = []
   loop.append(loop)
-  with pytest.raises(_launcher._UnsupportedError, match='deeper'):
-    _launcher.encode_value(loop)
+  with pytest.raises(_wire.UnsupportedError, match='deeper'):
+    _wire.encode_value(loop)
 
 
 @pytest.mark.parametrize(
