@@ -26,24 +26,6 @@ def _doc_id(path):
   return str(path.relative_to(ROOT))
 
 
-def _slugs(text: str) -> set[str]:
-  """GitHub's heading anchors of a markdown file (repeats get -1, -2, ...)."""
-  seen: dict[str, int] = {}
-  out = set()
-  in_code = False
-  for line in text.splitlines():
-    if line.startswith('```'):
-      in_code = not in_code
-    m = re.match(r'#{1,6} (.*)', line)
-    if in_code or not m:
-      continue
-    slug = re.sub(r'[^\w\- ]', '', m.group(1).strip().lower()).replace(' ', '-')
-    n = seen.get(slug, 0)
-    seen[slug] = n + 1
-    out.add(slug if n == 0 else f'{slug}-{n}')
-  return out
-
-
 def _links(text: str) -> list[str]:
   return re.findall(r'\]\(([^)\s]+)\)', text)
 
@@ -135,6 +117,7 @@ def test_reference_covers_every_config_of_the_main_job():
 @pytest.mark.parametrize('doc', DOCS, ids=_doc_id)
 def test_relative_links_resolve(doc):
   text = doc.read_text()
+  slugs = _script('check_results').slugs
   bad = []
   for link in _links(text):
     if re.match(r'[a-z]+:', link):  # http:, https:, mailto:
@@ -143,7 +126,7 @@ def test_relative_links_resolve(doc):
     target = (doc.parent / path).resolve() if path else doc
     if not target.exists():
       bad.append(f'{link}: no such file')
-    elif anchor and target.suffix == '.md' and anchor not in _slugs(target.read_text()):
+    elif anchor and target.suffix == '.md' and anchor not in slugs(target.read_text()):
       bad.append(f'{link}: no heading with that anchor')
   assert not bad, f'{doc.name}: {bad}'
 
