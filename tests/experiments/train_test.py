@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -266,11 +267,21 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     ['experiments.train', '--config=smoke', '--config.steps=50', f'--workdir={workdir}']
   )
   _wait_for_step(workdir, proc, 1)
+  # The second Ctrl-C goes as soon as the first one's handler has said so (a step takes a
+  # fraction of a second: after a fixed pause the run may have stopped at the step's end).
+  chunks: list[str] = []
+  reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stderr.readline, '')))
+  reader.start()
   proc.send_signal(signal.SIGINT)
-  time.sleep(0.2)
+  deadline = time.monotonic() + 60
+  while not any('to stop at once' in c for c in chunks):
+    assert proc.poll() is None and time.monotonic() < deadline, ''.join(chunks)[-2000:]
+    time.sleep(0.001)
   t0 = time.monotonic()
   proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=60)
+  proc.wait(timeout=60)
+  reader.join()
+  err = ''.join(chunks)
   assert proc.returncode == 130 and time.monotonic() - t0 < 10, err[-2000:]
   lines = [line for line in err.splitlines() if line.strip()]
   assert lines[-1].startswith('interrupted: stopped at once') and 'Traceback' not in err, lines

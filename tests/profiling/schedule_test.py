@@ -195,7 +195,14 @@ def measured_run(workdir: str, steps: int) -> dict:
   )
   config = dataclasses.replace(base, selector=dataclasses.replace(base.selector, profile=profile))
   t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
-  summary = t.run(progress=False)
+  for _ in range(steps):
+    # Between steps, every background compile (the run's and the profile's) is let finish, as
+    # a quiet machine would: a loaded one (CI) may otherwise keep one going through every step,
+    # and then nothing is timed, by design.
+    t.step()
+    t.executables.wait()
+    t.scheduler.wait_compiles()
+  summary = t.run(progress=False)  # no step left: closes the run
   cells = t.selector.profile(Stage.ROLLOUT).measured_only().to_json()['cells']
   return {
     'process': jax.process_index(),
