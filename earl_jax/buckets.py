@@ -36,3 +36,8 @@ def pad_to_bucket(
   widths[axis] = (0, bucket - length)
   xp = np if isinstance(x, np.ndarray) else jnp
   return xp.pad(x, widths, constant_values=pad_value), bucket
+
+
+def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` that is >= `n` (a length padded to an alignment)."""
+  return -(-n // multiple) * multiple

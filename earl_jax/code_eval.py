@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from earl_jax import buckets as buckets_lib
 from earl_jax import checkpointing
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.envs import base, code_env, code_tasks
@@ -313,10 +314,6 @@ def rows_and_tasks(
   return task_index, np.arange(evaluated)
 
 
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 def buckets_for(
   config: CodeEvalConfig, tok: Any, tasks: Sequence[code_tasks.CodeTask]
 ) -> tuple[tuple[int, ...], BucketConfig]:
@@ -327,14 +324,14 @@ def buckets_for(
   """
   env, new = config.env_config(), config.max_new_tokens
   first = max(len(tok.turn_prompt_ids(code_env.printable(t.prompt), first=True)) for t in tasks)
-  prompts = [_round_up(first, 64)]
+  prompts = [buckets_lib.round_up(first, 64)]
   longest = first + new
   if config.max_turns > 1:
     feedback = env.feedback_tests * (env.feedback_chars + 1) + len(tok.reply_suffix_ids()) + 32
-    later = _round_up(first + feedback, 64)
+    later = buckets_lib.round_up(first + feedback, 64)
     prompts.append(later)
     longest += (config.max_turns - 1) * (later + new)
-  cache, length = [], _round_up(prompts[0] + new, 64)
+  cache, length = [], buckets_lib.round_up(prompts[0] + new, 64)
   while True:
     cache.append(length)
     if length >= longest:
@@ -346,7 +343,7 @@ def buckets_for(
 def num_episodes(config: CodeEvalConfig, num_tasks: int, data_shards: int) -> int:
   """`num_tasks` x n episodes, rounded up so that the groups of n and the `data_shards`
   data-parallel ranks divide them (the extra episodes are played, not evaluated)."""
-  return _round_up(num_tasks * config.n, math.lcm(config.n, data_shards))
+  return buckets_lib.round_up(num_tasks * config.n, math.lcm(config.n, data_shards))
 
 
 def rollout_config(

@@ -394,7 +394,7 @@ class _Group:
 
 def _stop_on_request(codes: Sequence[int | None]) -> int | None:
   """The signal a process that exited with 128 + SIGTERM or SIGINT stopped on (the trainer's
-  exit after a stop at a step boundary, `earl_jax.preemption`), or None."""
+  exit after a stop at a step boundary, `earl_jax.run.preemption`), or None."""
   for code in codes:
     if code is not None and code - 128 in _STOP_SIGNALS:
       return code - 128

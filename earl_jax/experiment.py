@@ -11,6 +11,7 @@ notebooks and tests import it without the trainer.
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
@@ -190,6 +191,11 @@ class ExperimentConfig:
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
+  def resume_diff(self, saved: dict) -> list[str]:
+    """The fields of a checkpoint's config (`to_json`) whose change refuses a resume from it
+    (`config_diff`; a field added since it was saved is read at its default)."""
+    return config_diff(saved, self.to_json(), defaults=ExperimentConfig().to_json())
+
   def fingerprint(self) -> str:
     """Identifies the computation for --resume: `to_json` without what a resume may change
     (`_IGNORED_ON_RESUME`, and `init_seed` where the restored state leaves it unread)."""
@@ -241,7 +247,12 @@ def _computation(d: dict, ignored: set[str], prefix: str = '') -> dict:
 
 
 def config_diff(
-  saved: dict, current: dict, *, defaults: dict | None = None, limit: int = 5
+  saved: dict,
+  current: dict,
+  *,
+  defaults: dict | None = None,
+  limit: int = 5,
+  ignored: Iterable[str] | None = None,
 ) -> list[str]:
   """The fields that differ between two `to_json`s and refuse a resume (what the fingerprint
   hashes; `init_seed` only where both configs read it), as 'optim.learning_rate: 0.003 -> 0.001'
@@ -249,9 +260,12 @@ def config_diff(
 
   A field `saved` lacks (one added to the code since it was saved) is unchanged where `current`
   holds its value in `defaults` (e.g. `ExperimentConfig().to_json()`): a new field's default
-  keeps what the code did before it.
+  keeps what the code did before it. `ignored`: the dotted paths a resume may change (default:
+  an `ExperimentConfig`'s).
   """
-  ignored = _ignored_on_resume(saved) | _ignored_on_resume(current)
+  if ignored is None:
+    ignored = _ignored_on_resume(saved) | _ignored_on_resume(current)
+  ignored = set(ignored)
   a, b = _computation(saved, ignored), _computation(current, ignored)
   lines = _diff(a, b, defaults or {}, '')
   return lines if len(lines) <= limit else [*lines[:limit], f'and {len(lines) - limit} more']

@@ -6,8 +6,18 @@ def main(argv):
 
 if __name__ == '__main__':
   runtime.run(main)                # app.run, with user errors as one line and exit code 2
+
+A job's entry point (experiments/train.py, experiments/sft.py) defines its run flags at once:
+
+_RUN = runtime.define_run_flags()  # --cpu_devices, --workdir, --resume, --move_aside
+
+def main(argv):
+  _RUN.start()                     # quiet logs, jax.distributed from the environment, setup
+  workdir = _RUN.workdir_for(config.name)
+  job = Trainer(config, **_RUN.job_args(workdir))
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -57,6 +67,66 @@ def _has_accelerator() -> bool:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+  """The flags every job's entry point takes (`define_run_flags`)."""
+
+  cpu_devices: Any  # absl FlagHolders
+  workdir: Any
+  resume: Any
+  move_aside: Any
+
+  def start(self) -> None:
+    """Absl's log at WARNING unless `--verbosity` is given (the job prints its step lines),
+    `jax.distributed` from the launcher's environment, then `setup` (fake CPU devices only in a
+    single process)."""
+    from absl import flags
+
+    from earl_jax import distributed
+
+    if not flags.FLAGS['verbosity'].present:
+      logging.set_verbosity(logging.WARNING)
+    env = distributed.initialize_from_env()
+    setup(cpu_devices=None if env else self.cpu_devices.value)
+
+  def workdir_for(self, name: str) -> str:
+    """--workdir, or runs/<name>."""
+    return self.workdir.value or os.path.join('runs', name)
+
+  def job_args(self, workdir: str) -> dict[str, Any]:
+    """A job's `workdir`, `resume`, `move_aside` and `log_fn` (absl's info) from the flags."""
+    return {
+      'workdir': workdir,
+      'resume': self.resume.value,
+      'move_aside': self.move_aside.value,
+      'log_fn': logging.info,
+    }
+
+
+def define_run_flags() -> RunFlags:
+  """Defines --cpu_devices, --workdir, --resume and --move_aside (an entry point's, once)."""
+  from absl import flags
+
+  workdir = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<config.name>).')
+  flags.register_validator(
+    'workdir',
+    lambda workdir: workdir is None or bool(workdir.strip()),
+    message='--workdir is empty: expected a folder (or no --workdir, for runs/<config.name>).',
+  )
+  return RunFlags(
+    cpu_devices=flags.DEFINE_integer(
+      'cpu_devices', 8, 'Fake CPU devices when there is no GPU.', lower_bound=1
+    ),
+    workdir=workdir,
+    resume=flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.'),
+    move_aside=flags.DEFINE_bool(
+      'move_aside',
+      False,
+      'Rename a --workdir that holds a run to <workdir>.<time>, then start afresh.',
+    ),
+  )
+
+
 def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = None) -> None:
   """`absl.app.run(main)`, with every user error ending the program in one line.
 
@@ -65,7 +135,9 @@ def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = Non
   `error: <message>` to stderr and exits with code 2, absl's `UsageError` convention, instead of
   a traceback. A KeyboardInterrupt (Ctrl-C where nothing handles it, or the second one during
   training) prints one line and exits with 130 at once. `--debug` (or `--verbosity=1` and up)
-  shows the traceback. Other exceptions are internal errors and keep theirs.
+  shows the traceback. A job stopped at a saved step (`preemption.Stopped`: SIGTERM, or the first
+  Ctrl-C) prints its line on process 0 and exits with 128 + the signal. Other exceptions are
+  internal errors and keep theirs.
   """
   from absl import app, flags
 
@@ -90,8 +162,16 @@ def run(main: Callable[[list[str]], Any], *, flags_parser: Callable | None = Non
       _exit_with(e)
 
   def main_or_exit(argv: list[str]) -> Any:
+    from earl_jax.run import preemption
+
     try:
       return main(argv)
+    except preemption.Stopped as stopped:  # SIGTERM or Ctrl-C: the step is saved
+      import jax
+
+      if jax.process_index() == 0:
+        print(stopped, flush=True)
+      sys.exit(stopped.exit_code)
     except (errors.UserError, app.UsageError) as e:
       if debugging():
         raise

@@ -54,15 +54,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from earl_jax import buckets as buckets_lib
-from earl_jax import checkpointing, metrics, rundir
+from earl_jax import metrics
 from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
 from earl_jax.envs import base as envs
 from earl_jax.envs import code_env
-from earl_jax.errors import ConfigError, UserError
+from earl_jax.errors import ConfigError
+from earl_jax.experiment import config_diff
 from earl_jax.models import hf_import, qwen2
 from earl_jax.models import tokenizer as tokenizer_lib
 from earl_jax.programs import StageSpec
 from earl_jax.rl import train_step
+from earl_jax.run import loop
+from earl_jax.run.rundir import RunDir
 from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 from earl_jax.sharding import mesh as mesh_lib
@@ -71,13 +74,10 @@ from earl_jax.stage import Stage
 
 # The tasks whose episodes `CodeEnv` plays (and whose tasks have reference completions).
 SFT_TASKS = ('functions', 'humaneval')
-# What a resume may change: how long, how often it evaluates, logs and saves, and its name.
+# What a resume may change: how long, how often it evaluates, logs and saves, when it gives up,
+# and its name.
 _CADENCE = ('name', 'steps', 'log_every', 'eval_every', 'pass_episodes', 'checkpoint_every')
-_CADENCE += ('keep_checkpoints',)
-
-
-class SFTRunError(UserError):
-  """A workdir that holds another run, or a --resume without a checkpoint of this config."""
+_CADENCE += ('keep_checkpoints', 'max_skipped_in_a_row')
 
 
 # -- config ----------------------------------------------------------------------------------------
@@ -119,6 +119,8 @@ class SFTConfig:
     max_new_tokens: the reply limit of those episodes.
     checkpoint_every: save an Orbax checkpoint every this many steps and at the end (0: never).
     keep_checkpoints: the newest checkpoints kept.
+    max_skipped_in_a_row: the run stops with an error after this many consecutive steps were
+      skipped for a non-finite loss, gradient or update (0: never).
     seed: seeds the order of the examples (and of the pass-rate episodes).
     init_seed: seeds the random initialisation (ignored with model_dir).
   """
@@ -148,6 +150,7 @@ class SFTConfig:
   max_new_tokens: int = 64
   checkpoint_every: int = 100
   keep_checkpoints: int = 2
+  max_skipped_in_a_row: int = 10
   seed: int = 0
   init_seed: int = 0
 
@@ -155,7 +158,13 @@ class SFTConfig:
     if not isinstance(self.name, str) or not self.name.strip() or '/' in self.name:
       raise ConfigError(f'SFTConfig.name={self.name!r}: expected a non-empty folder name.')
     check_positive(self, 'batch_size', 'steps', 'keep_checkpoints', 'max_new_tokens')
-    for field in ('log_every', 'eval_every', 'pass_episodes', 'checkpoint_every'):
+    for field in (
+      'log_every',
+      'eval_every',
+      'pass_episodes',
+      'checkpoint_every',
+      'max_skipped_in_a_row',
+    ):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f'SFTConfig.{field} must be an int >= 0, got {value!r}.')
@@ -188,6 +197,12 @@ class SFTConfig:
 
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  def resume_diff(self, saved: dict) -> list[str]:
+    """The fields of a checkpoint's config (`to_json`) whose change refuses a resume from it:
+    all but the cadence (`_CADENCE`); a field added since it was saved is read at its default."""
+    defaults = SFTConfig().to_json()
+    return config_diff(saved, self.to_json(), defaults=defaults, ignored=_CADENCE)
 
   def fingerprint(self) -> str:
     """Identifies the run for --resume: everything but the cadence (`_CADENCE`)."""
@@ -534,7 +549,9 @@ def decide_layout(
 
 class SFTRun:
   """Runs `SFTConfig` in `workdir`: metrics.jsonl (+ TensorBoard), checkpoints/, one line per
-  `log_every` steps (see the module docstring)."""
+  `log_every` steps (see the module docstring), on the run layer the RL job runs on
+  (`run.rundir`, `run.loop`): the workdir's lock, `move_aside`, resume, the stop on SIGTERM or
+  Ctrl-C at a saved step, and the stop after `max_skipped_in_a_row` non-finite steps."""
 
   def __init__(
     self,
@@ -543,13 +560,23 @@ class SFTRun:
     workdir: str,
     resume: bool = False,
     log_fn: Callable[[str], None] | None = None,
+    move_aside: bool = False,
   ):
     """Checks the model, the examples, the layout and the workdir before anything compiles.
 
+    Args:
+      config: the run.
+      workdir: where metrics and checkpoints go.
+      resume: continue from the latest checkpoint in `workdir`.
+      log_fn: receives every log line (default: absl logging).
+      move_aside: a workdir that holds a run is renamed to `<workdir>.<time>` (once the config
+        has passed its checks) and the run starts afresh.
+
     Raises:
       ConfigError: an example longer than the largest bucket, a layout that does not fit.
-      SFTRunError: a workdir that holds a run (without `resume`), or `resume` without a
-        checkpoint of this config.
+      WorkdirError: a workdir that cannot be written, is locked by a live run, or holds a run
+        (without `resume` or `move_aside`).
+      ResumeError: `resume` without a readable checkpoint of this config.
     """
     self.config, self.workdir = config, workdir
     self.log = log_fn or (lambda line: logging.info('%s', line))
@@ -560,53 +587,31 @@ class SFTRun:
       _check_fits(config, name, examples)
     self.train_buckets = example_buckets(self.train_set, config.buckets)
     self.is_main = jax.process_index() == 0
-    self._check_workdir(resume)
     self.decision = decide_layout(config, self.model_cfg, self.train_set.lengths.tolist())
     if config.pass_episodes:
       mesh_lib.check_batch_fits(self.decision.config, config.pass_episodes, what='pass_episodes')
-    self.mesh = mesh_lib.make_mesh(self.decision.config)
-    self.programs = Programs(self.model_cfg, self.mesh, config.optim, config.batch_size)
-    self._checkpointer: checkpointing.Checkpointer | None = None
-    self._pass_engine = None
-    self.global_step = 0
-    self.history: list[dict] = []
-    rows = self._resume() if resume else None
-    if not resume:
-      self.state = self._initial_state()
-    self.writer = metrics.MetricsWriter(
-      workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
+    self.run_dir, resume_point = RunDir.open(
+      workdir, config, resume=resume, log=self.log, set_aside_used=move_aside
     )
-    if rows is not None:
-      self.writer.rewrite(rows)
-
-  # -- construction --------------------------------------------------------------------------------
-
-  def _check_workdir(self, resume: bool) -> None:
-    rundir.check_writable(self.workdir)
-    used = [n for n in ('metrics.jsonl', 'checkpoints') if _nonempty(self.workdir, n)]
-    if used and not resume:
-      raise SFTRunError(
-        f'--workdir {self.workdir} holds a run ({" and ".join(used)}): expected an unused '
-        'folder; pass --resume to continue it, or another --workdir.'
+    with self.run_dir.released_on_error():  # a run that fails while being built frees it
+      self.mesh = mesh_lib.make_mesh(self.decision.config)
+      self.programs = Programs(self.model_cfg, self.mesh, config.optim, config.batch_size)
+      self._pass_engine = None
+      self.global_step = 0
+      self.history: list[dict] = []
+      if resume_point is None:
+        self.state = self._initial_state()
+        rows = None
+      else:
+        restored = self.run_dir.restore(resume_point, lambda meta: self.programs.abstract_state)
+        self.state, self.global_step = restored.state, restored.step
+        rows = restored.rows
+        self.history = list(rows)
+      self.writer = metrics.MetricsWriter(
+        workdir, enabled=self.is_main, purge_step=self.global_step + 1 if resume else None
       )
-    if resume and 'checkpoints' not in used:
-      raise SFTRunError(
-        f'--resume: no checkpoint in {os.path.abspath(self._checkpoint_dir)}: expected a run to '
-        'continue; start without --resume.'
-      )
-
-  @property
-  def _checkpoint_dir(self) -> str:
-    return os.path.join(self.workdir, 'checkpoints')
-
-  @property
-  def checkpointer(self) -> checkpointing.Checkpointer:
-    """The run's checkpoints, opened at their first use (a refused run leaves no folder)."""
-    if self._checkpointer is None:
-      self._checkpointer = checkpointing.Checkpointer(
-        self._checkpoint_dir, max_to_keep=self.config.keep_checkpoints
-      )
-    return self._checkpointer
+      if rows is not None:
+        self.writer.rewrite(rows)
 
   def _initial_state(self) -> train_step.TrainState:
     """Parameters (a HF checkpoint's, or from `init_seed`) and fresh AdamW moments."""
@@ -616,33 +621,9 @@ class SFTRun:
       _, params = qwen2.init_model(self.model_cfg, self.mesh, seed=self.config.init_seed)
     return train_step.init_train_state(params, self.programs.optimizer)
 
-  def _resume(self) -> list[dict]:
-    """Restores the newest readable checkpoint of this config; returns metrics rows up to it."""
-    fingerprint = self.config.fingerprint()
-    _, meta = next(self.checkpointer.readable_metas(on_skip=self._skip_checkpoint), (None, {}))
-    if meta.get('fingerprint') != fingerprint:
-      raise SFTRunError(
-        f'--resume: the checkpoint in {self.checkpointer.directory} (step {meta.get("step")}) '
-        f'was made by another config (fingerprint {meta.get("fingerprint")} != {fingerprint}): '
-        'expected the config it was started with (only the cadence and steps may change).'
-      )
-    step, self.state, _ = self.checkpointer.restore_newest_readable(
-      lambda meta: self.programs.abstract_state, on_skip=self._skip_checkpoint
-    )
-    self.global_step = step
-    path = os.path.join(self.workdir, 'metrics.jsonl')
-    rows = metrics.read_jsonl(path) if os.path.isfile(path) else []
-    rows = [r for r in rows if r.get('step', 0) <= step]
-    self.history = list(rows)
-    self.log(f'resumed from step {step} ({self.checkpointer.directory})')
-    return rows
-
-  def _skip_checkpoint(self, step: int, reason: str) -> None:
-    self.log(f'checkpoint step {step} does not restore ({reason}); trying an older one')
-
   # -- steps and evaluation ------------------------------------------------------------------------
 
-  def train_step(self) -> dict:
+  def step(self) -> dict:
     """One update on the next batch; its record (loss, tokens, tokens/s)."""
     cfg = self.config
     t0 = time.perf_counter()
@@ -699,7 +680,7 @@ class SFTRun:
     cfg, examples = self.config, self.heldout_set
     # A first turn's prompt: an example without its reply (the masked tokens).
     prompt = max(len(m) - int(m.sum()) for m in examples.loss_mask)
-    P = _round_up(prompt, 32)
+    P = buckets_lib.round_up(prompt, 32)
     rollout = engine.RolloutConfig(
       num_episodes=cfg.pass_episodes,
       sampling=sampler.SamplingConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
@@ -707,7 +688,7 @@ class SFTRun:
     )
     spec = StageSpec.for_rollout(rollout, self.tokenizer, self.model_cfg.vocab_size)
     programs = Executables(self.model_cfg, spec=spec)
-    cache = BucketConfig(lengths=(_round_up(P + cfg.max_new_tokens, 64),))
+    cache = BucketConfig(lengths=(buckets_lib.round_up(P + cfg.max_new_tokens, 64),))
     return engine.RolloutEngine(
       self.model_cfg, self.tokenizer, cfg.eval_env, rollout, cache, programs=programs
     )
@@ -719,61 +700,48 @@ class SFTRun:
     return out
 
   def save(self) -> None:
-    """Checkpoints the train state (every process) with the model's shape in its meta."""
+    """Checkpoints the train state (every process) with the model's shape in its meta (what
+    `placement.load_warm_start` checks)."""
     meta = {
-      'step': self.global_step,
       'kind': 'sft',
-      'fingerprint': self.config.fingerprint(),
-      'config': self.config.to_json(),
       'model': dataclasses.asdict(self.model_cfg),
       'optim': dataclasses.asdict(self.config.optim),
       'train_config': self.decision.config.name,
     }
-    self.checkpointer.save(self.global_step, self.state, meta)
+    self.run_dir.save(self.global_step, self.state, meta)
 
-  # -- the loop ------------------------------------------------------------------------------------
+  # -- the run (`run.loop`) ------------------------------------------------------------------------
 
   def run(self, progress: bool = True) -> dict:
-    """Trains to `config.steps`, evaluating, logging and checkpointing on the way; returns a
-    summary."""
-    from tqdm import tqdm  # only the loop needs it
+    """Trains to `config.steps`, evaluating, logging and checkpointing on the way (`loop.run`);
+    returns a summary.
 
-    cfg, t0 = self.config, time.perf_counter()
-    shown = progress and self.is_main
-    if self.global_step == 0 and cfg.eval_every:
-      self._record({'step': 0, **self.evaluate()}, show=shown)
-    bar = tqdm(total=cfg.steps, initial=self.global_step, disable=not shown, leave=False)
-    while self.global_step < cfg.steps:
-      record = self.train_step()
-      step, last = self.global_step, self.global_step == cfg.steps
-      if cfg.eval_every and (step % cfg.eval_every == 0 or last):
-        record.update(self.evaluate())
-      record.update(step=step, wall_s=time.perf_counter() - t0)
-      line = bool(cfg.log_every) and (step % cfg.log_every == 0 or last)
-      self._record(record, show=shown and line)
-      bar.update(1)
-      if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last):
-        self.save()
-    bar.close()
-    self.close()
-    return self.summary(time.perf_counter() - t0)
+    Raises:
+      preemption.Stopped: SIGTERM or SIGINT asked the run to stop; it stopped at the end of a
+        step, every process at the same one, and saved it.
+      NonFiniteError: too many non-finite steps in a row.
+    """
+    wall_s = loop.run(self, progress=progress)
+    return self.summary(wall_s)
 
-  def _record(self, record: dict, *, show: bool) -> None:
-    """Writes the record to metrics.jsonl and TensorBoard, and logs its line (printed above the
-    progress bar when `show`)."""
-    from tqdm import tqdm
+  def skipped_steps(self) -> int:
+    return int(self.state.skipped)
 
+  def keep(self, record: dict) -> str:
+    """Keeps the record; its line (with the latest held-out figures)."""
     line = format_line(record, self.history)
     self.history.append(record)
-    self.writer.write(record['step'], record)
-    if show:
-      tqdm.write(line)
-    self.log(line)
+    return line
+
+  def close(self) -> None:
+    """Closes the logs (the run directory waits for the checkpoint being written)."""
+    self.writer.close()
 
   def summary(self, wall_s: float) -> dict:
     heldout = [r['heldout/loss'] for r in self.history if 'heldout/loss' in r]
     passes = [r['heldout/pass_rate'] for r in self.history if 'heldout/pass_rate' in r]
     speeds = [r['tokens_per_s'] for r in self.history if 'tokens_per_s' in r]
+    saved = self.config.checkpoint_every and self.global_step > 0
     return {
       'steps': self.global_step,
       'wall_s': wall_s,
@@ -785,14 +753,8 @@ class SFTRun:
       'tokens_per_s': float(np.median(speeds)) if speeds else None,
       'skipped_steps': int(self.state.skipped),
       'compiles': self.programs.compiles,
-      'checkpoints': self._checkpoint_dir if self._checkpointer is not None else None,
+      'checkpoints': os.path.join(self.workdir, 'checkpoints') if saved else None,
     }
-
-  def close(self) -> None:
-    """Waits for the checkpoint being written; closes the logs."""
-    if self._checkpointer is not None:
-      self._checkpointer.wait()
-    self.writer.close()
 
 
 def format_line(record: dict, history: Sequence[dict] = ()) -> str:
@@ -822,14 +784,3 @@ def _check_fits(config: SFTConfig, field: str, examples: Examples) -> None:
       f'example of {examples.task_ids[longest]} in {field} ({examples.lengths[longest]} tokens): '
       f'expected a largest bucket >= {int(examples.lengths.max())}.'
     )
-
-
-def _nonempty(workdir: str, name: str) -> bool:
-  path = os.path.join(workdir, name)
-  if os.path.isdir(path):
-    return bool(os.listdir(path))
-  return os.path.isfile(path) and os.path.getsize(path) > 0
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple

@@ -46,11 +46,10 @@ from typing import Any
 import jax
 from absl import logging
 
-from earl_jax import assembly, metrics, preemption
+from earl_jax import assembly, metrics
 from earl_jax import dispatch as dispatch_lib
 from earl_jax import placement as placement_lib
 from earl_jax.config import ParallelConfig
-from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.metrics import StageTimer, format_line, move_summary
 from earl_jax.placement import StagePlacement
@@ -62,14 +61,12 @@ from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
-from earl_jax.rundir import ResumeError, ResumePoint, RunDir, WorkdirError
+from earl_jax.run import loop
+from earl_jax.run.loop import NonFiniteError
+from earl_jax.run.rundir import ResumeError, ResumePoint, RunDir, WorkdirError
 from earl_jax.selector import selector as selector_lib
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
-
-
-class NonFiniteError(UserError):
-  """`max_skipped_in_a_row` steps in a row had a loss, gradient or update that was not finite."""
 
 
 @dataclasses.dataclass
@@ -145,7 +142,7 @@ class Trainer:
         model=self.model_cfg,
         spec=self.spec,
         executables=self.executables,
-        base=None if resume_point is None else resume_point.profile,
+        base=None if resume_point is None else _saved_profile(resume_point.meta),
         given=profile,
       )
       self.selector = assembly.make_selector(
@@ -204,13 +201,18 @@ class Trainer:
     """Restores the checkpoint `point` names (or an older one that reads); returns the metrics
     rows up to it, for the writer to rewrite."""
     self.placement.drop_state()  # the fresh state is replaced, not moved
-    restored = self.run_dir.restore(point, self.executables.abstract_train_state)
-    self.placement.restore(restored.state, restored.train_config)
-    self.global_step = restored.step
-    self.selector.load_state_dict(restored.selector_state)
-    self.prev_stats = (
-      None if restored.prev_stats is None else selector_lib.StepStats(**restored.prev_stats)
+    restored = self.run_dir.restore(
+      point,
+      lambda meta: self.executables.abstract_train_state(
+        ParallelConfig.parse(meta['train_config'])
+      ),
     )
+    meta = restored.meta
+    self.placement.restore(restored.state, ParallelConfig.parse(meta['train_config']))
+    self.global_step = restored.step
+    self.selector.load_state_dict(meta['selector'])
+    prev_stats = meta['prev_stats']
+    self.prev_stats = None if prev_stats is None else selector_lib.StepStats(**prev_stats)
     self.history = [metrics.summary_fields(r) for r in restored.rows]
     return restored.rows
 
@@ -408,90 +410,43 @@ class Trainer:
     if self.run_dir.checkpointer is None:
       return
     stages = self.config.selector.profile.stages
-    self.run_dir.save(
-      self.global_step,
-      self.placement.state,
-      selector_state=self.selector.state_dict(),
-      train_config=self.placement.train_config,
-      prev_stats=None if self.prev_stats is None else dataclasses.asdict(self.prev_stats),
-      profile=self.selector.profile(stages[0]).to_json() if stages else None,
-    )
+    meta = {
+      'selector': self.selector.state_dict(),
+      'train_config': self.placement.train_config.name,
+      'prev_stats': None if self.prev_stats is None else dataclasses.asdict(self.prev_stats),
+      'profile': self.selector.profile(stages[0]).to_json() if stages else None,
+    }
+    self.run_dir.save(self.global_step, self.placement.state, meta)
 
-  def _log_step(self, record: dict, bar: Any, progress: bool) -> None:
-    self.history.append(metrics.summary_fields(record))
-    self.writer.write(self.global_step, record)
-    line = format_line(record)
-    if progress and self.is_main:
-      bar.write(line)
-    self.log(line)
-    bar.update(1)
+  # ----------------------------------------------------------------------------------------------
+  # The run (`run.loop`: the cadence, the stops and the non-finite guard every job shares).
 
   def run(self, progress: bool = True) -> dict:
-    """Trains to `config.steps`, evaluating and checkpointing on the way; returns a summary.
+    """Trains to `config.steps`, evaluating and checkpointing on the way (`loop.run`); returns a
+    summary.
 
     Raises:
       preemption.Stopped: SIGTERM or SIGINT asked the run to stop; it stopped at the end of a
         step, every process at the same one, and saved it.
       NonFiniteError: too many non-finite steps in a row.
     """
-    from tqdm import tqdm  # only the loop needs it
+    wall_s = loop.run(self, progress=progress)
+    return self._summary(wall_s)
 
-    t0 = time.perf_counter()
-    if self.global_step == 0 and self.config.eval_every:
-      record = {'step': 0, **self.evaluate()}
-      self.history.append(metrics.summary_fields(record))
-      self.writer.write(0, record)
-      self.log(metrics.eval_line(record))
-    bar = tqdm(
-      total=self.config.steps,
-      initial=self.global_step,
-      disable=not (progress and self.is_main),
-      leave=False,
-    )
-    at_once = False
-    with preemption.StopRequests() as stops:
-      try:
-        self._loop(t0, bar, progress, stops)
-      except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the save under way
-        at_once = True
-        raise
-      finally:
-        bar.close()
-        if at_once:
-          self.run_dir.release()  # no waiting for the save
-        else:
-          self._finish()
-    return self._summary(time.perf_counter() - t0)
+  def skipped_steps(self) -> int:
+    return int(self.placement.state.skipped)
 
-  def _loop(self, t0: float, bar: Any, progress: bool, stops: preemption.StopRequests) -> None:
-    """Steps to `config.steps`, each evaluated, logged and checkpointed on its cadence."""
-    cfg = self.config
-    skipped, in_a_row = int(self.placement.state.skipped), 0
-    while self.global_step < cfg.steps:
-      record = self.step()
-      in_a_row = in_a_row + 1 if record['skipped_steps'] > skipped else 0
-      skipped = record['skipped_steps']
-      last = self.global_step == cfg.steps
-      if cfg.eval_every and (self.global_step % cfg.eval_every == 0 or last):
-        record.update(self.evaluate())
-      record['step'] = self.global_step
-      record['wall_s'] = time.perf_counter() - t0
-      self._log_step(record, bar, progress)
-      saved = cfg.checkpoint_every and (self.global_step % cfg.checkpoint_every == 0 or last)
-      if saved:
-        self.save()
-      self.run_dir.check()  # a save that failed in the background stops the run now
-      if signum := stops.agreed():
-        if not saved:
-          self.save()
-        raise preemption.Stopped(self.global_step, signum, saved=bool(cfg.checkpoint_every))
-      if cfg.max_skipped_in_a_row and in_a_row >= cfg.max_skipped_in_a_row:
-        raise NonFiniteError(
-          f'steps {self.global_step - in_a_row + 1}-{self.global_step}: {in_a_row} steps in a '
-          'row were skipped because the loss, the gradients or the update were not finite '
-          f'(max_skipped_in_a_row={cfg.max_skipped_in_a_row}); the parameters are those of the '
-          'last kept step; expected finite updates: lower optim.learning_rate or check the data.'
-        )
+  def keep(self, record: dict) -> str:
+    """Keeps the record's summary fields; its line (step 0's: the initial evaluation's)."""
+    self.history.append(metrics.summary_fields(record))
+    return metrics.eval_line(record) if record['step'] == 0 else format_line(record)
+
+  def close(self) -> None:
+    """Closes the logs and waits for the background compiles."""
+    try:
+      self.writer.close()
+    finally:
+      self.executables.wait()
 
   def _summary(self, wall_s: float) -> dict:
     evals = [r for r in self.history if 'eval/win_rate' in r]
@@ -519,14 +474,10 @@ class Trainer:
     stages = self.config.selector.profile.stages
     return self.selector.profile(stages[0]).measured_only().to_json() if stages else None
 
-  def _finish(self) -> None:
-    """Closes the logs, waits for the background compiles and for the checkpoint being written
-    (last: its failure is raised once the rest is closed), and frees the workdir."""
-    try:
-      self.writer.close()
-      self.executables.wait()
-    finally:
-      self.run_dir.close()  # waits for the save, then releases the lock
+
+def _saved_profile(meta: dict) -> Profile | None:
+  """The profile a checkpoint's decisions were taken on (None: none was kept)."""
+  return Profile.from_json(meta['profile']) if meta.get('profile') else None
 
 
 def _eval_fields(record: dict) -> dict:

@@ -4,46 +4,35 @@ solutions (prompt tokens masked), on the train layout the selector picks.
   python experiments/sft.py --config=code                      # runs/code_sft
   python experiments/sft.py --config=code --config.steps=300 --workdir=runs/sft
   python experiments/sft.py --config=code --workdir=runs/sft --resume
+  python experiments/sft.py --config=code --workdir=runs/sft --move_aside   # keep the old one
   python experiments/train.py ... --config.init_from=runs/code_sft/checkpoints   # RL from it
 
 Prints the layout, then one line per `log_every` steps (train loss, the latest held-out loss and
 pass rate, tokens/s, seconds) above a progress bar; writes metrics.jsonl + TensorBoard events,
-Orbax checkpoints (the RL job's TrainState) and summary.json under --workdir.
+Orbax checkpoints (the RL job's TrainState) and summary.json under --workdir. As the RL job:
+one run per workdir (a lock), and SIGTERM or Ctrl-C stops it at the end of the step, saved (exit
+code 143 or 130); a second Ctrl-C stops at once.
 """
 
 import json
 import os
 
-from absl import flags, logging
-
-from earl_jax import config_cli, distributed, runtime
+from earl_jax import config_cli, runtime
 from experiments.configs import sft as presets
 
-_CPU_DEVICES = flags.DEFINE_integer(
-  'cpu_devices', 8, 'Fake CPU devices when there is no GPU.', lower_bound=1
-)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<config.name>).')
-flags.register_validator(
-  'workdir',
-  lambda workdir: workdir is None or bool(workdir.strip()),
-  message='--workdir is empty: expected a folder (or no --workdir, for runs/<config.name>).',
-)
-_RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
+_RUN = runtime.define_run_flags()
 _CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='code')
 
 
 def main(argv):
   del argv
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
-  env = distributed.initialize_from_env()
-  runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
+  _RUN.start()
   from earl_jax import sft  # after the runtime is set up
 
   config = _CONFIG.value
-  workdir = _WORKDIR.value or os.path.join('runs', config.name)
+  workdir = _RUN.workdir_for(config.name)
   # Checks the model, the examples, the workdir (and the checkpoint to resume) before compiling.
-  run = sft.SFTRun(config, workdir=workdir, resume=_RESUME.value, log_fn=logging.info)
+  run = sft.SFTRun(config, **_RUN.job_args(workdir))
   if run.is_main:
     print(
       f'earl_jax sft: {config.name} -> {workdir}; {len(run.train_set)} train and '
@@ -51,9 +40,7 @@ def main(argv):
       f'({run.decision.reason})',
       flush=True,
     )
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      json.dump(config.to_json(), f, indent=2)
-  summary = run.run()
+  summary = run.run()  # SIGTERM or Ctrl-C: preemption.Stopped, saved (`runtime.run` exits)
   if run.is_main:
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       json.dump(summary, f, indent=2)

@@ -15,57 +15,25 @@ stops it at the end of the step, saved (exit code 143 or 130); a second Ctrl-C s
 
 import json
 import os
-import sys
 
-from absl import flags, logging
-
-from earl_jax import config_cli, distributed, runtime
+from earl_jax import config_cli, runtime
 from experiments.configs import train as presets
 
-_CPU_DEVICES = flags.DEFINE_integer(
-  'cpu_devices', 8, 'Fake CPU devices when there is no GPU.', lower_bound=1
-)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output folder (default: runs/<preset>).')
-flags.register_validator(
-  'workdir',
-  lambda workdir: workdir is None or bool(workdir.strip()),
-  message='--workdir is empty: expected a folder (or no --workdir, for runs/<config.name>).',
-)
-_RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in --workdir.')
-_MOVE_ASIDE = flags.DEFINE_bool(
-  'move_aside', False, 'Rename a --workdir that holds a run to <workdir>.<time>, then start afresh.'
-)
+_RUN = runtime.define_run_flags()
 _CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='default')
 
 
 def main(argv):
   del argv
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # the step lines are printed; --verbosity=0 for more
-  env = distributed.initialize_from_env()
-  runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
-  from earl_jax import plotting, preemption, trainer  # after the runtime is set up
+  _RUN.start()
+  from earl_jax import plotting, trainer  # after the runtime is set up
 
   config = _CONFIG.value
-  workdir = _WORKDIR.value or os.path.join('runs', config.name)
+  workdir = _RUN.workdir_for(config.name)
   print(f'earl_jax: {config.name} -> {workdir}', flush=True)
   # Checks the workdir (and the checkpoint to resume) before anything compiles.
-  t = trainer.Trainer(
-    config,
-    workdir=workdir,
-    resume=_RESUME.value,
-    log_fn=logging.info,
-    move_aside=_MOVE_ASIDE.value,
-  )
-  if t.is_main:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      json.dump(config.to_json(), f, indent=2)
-  try:
-    summary = t.run()
-  except preemption.Stopped as stopped:  # SIGTERM or Ctrl-C: the step is saved
-    if t.is_main:
-      print(stopped, flush=True)
-    sys.exit(stopped.exit_code)
+  t = trainer.Trainer(config, **_RUN.job_args(workdir))
+  summary = t.run()  # SIGTERM or Ctrl-C: preemption.Stopped, saved (`runtime.run` exits)
   if t.is_main:
     paths = plotting.plot_training(os.path.join(workdir, 'metrics.jsonl'), workdir)
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:

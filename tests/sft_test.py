@@ -20,6 +20,7 @@ from earl_jax.models import tokenizer
 from earl_jax.placement import StagePlacement, WarmStartError, check_warm_start
 from earl_jax.programs import Executables, StageSpec
 from earl_jax.rl.losses import LossConfig
+from earl_jax.run import rundir
 from earl_jax.sandbox import Sandbox, SandboxConfig
 from earl_jax.testing import fixture_path
 from earl_jax.testing.configs import smoke_experiment
@@ -215,9 +216,9 @@ def test_resume_continues_where_the_run_stopped(trained, tmp_path):
   copy = str(tmp_path / 'run')
   shutil.copytree(workdir, copy)
   config = dataclasses.replace(run.config, steps=5, eval_every=0, pass_episodes=0)
-  with pytest.raises(sft.SFTRunError, match='holds a run'):
+  with pytest.raises(rundir.WorkdirError, match='holds a run'):
     sft.SFTRun(config, workdir=copy)
-  with pytest.raises(sft.SFTRunError, match='another config'):
+  with pytest.raises(rundir.ResumeError, match=r'another config \(seed: 0 -> 1\)'):
     sft.SFTRun(dataclasses.replace(config, seed=1), workdir=copy, resume=True)
   resumed = sft.SFTRun(config, workdir=copy, resume=True)
   assert resumed.global_step == 4

@@ -1,7 +1,11 @@
-"""`experiments/train.py` as a user runs it: every bad input ends in one line, exit code 2, and
-leaves the workdir as it was."""
+"""The jobs' entry points as a user runs them, `experiments/train.py` (RL) and `experiments/sft.py`
+(the warm start), on the one run layer they share (`earl_jax.run`): every bad input ends in one
+line, exit code 2, and leaves the workdir as it was; SIGTERM and Ctrl-C stop at a saved step that
+--resume continues bitwise; a second Ctrl-C stops at once; a full or read-only disk stops in one
+line; a kill during a save loses nothing complete."""
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +20,42 @@ from earl_jax import metrics
 from earl_jax.testing import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """A job's entry point, on its `smoke` preset.
+
+  Attributes:
+    module: what `python -m` runs.
+    run: the run the fault tests interrupt (its steps `steps`), evaluated on the way.
+    keep: the logged values an interrupted and resumed run must share with the uninterrupted one.
+    long: arguments of a run long enough to be interrupted whenever the test is ready.
+  """
+
+  module: str
+  run: tuple[str, ...]
+  steps: int
+  keep: tuple[str, ...]
+  long: tuple[str, ...]
+
+
+ENTRIES = {
+  'train': Entry(
+    module='experiments.train',
+    run=('--config.steps=4', '--config.eval_every=2'),
+    steps=4,
+    keep=('step', 'win_rate', 'return_mean', 'loss/loss', 'eval/win_rate'),
+    long=('--config.steps=50',),
+  ),
+  'sft': Entry(
+    module='experiments.sft',
+    run=('--config.steps=12', '--config.eval_every=2'),
+    steps=12,
+    keep=('step', 'loss', 'grad_norm', 'heldout/loss'),
+    long=('--config.steps=500', '--config.eval_every=0'),
+  ),
+}
 
 # (case, extra arguments, a fragment the one-line error must contain). Each runs in its own
 # process on the `smoke` preset, in the test's folder (so that a default workdir would land there
@@ -73,7 +113,7 @@ BAD_INPUTS = [
   ('negative budget', ['--config.selector.budget_mib=-5'], 'budget_mib'),
   ('infinite budget', ['--config.selector.budget_mib=inf'], 'budget_mib must be a finite'),
   ('unknown fsdp stage', ['--config.selector.with_fsdp=train,nope'], "Unknown stage 'nope'"),
-  ('unknown flag', ['--nosuchflag'], 'nosuchflag'),
+  ('unknown flag', ['--nosuchflag'], 'nosuchflag'),  # from here on: both entry points
   ('no fake devices', ['--cpu_devices=0'], 'cpu_devices'),
   ('resume without a checkpoint', ['--resume'], 'no checkpoint in'),
   ('workdir under a file', ['--workdir={tmp}/a_file/run'], 'is a file'),
@@ -96,12 +136,45 @@ BAD_INPUTS = [
 ]
 
 
-def _run(args: list[str], cwd: str = ROOT) -> subprocess.CompletedProcess:
-  """`python -m experiments.train --config=smoke args` in `cwd`, as a user runs it."""
+# The same in experiments/sft.py: its own config's fields, and from 'unknown flag' on in
+# BAD_INPUTS the flags and workdirs both entry points share.
+SFT_BAD_INPUTS = [
+  ('unknown preset', ['--config=nope'], '--config=nope'),
+  ('unknown field', ['--config.nope=1'], "no field 'nope'"),
+  ('unknown nested field', ['--config.optim.nope=1'], "OptimConfig has no field 'nope'"),
+  ('not an int', ['--config.steps=abc'], "'abc' is not an int"),
+  ('zero steps', ['--config.steps=0'], 'steps must be a positive int, got 0'),
+  (
+    'infinite learning rate',
+    ['--config.optim.learning_rate=inf'],
+    'learning_rate must be a finite number (float32 holds up to 3.4e38), got inf',
+  ),
+  ('seed that replays seed 0', ['--config.seed=2147483647'], 'seed=2147483647'),
+  ('negative guard', ['--config.max_skipped_in_a_row=-1'], 'max_skipped_in_a_row must be an int'),
+  ('no checkpoints kept', ['--config.keep_checkpoints=0'], 'keep_checkpoints must be a positive'),
+  ('empty name', ['--config.name='], "SFTConfig.name=''"),
+  ('no buckets', ['--config.buckets.lengths='], 'lengths is empty'),
+  ('buckets too short', ['--config.buckets.lengths=64'], 'expected a largest bucket >='),
+  ('unknown model preset', ['--config.model=huge'], "Unknown model preset 'huge'"),
+  ('missing model dir', ['--config.model_dir={tmp}/no_model'], 'no_model'),
+  ('unknown tokenizer', ['--config.tokenizer=gpt9'], "Unknown tokenizer 'gpt9'"),
+  ('task without references', ['--config.env.task=repo_repair'], 'reference solutions'),
+]
+
+
+def _bad_inputs(entry: str) -> list[tuple[str, list[str], str]]:
+  if entry == 'train':
+    return BAD_INPUTS
+  shared = [name for name, _, _ in BAD_INPUTS].index('unknown flag')
+  return SFT_BAD_INPUTS + BAD_INPUTS[shared:-2]  # not the RL job's warm starts
+
+
+def _run(args: list[str], cwd: str = ROOT, entry: str = 'train') -> subprocess.CompletedProcess:
+  """`python -m <entry's module> --config=smoke args` in `cwd`, as a user runs it."""
   env = {**os.environ, 'PYTHONPATH': ROOT}
   env.pop('XLA_FLAGS', None)  # the entry point sets its own device count
   return subprocess.run(
-    [sys.executable, '-m', 'experiments.train', '--config=smoke', *args],
+    [sys.executable, '-m', ENTRIES[entry].module, '--config=smoke', *args],
     cwd=cwd,
     env=env,
     capture_output=True,
@@ -123,7 +196,8 @@ def _listing(folder) -> dict[str, tuple[int, int] | None]:
   return out
 
 
-def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize('entry', ENTRIES)
+def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path, entry):
   (tmp_path / 'a_file').write_text('not a folder')
   (tmp_path / 'used').mkdir()
   (tmp_path / 'used' / 'metrics.jsonl').write_text('{"step": 1}\n')
@@ -134,7 +208,7 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path):
     text = f.read()
   (tmp_path / 'truncated_model' / 'config.json').write_text(text[: len(text) // 2])
   cases = []
-  for name, args, fragment in BAD_INPUTS:
+  for name, args, fragment in _bad_inputs(entry):
     workdir = tmp_path / name.replace(' ', '_')
     args = [a.format(tmp=tmp_path) for a in args]
     if not any(a.startswith('--workdir') for a in args):
@@ -143,7 +217,7 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path):
   before = _listing(tmp_path)
   workers = min(4, os.cpu_count() or 1)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    results = list(pool.map(lambda c: _run(c[1], cwd=str(tmp_path)), cases))
+    results = list(pool.map(lambda c: _run(c[1], cwd=str(tmp_path), entry=entry), cases))
   failures = []
   for (name, args, fragment), r in zip(cases, results):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -156,7 +230,7 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path):
     if not ok:
       failures.append(f'{name} {args}: rc={r.returncode}, stderr tail: {lines[-3:]}')
   assert not failures, '\n'.join(failures)
-  assert len(BAD_INPUTS) >= 47
+  assert len(cases) >= {'train': 47, 'sft': 24}[entry]
   # Nothing half-written: no file or folder was created or changed by a refused run.
   after = _listing(tmp_path)
   assert after == before, sorted(set(after.items()) ^ set(before.items()))
@@ -167,12 +241,13 @@ def test_debug_shows_the_traceback(tmp_path):
   assert r.returncode != 0 and 'Traceback' in r.stderr and 'ConfigError' in r.stderr
 
 
-@pytest.mark.parametrize('flag', ['--move_aside'])
-def test_a_used_workdir_is_moved_aside_on_request(tmp_path, flag):
+@pytest.mark.parametrize('entry', ENTRIES)
+def test_a_used_workdir_is_moved_aside_on_request(tmp_path, entry):
   used = tmp_path / 'run'
   used.mkdir()
   (used / 'metrics.jsonl').write_text('{"step": 1}\n')
-  r = _run([flag, f'--workdir={used}', '--config.steps=1', '--config.eval_every=0'])
+  args = ['--move_aside', f'--workdir={used}', '--config.steps=1', '--config.eval_every=0']
+  r = _run(args, entry=entry)
   assert r.returncode == 0, r.stderr[-2000:]
   aside = [p for p in os.listdir(tmp_path) if p.startswith('run.')]
   assert len(aside) == 1
@@ -192,22 +267,33 @@ def _final_checksums(workdir) -> list[int]:
   raise AssertionError(f'no meta in {ckpts / str(step)}')
 
 
-# The run the fault tests interrupt, and its uninterrupted reference (made once).
-RUN = ['--config.steps=4', '--config.eval_every=2']
-KEEP = ('step', 'win_rate', 'return_mean', 'loss/loss', 'eval/win_rate')
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """An entry point's `Entry.run`, uninterrupted, checkpointed at every step."""
+
+  entry: str
+  workdir: os.PathLike
+
+  @property
+  def run(self) -> list[str]:
+    return list(ENTRIES[self.entry].run)
+
+  def rows(self, workdir=None) -> list[dict]:
+    """The logged values an interrupted run must share with this one (of `workdir`'s run)."""
+    path = str((workdir or self.workdir) / 'metrics.jsonl')
+    return [{k: r.get(k) for k in ENTRIES[self.entry].keep} for r in metrics.read_jsonl(path)]
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-  """The workdir of `RUN`, uninterrupted, checkpointed at every step."""
+@pytest.fixture(scope='module', params=list(ENTRIES))
+def reference(request, tmp_path_factory) -> Reference:
+  """One per entry point (a test that takes it runs for both), made once."""
   workdir = tmp_path_factory.mktemp('reference') / 'ref'
-  ref = _run([*RUN, '--config.checkpoint_every=1', f'--workdir={workdir}'])
+  entry = request.param
+  ref = _run(
+    [*ENTRIES[entry].run, '--config.checkpoint_every=1', f'--workdir={workdir}'], entry=entry
+  )
   assert ref.returncode == 0, ref.stderr[-2000:]
-  return workdir
-
-
-def _rows(workdir) -> list[dict]:
-  return [{k: r.get(k) for k in KEEP} for r in metrics.read_jsonl(str(workdir / 'metrics.jsonl'))]
+  return Reference(entry, workdir)
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -243,8 +329,9 @@ def test_a_signal_stops_at_a_saved_step_then_resume_equals_an_uninterrupted_run(
   no checkpoint was due), says so in one line and exits 128 + the signal; --resume ends where
   the uninterrupted run ends, bitwise."""
   workdir = tmp_path / 'stopped'
-  run = [*RUN, '--config.checkpoint_every=100', f'--workdir={workdir}']
-  proc = _start(['experiments.train', '--config=smoke', *run])
+  run = [*reference.run, '--config.checkpoint_every=100', f'--workdir={workdir}']
+  entry = ENTRIES[reference.entry]
+  proc = _start([entry.module, '--config=smoke', *run])
   _wait_for_step(workdir, proc, 1)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=300)
@@ -254,18 +341,18 @@ def test_a_signal_stops_at_a_saved_step_then_resume_equals_an_uninterrupted_run(
   assert len(stopped) == 1 and 'Traceback' not in err, (out[-1000:], err[-2000:])
   step = int(stopped[0].split()[3])
   assert stopped[0] == f'stopped at step {step} by {name}; checkpoint saved; resume with --resume'
-  assert 1 <= step < 4 and sorted(os.listdir(workdir / 'checkpoints')) == [str(step)]
-  resumed = _run([*run, '--resume'])
+  assert 1 <= step < entry.steps and sorted(os.listdir(workdir / 'checkpoints')) == [str(step)]
+  resumed = _run([*run, '--resume'], entry=reference.entry)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert _rows(workdir) == _rows(reference)
-  assert _final_checksums(workdir) == _final_checksums(reference)
+  assert reference.rows(workdir) == reference.rows()
+  assert _final_checksums(workdir) == _final_checksums(reference.workdir)
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path):
+@pytest.mark.parametrize('entry', ENTRIES)
+def test_a_second_ctrl_c_stops_at_once(tmp_path, entry):
   workdir = tmp_path / 'run'
-  proc = _start(
-    ['experiments.train', '--config=smoke', '--config.steps=50', f'--workdir={workdir}']
-  )
+  args = [ENTRIES[entry].module, '--config=smoke', *ENTRIES[entry].long, f'--workdir={workdir}']
+  proc = _start(args)
   _wait_for_step(workdir, proc, 1)
   # The second Ctrl-C goes as soon as the first one's handler has said so (a step takes a
   # fraction of a second: after a fixed pause the run may have stopped at the step's end).
@@ -295,12 +382,13 @@ def _process_id(pid: int) -> int:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize('reference', ['train'], indirect=True)
 def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_path, reference):
   """SIGTERM to worker 1 alone (a scheduler preempting one host): both processes stop at the
   same step and save it, the launcher exits 143; --resume on two processes ends where the
   one-process run ends."""
   workdir = tmp_path / 'two'
-  train = [sys.executable, '-m', 'experiments.train', '--config=smoke', *RUN]
+  train = [sys.executable, '-m', 'experiments.train', '--config=smoke', *reference.run]
   train += ['--config.checkpoint_every=100', f'--workdir={workdir}']
   launch = ['earl_jax.launch', '-n', '2', '-d', '4', '--', *train]
   proc = _start(launch)
@@ -321,10 +409,10 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_
   again = _start([*launch, '--resume'])
   _, err = again.communicate(timeout=300)
   assert again.returncode == 0, err[-3000:]
-  rows, ref = _rows(workdir), _rows(reference)
+  rows, ref = reference.rows(workdir), reference.rows()
   assert [r['step'] for r in rows] == [r['step'] for r in ref]
   for a, b in zip(rows, ref):
-    for k in KEEP:
+    for k in ENTRIES['train'].keep:
       assert a[k] == pytest.approx(b[k], abs=1e-5), (a['step'], k, a[k], b[k])
 
 
@@ -355,12 +443,12 @@ def test_a_full_or_read_only_disk_stops_the_run_in_one_line_and_resume_continues
   _mount(['-t', 'tmpfs', '-o', 'size=16m', 'tmpfs', str(disk)])
   try:
     workdir = disk / 'run'
-    run = [*RUN, '--config.checkpoint_every=1', f'--workdir={workdir}']
-    first = _run([*run, '--config.steps=2'])
+    run = [*reference.run, '--config.checkpoint_every=1', f'--workdir={workdir}']
+    first = _run([*run, '--config.steps=2'], entry=reference.entry)
     assert first.returncode == 0, first.stderr[-2000:]
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
     (disk / 'filler').write_bytes(b'\0' * (free - (256 << 10)))  # 256 KiB left: no checkpoint
-    full = _run([*run, '--resume'])
+    full = _run([*run, '--resume'], entry=reference.entry)
     line = _one_error_line(full)
     assert f'checkpoint step 3 could not be written to {workdir}/checkpoints' in line, line
     assert 'No space left on device' in line and 'ENOSPC' in line, line
@@ -371,15 +459,15 @@ def test_a_full_or_read_only_disk_stops_the_run_in_one_line_and_resume_continues
     _mount(['--bind', ckpts, ckpts], skip=False)
     try:
       _mount(['-o', 'remount,ro,bind', ckpts], skip=False)
-      read_only = _run([*run, '--resume'])
+      read_only = _run([*run, '--resume'], entry=reference.entry)
     finally:
       subprocess.run(['umount', ckpts], check=True)
     line = _one_error_line(read_only)
     assert 'checkpoint step 3 could not be written' in line and 'EROFS' in line, line
-    resumed = _run([*run, '--resume'])
+    resumed = _run([*run, '--resume'], entry=reference.entry)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _rows(workdir) == _rows(reference)
-    assert _final_checksums(workdir) == _final_checksums(reference)
+    assert reference.rows(workdir) == reference.rows()
+    assert _final_checksums(workdir) == _final_checksums(reference.workdir)
   finally:
     subprocess.run(['umount', '-l', str(disk)], check=False)
 
@@ -387,13 +475,14 @@ def test_a_full_or_read_only_disk_stops_the_run_in_one_line_and_resume_continues
 def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
   """A real training process killed with SIGKILL while Orbax writes a checkpoint; `--resume`
   continues from the newest complete one, and ends where an uninterrupted run ends, bitwise."""
-  run = [*RUN, '--config.checkpoint_every=1']
+  run = [*reference.run, '--config.checkpoint_every=1']
+  module = ENTRIES[reference.entry].module
 
   workdir = tmp_path / 'killed'
   env = {**os.environ, 'PYTHONPATH': ROOT}
   env.pop('XLA_FLAGS', None)
   proc = subprocess.Popen(
-    [sys.executable, '-m', 'experiments.train', '--config=smoke', *run, f'--workdir={workdir}'],
+    [sys.executable, '-m', module, '--config=smoke', *run, f'--workdir={workdir}'],
     cwd=ROOT,
     env=env,
     stdout=subprocess.DEVNULL,
@@ -413,7 +502,7 @@ def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, re
   assert killed_in is not None, 'the run ended before a save could be interrupted'
   assert proc.returncode == -signal.SIGKILL
 
-  resumed = _run([*run, f'--workdir={workdir}', '--resume'])
+  resumed = _run([*run, f'--workdir={workdir}', '--resume'], entry=reference.entry)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert _rows(workdir) == _rows(reference)
-  assert _final_checksums(workdir) == _final_checksums(reference)
+  assert reference.rows(workdir) == reference.rows()
+  assert _final_checksums(workdir) == _final_checksums(reference.workdir)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from earl_jax import rundir
 from earl_jax.config import ParallelConfig
 from earl_jax.profiling.table import Profile
+from earl_jax.run import rundir
 from earl_jax.testing.configs import smoke_experiment
 
 CONFIG = smoke_experiment(steps=4, checkpoint_every=1, eval_every=0)
@@ -37,14 +37,13 @@ def _saved_run(workdir, steps=(1, 2, 3), rows=4, config=CONFIG):
   assert point is None
   for step in steps:
     state = {**STATE, 'step': jnp.asarray(step, jnp.int32)}
-    run_dir.save(
-      step,
-      state,
-      selector_state={'stages': {}, 'refused': {}},
-      train_config=ParallelConfig(dp=4, tp=2),
-      prev_stats={'episode_lengths': [step], 'num_responses': 8},
-      profile=PROFILE.to_json(),
-    )
+    meta = {
+      'selector': {'stages': {}, 'refused': {}},
+      'train_config': 'dp4.tp2',
+      'prev_stats': {'episode_lengths': [step], 'num_responses': 8},
+      'profile': PROFILE.to_json(),
+    }
+    run_dir.save(step, state, meta)
   run_dir.close()
   with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
     for step in range(rows + 1):
@@ -52,8 +51,8 @@ def _saved_run(workdir, steps=(1, 2, 3), rows=4, config=CONFIG):
   return run_dir
 
 
-def _abstract(config: ParallelConfig):
-  assert config == ParallelConfig(dp=4, tp=2)
+def _abstract(meta: dict):
+  assert ParallelConfig.parse(meta['train_config']) == ParallelConfig(dp=4, tp=2)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), STATE)
 
 
@@ -122,7 +121,7 @@ def test_resume_needs_a_readable_checkpoint_of_the_same_config(tmp_path):
   same = with_lr(0.003, steps=9, eval_episodes=16, eval_seed=7, name='again')
   run_dir, point = _open(tmp_path / 'run', same, resume=True)
   assert point.steps == (3, 2, 1)
-  assert point.profile is not None and point.profile.key == PROFILE.key
+  assert Profile.from_json(point.meta['profile']).key == PROFILE.key
   run_dir.close()
 
 
@@ -139,9 +138,9 @@ def test_an_unreadable_newest_checkpoint_is_skipped_and_the_history_cut(tmp_path
   restored = run_dir.restore(point, _abstract)
   assert restored.step == 2 and int(restored.state['step']) == 2
   np.testing.assert_array_equal(restored.state['w'], np.arange(8))
-  assert restored.train_config == ParallelConfig(dp=4, tp=2)
-  assert restored.prev_stats == {'episode_lengths': [2], 'num_responses': 8}
-  assert restored.selector_state == {'stages': {}, 'refused': {}}
+  assert restored.meta['train_config'] == 'dp4.tp2' and restored.meta['step'] == 2
+  assert restored.meta['prev_stats'] == {'episode_lengths': [2], 'num_responses': 8}
+  assert restored.meta['selector'] == {'stages': {}, 'refused': {}}
   # What the run logged after its checkpoint is dropped; step 3 is kept aside to be saved again.
   assert [r['step'] for r in restored.rows] == [0, 1, 2]
   assert lines[-1].startswith('resumed from step 2')

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from earl_jax import preemption
+from earl_jax.run import preemption
 
 
 def test_the_first_signal_is_recorded_and_the_handlers_are_put_back():

@@ -1,30 +1,31 @@
 """The run directory: who may write it, which checkpoint a resume continues, and what it keeps.
 
-A workdir holds one run: `metrics.jsonl`, `tb/`, `checkpoints/<step>/` (the train state and its
-metadata: the config's fingerprint, the selector's state, the statistics the next decisions read
-and the profile they were taken on), `config.json`, `summary.json` and plots. `RunDir.open`
+A workdir holds one run of a job (the RL `Trainer`, the supervised `SFTRun`): `metrics.jsonl`,
+`tb/`, `checkpoints/<step>/` (the train state and its metadata: the step, the config and its
+fingerprint, and what the job keeps for its resume, e.g. the RL job's selector state and the
+profile its decisions were taken on), `config.json`, `summary.json` and plots. `RunDir.open`
 checks all of it before anything compiles, and says what a resume will continue from; nothing
 here compiles or touches a device except the checkpoint restore.
 
   run_dir, resume_point = RunDir.open('runs/default', config, resume=True, log=print)
-  resume_point.profile                                   # the checkpoint's profile (or None)
-  restored = run_dir.restore(resume_point, abstract_state_for)
+  resume_point.meta                                      # the checkpoint's metadata
+  restored = run_dir.restore(resume_point, lambda meta: abstract_state_for(meta))
   restored.step, restored.state, restored.rows          # rows: metrics.jsonl up to the step
-  run_dir.save(step, state, selector_state=..., train_config=..., prev_stats=..., profile=...)
+  run_dir.save(step, state, {'train_config': 'dp8.tp1', ...})   # the job's metadata
   run_dir.close()                                        # waits for the save, frees the workdir
 
 One run per workdir: `RunDir.open` takes the workdir's lock (`workdir_lock.WorkdirLock`, on
-process 0) before anything is written, and `close` frees it.
-"""
+process 0) before anything is written, and `close` frees it."""
 
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -32,11 +33,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from earl_jax import checkpointing, metrics
-from earl_jax.config import ParallelConfig
 from earl_jax.errors import UserError
-from earl_jax.experiment import ExperimentConfig, config_diff
-from earl_jax.profiling.table import Profile
-from earl_jax.workdir_lock import LOCK, WorkdirError, WorkdirLock
+from earl_jax.run.workdir_lock import LOCK, WorkdirError, WorkdirLock
 
 # The longest file or folder name (bytes) of the file systems a run writes to (ext4, xfs, tmpfs).
 _NAME_MAX = 255
@@ -46,6 +44,22 @@ class ResumeError(UserError):
   """`--resume` without a checkpoint, or with another config's."""
 
 
+@runtime_checkable
+class RunConfig(Protocol):
+  """What the run directory reads of a job's config (`ExperimentConfig`, `SFTConfig`)."""
+
+  checkpoint_every: int  # 0: the run keeps no checkpoints
+  keep_checkpoints: int
+
+  def to_json(self) -> dict: ...
+
+  def fingerprint(self) -> str:
+    """Identifies what the run computes (a checkpoint without its config is checked by it)."""
+
+  def resume_diff(self, saved: dict) -> list[str]:
+    """The fields of a checkpoint's config (`to_json`) whose change refuses a resume."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
   """What `--resume` continues from, chosen before anything compiles.
@@ -53,11 +67,12 @@ class ResumePoint:
   Attributes:
     steps: the checkpoint steps to try, newest first (the newest whose metadata reads, and the
       older ones should its arrays not restore).
-    profile: the profile the checkpoint's decisions were taken on (None: none was kept).
+    meta: the newest readable checkpoint's metadata (what the job saved with it, e.g. the
+      profile the RL job's decisions were taken on).
   """
 
   steps: tuple[int, ...]
-  profile: Profile | None
+  meta: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +81,14 @@ class Restored:
 
   Attributes:
     step: its step.
-    state: the train state, on `train_config`'s layout.
-    train_config: the train layout it was saved from.
-    selector_state: `Selector.state_dict()` at the step.
-    prev_stats: the statistics the next rollout decision reads (`StepStats` fields), or None.
+    state: the train state, on the layout the job's `abstract_state(meta)` described.
+    meta: its metadata (what the job saved with it: `RunDir.save`'s `meta`).
     rows: metrics.jsonl's records up to the step (what a run that died logged later is dropped).
   """
 
   step: int
   state: Any
-  train_config: ParallelConfig
-  selector_state: dict
-  prev_stats: dict | None
+  meta: dict
   rows: list[dict]
 
 
@@ -87,7 +98,7 @@ class RunDir:
   def __init__(
     self,
     workdir: str,
-    config: ExperimentConfig,
+    config: RunConfig,
     checkpointer: checkpointing.Checkpointer | None,
     *,
     log: Callable[[str], None],
@@ -115,7 +126,7 @@ class RunDir:
   def open(
     cls,
     workdir: str,
-    config: ExperimentConfig,
+    config: RunConfig,
     *,
     resume: bool,
     log: Callable[[str], None],
@@ -176,16 +187,14 @@ class RunDir:
         f'another config ({"; ".join(differ)}): expected the values it was made with (only '
         'fields that change the computation refuse), or a new --workdir.'
       )
-    profile = Profile.from_json(meta['profile']) if meta.get('profile') else None
-    return ResumePoint(steps=tuple(s for s in steps if s <= step), profile=profile)
+    return ResumePoint(steps=tuple(s for s in steps if s <= step), meta=meta)
 
   def _config_changes(self, meta: dict) -> list[str]:
     """What refuses a resume from the checkpoint of `meta`: the fields of its config that change
-    the computation and differ from this one's (`experiment.config_diff`), or, for a checkpoint
-    without its config, a differing fingerprint."""
+    the computation and differ from this one's (the config's `resume_diff`), or, for a
+    checkpoint without its config, a differing fingerprint."""
     if isinstance(meta.get('config'), dict):
-      defaults = ExperimentConfig().to_json()  # for fields added since the checkpoint
-      return config_diff(meta['config'], self.config.to_json(), defaults=defaults)
+      return self.config.resume_diff(meta['config'])
     fingerprint = self.config.fingerprint()
     if meta.get('fingerprint') == fingerprint:
       return []
@@ -196,16 +205,14 @@ class RunDir:
     logging.warning('%s', line)
     self.log(line)
 
-  def restore(
-    self, point: ResumePoint, abstract_state: Callable[[ParallelConfig], Any]
-  ) -> Restored:
+  def restore(self, point: ResumePoint, abstract_state: Callable[[dict], Any]) -> Restored:
     """Restores the newest checkpoint of `point` that reads and verifies (older ones if it
-    does not), onto the layout `abstract_state(train layout)` describes; later steps that did
+    does not), onto the layout `abstract_state(its metadata)` describes; later steps that did
     not restore are kept aside (so that this run can save those steps again)."""
     ckpt = self.checkpointer
     assert ckpt is not None  # opened with resume
     step, state, meta = ckpt.restore_newest_readable(
-      lambda meta: abstract_state(ParallelConfig.parse(meta['train_config'])),
+      abstract_state,
       on_skip=self._skip_checkpoint,
       steps=list(point.steps),
     )
@@ -221,41 +228,24 @@ class RunDir:
     if note is not None:
       logging.warning('%s', note)
       self.log(note)
-    restored = Restored(
-      step=step,
-      state=state,
-      train_config=ParallelConfig.parse(meta['train_config']),
-      selector_state=meta['selector'],
-      prev_stats=meta['prev_stats'],
-      rows=rows,
-    )
+    restored = Restored(step=step, state=state, meta=meta, rows=rows)
     self.log(f'resumed from step {step} ({ckpt.directory})')
     return restored
 
-  def save(
-    self,
-    step: int,
-    state: Any,
-    *,
-    selector_state: dict,
-    train_config: ParallelConfig,
-    prev_stats: dict | None,
-    profile: dict | None,
-  ) -> None:
-    """Saves the train state at `step` with what a resume needs to decide as this run would
-    (asynchronously; `wait` before exiting). Nothing when the run keeps no checkpoints."""
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    """Saves the train state at `step`, with the step, the config and its fingerprint, and the
+    job's `meta` (what its resume needs: a JSON object) in the metadata (asynchronously; `wait`
+    before exiting). Nothing when the run keeps no checkpoints."""
     if self.checkpointer is None:
       return
-    meta = {
-      'step': step,
-      'fingerprint': self.config.fingerprint(),
-      'config': self.config.to_json(),
-      'selector': selector_state,
-      'train_config': train_config.name,
-      'prev_stats': prev_stats,
-      'profile': profile,
-    }
-    self.checkpointer.save(step, state, meta)
+    base = {'step': step, 'fingerprint': self.config.fingerprint(), 'config': self.config.to_json()}
+    self.checkpointer.save(step, state, {**base, **meta})
+
+  def write_config(self) -> None:
+    """Writes the config to config.json (process 0), as the run starts."""
+    if jax.process_index() == 0:
+      with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
+        json.dump(self.config.to_json(), f, indent=2)
 
   def wait(self) -> None:
     """Waits for the checkpoint being written (StorageError if it failed)."""
@@ -294,7 +284,7 @@ class RunDir:
 
 
 def _open_checkpoints(
-  workdir: str, config: ExperimentConfig, resume: bool
+  workdir: str, config: RunConfig, resume: bool
 ) -> checkpointing.Checkpointer | None:
   """The checkpoints a resume continues (None for a fresh run: opened at its first save, so that
   a run refused before then leaves no checkpoints/ folder behind)."""
