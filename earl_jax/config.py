@@ -217,72 +217,53 @@ def _qwen25(name, *, V, D, F, L, H, K, tied) -> ModelConfig:
   )
 
 
+# Tiny CPU presets. Heads and KV heads divide by 1, 2, 4 and 8 so every mesh of 8 fake devices
+# is valid. `tiny` has the shapes of the committed HF fixture checkpoint.
+_TINY = ModelConfig(
+  name='tiny',
+  vocab_size=512,
+  hidden_size=64,
+  intermediate_size=192,
+  num_layers=2,
+  num_heads=8,
+  num_kv_heads=4,
+  head_dim=8,
+  rope_theta=10_000.0,
+  max_position_embeddings=4096,
+  logprob_chunk=64,
+)
+
 _MODEL_PRESETS: dict[str, ModelConfig] = {
   # The real Qwen2.5 shapes (config.json of the Qwen/Qwen2.5-*-Instruct checkpoints).
   'qwen2.5-0.5b': _qwen25('qwen2.5-0.5b', V=151_936, D=896, F=4864, L=24, H=14, K=2, tied=True),
   'qwen2.5-1.5b': _qwen25('qwen2.5-1.5b', V=151_936, D=1536, F=8960, L=28, H=12, K=2, tied=True),
   'qwen2.5-7b': _qwen25('qwen2.5-7b', V=152_064, D=3584, F=18_944, L=28, H=28, K=4, tied=False),
   'qwen2.5-72b': _qwen25('qwen2.5-72b', V=152_064, D=8192, F=29_568, L=80, H=64, K=8, tied=False),
-  # Tiny CPU presets. Heads and KV heads divide by 1, 2, 4 and 8 so every mesh of 8 fake
-  # devices is valid. `tiny` has the shapes of the committed HF fixture checkpoint.
-  'tiny': ModelConfig(
-    name='tiny',
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=192,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=8,
-    rope_theta=10_000.0,
-    max_position_embeddings=4096,
-    logprob_chunk=64,
-  ),
+  'tiny': _TINY,
   # The code presets' policy: `tiny`'s size with 4 heads of 16 dims instead of 8 of 8. Warm
   # started on the 'functions' tasks (experiments/configs/sft.py `code`), it learns to copy a
   # task's constants from the words into the body; with 8-dim heads, or 2 heads of 32, it had
   # not after 400 steps of one init seed (docs/results/main-job.md, "The warm start's init
   # seed").
-  'tiny-code': ModelConfig(
-    name='tiny-code',
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=192,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=16,
-    rope_theta=10_000.0,
-    max_position_embeddings=4096,
-    logprob_chunk=64,
-  ),
-  # The embedded default's policy: small enough to train from scratch on 2 CPU cores,
-  # with the built-in game tokenizer's vocabulary (64 symbols).
-  'tiny-game': ModelConfig(
+  'tiny-code': _TINY.replace(name='tiny-code', num_heads=4, head_dim=16),
+  # The embedded default's policy: small enough to train from scratch on 2 CPU cores, with the
+  # built-in game tokenizer's vocabulary (64 symbols).
+  'tiny-game': _TINY.replace(
     name='tiny-game',
     vocab_size=64,
-    hidden_size=64,
     intermediate_size=128,
-    num_layers=2,
     num_heads=4,
-    num_kv_heads=4,
     head_dim=16,
-    rope_theta=10_000.0,
-    max_position_embeddings=4096,
     tie_word_embeddings=True,
     logprob_chunk=128,
   ),
   # Sized for the selector's CPU heatmap: the KV cache, not the weights, decides what fits.
-  'small-kv': ModelConfig(
+  'small-kv': _TINY.replace(
     name='small-kv',
-    vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
-    num_layers=2,
-    num_heads=8,
     num_kv_heads=8,
     head_dim=16,
-    rope_theta=10_000.0,
     max_position_embeddings=65_536,
     logprob_chunk=128,
   ),

@@ -78,10 +78,7 @@ class StagePlanner:
   def executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
     """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
     return self.executables.get(
-      decision.stage,
-      decision.config,
-      bucket,
-      rows or decision.rows,
+      self.executables.key(decision.stage, decision.config, bucket, rows or decision.rows),
       budget=self.selector.budget_bytes,
       margin=self.config.selector.safety_margin,
     )
@@ -178,6 +175,7 @@ class StagePlanner:
     decision, (update, switch), profile_s = self._decide(Stage.TRAIN, stats, build)
     for stage, config, neighbour, _ in self.selector.lookahead(decision)[1:]:
       self.executables.precompile(
-        stage, config, neighbour, rows or decision.rows, tree=self.placement.state
+        self.executables.key(stage, config, neighbour, rows or decision.rows),
+        tree=self.placement.state,
       )
     return Plan(decision, update, profile_s, switch=switch)

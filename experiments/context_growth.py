@@ -129,7 +129,7 @@ class _Run:
       rec['reason'] = d.reason
     else:
       target, run_bucket = self.policy, bucket
-      entry = exe.get(Stage.ROLLOUT, target, run_bucket, R)
+      entry = exe.get(exe.key(Stage.ROLLOUT, target, run_bucket, R))
       if not memory.fits(entry.memory.peak, self.budget, margin=self.margin):
         rec.update(config=target.name, refused=True, need_mib=entry.memory.peak / memory.MiB)
         self.steps.append(rec)
@@ -150,11 +150,11 @@ class _Run:
     # for a new layout, the move of the weights onto it).
     if self.policy == 'dynamic':
       for key in self.sel.lookahead(d):
-        exe.precompile(*key, tree=self.params if key[1] != target else None)
+        exe.precompile(exe.key(*key), tree=self.params if key[1] != target else None)
     else:
       higher = [b for b in bench.buckets.lengths if b > run_bucket]
       if higher:
-        exe.precompile(Stage.ROLLOUT, target, higher[0], R)
+        exe.precompile(exe.key(Stage.ROLLOUT, target, higher[0], R))
     step_ms = _decode(entry, self.params, calls)
     first = all(s.get('refused') for s in self.steps)
     rec.update(

@@ -103,7 +103,7 @@ N, bucket = 32, 1024
 exe = Executables(model_cfg, spec=builders.StageSpec(sampling=SamplingConfig(max_new_tokens=N)))
 _, _, params = hf_import.load(MODEL_DIR, mesh_lib.make_mesh(layout), param_dtype=dtype)
 for rows in (n, 4 * n):
-  entry = exe.get(Stage.ROLLOUT, layout, bucket, rows)
+  entry = exe.get(exe.key(Stage.ROLLOUT, layout, bucket, rows))
   placed = exe.resharder(params, entry.program.param_shardings)
   jax.block_until_ready(entry(*builders.make_inputs(entry.program, placed)))  # warm-up
   args = builders.make_inputs(entry.program, placed)  # a fresh cache: the call donates it

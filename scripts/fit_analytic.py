@@ -105,7 +105,7 @@ def main(argv):
         stage, pc = Stage.parse(stage_name), ParallelConfig.parse(layout)
         if bucket > model.max_position_embeddings or (stage == Stage.TRAIN and rows > 32):
           continue
-        xla = exe.get(stage, pc, bucket, rows).memory.peak
+        xla = exe.get(exe.key(stage, pc, bucket, rows)).memory.peak
         fixed, features = terms(stage, model, pc, bucket, rows)
         data[stage_name].append({
           'model': name, 'layout': layout, 'bucket': bucket, 'rows': rows, 'xla': xla,

@@ -351,7 +351,9 @@ def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_pat
   base = smoke_experiment(steps=2, eval_every=0, checkpoint_every=0)
   probe = trainer.Trainer(base, workdir=str(tmp_path / 'probe'), log_fn=lambda _: None)
   peak = {
-    c: probe.executables.get('train', ParallelConfig.parse(c), 64, 8).memory.peak
+    c: probe.executables.get(
+      probe.executables.key('train', ParallelConfig.parse(c), 64, 8)
+    ).memory.peak
     for c in ('dp8', 'dp4.tp2')
   }
   assert peak['dp4.tp2'] < peak['dp8']

@@ -528,6 +528,23 @@ class BoardGame(abc.ABC):
     """The compact text of each board: `header`, then R lines of W cells, top row first."""
     return render_grids(boards, self.header)
 
+  def empty_boards(self, n: int) -> Int8[np.ndarray, 'M R W']:
+    """M = n empty boards."""
+    return np.zeros((n, self.rows, self.cols), dtype=np.int8)
+
+  def board_from_moves(self, moves: Sequence[int], first: int = AGENT) -> Int8[np.ndarray, 'R W']:
+    """Plays the actions `moves` in turn, `first` (+1 or -1) moving first; for tests and
+    baselines.
+
+    Raises:
+      ValueError: a move is out of range or illegal (`play`'s error).
+    """
+    board, player = self.empty_boards(1), first
+    for move in moves:
+      board = self.play(board, np.array([move]), player)
+      player = -player
+    return board[0]
+
 
 # Cell value + 1 -> character.
 _CELL_CHARS = np.frombuffer(b'O.X', dtype=np.uint8)

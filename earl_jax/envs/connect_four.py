@@ -18,8 +18,6 @@ Every rule is vectorised over a stack of M boards: a win is a window of four equ
 the 69 windows of a 6x7 board are summed with four shifted slices per direction.
 """
 
-from collections.abc import Sequence
-
 import numpy as np
 from jaxtyping import Bool, Int, Int8, Int64
 
@@ -33,11 +31,6 @@ HEADER = ''.join(str(c + 1) for c in range(COLS)) + '\n'
 # (t**3 - t) / 3, i.e. 2 for two stones, 8 for three and 20 for four (negative for the other side).
 _CENTRE_WEIGHT = 3
 _COLUMN_SHIFT = 7 * np.arange(COLS, dtype=np.int64)
-
-
-def empty_boards(n: int) -> Int8[np.ndarray, 'B 6 7']:
-  """n empty boards."""
-  return np.zeros((n, ROWS, COLS), dtype=np.int8)
 
 
 def legal_mask(boards: Int8[np.ndarray, 'M 6 7']) -> Bool[np.ndarray, 'M 7']:
@@ -147,25 +140,6 @@ def position_keys(boards: Int8[np.ndarray, 'M 6 7']) -> Int64[np.ndarray, ' M']:
   empty_column = (x[ROWS - 1] == base.EMPTY).view(np.uint8)
   code |= empty_column  # an empty column's code is 1 (just the leading bit)
   return (code.astype(np.int64) << _COLUMN_SHIFT[:, None]).sum(axis=0)
-
-
-def board_from_moves(moves: Sequence[int], first: int = base.AGENT) -> Int8[np.ndarray, '6 7']:
-  """Plays 0-based columns in turn, `first` (+1 or -1) moving first; for tests and baselines.
-
-  Raises:
-    ValueError: a move is out of range or into a full column.
-  """
-  board = empty_boards(1)
-  player = first
-  for move in moves:
-    board = play(board, np.array([move]), player)
-    player = -player
-  return board[0]
-
-
-def render(boards: Int8[np.ndarray, 'M 6 7']) -> list[str]:
-  """The 56-character text of each board: the column header, then the rows, top first."""
-  return base.render_grids(boards, HEADER)
 
 
 class ConnectFour(base.BoardGame):

@@ -15,8 +15,6 @@ are the reading order)::
   ..O
 """
 
-from collections.abc import Sequence
-
 import numpy as np
 from jaxtyping import Bool, Int, Int8, Int64
 
@@ -39,11 +37,6 @@ _LINE_SCORE[0, 1], _LINE_SCORE[0, 2], _LINE_SCORE[0, 3] = -1, -10, -100
 _LINE_SCORE = _LINE_SCORE.reshape(-1)
 _CENTRE_WEIGHT = 2
 _POWERS_OF_3 = 3 ** np.arange(CELLS, dtype=np.int64)
-
-
-def empty_boards(n: int) -> Int8[np.ndarray, 'B 3 3']:
-  """n empty boards."""
-  return np.zeros((n, ROWS, COLS), dtype=np.int8)
 
 
 def legal_mask(boards: Int8[np.ndarray, 'M 3 3']) -> Bool[np.ndarray, 'M 9']:
@@ -106,25 +99,6 @@ def position_keys(boards: Int8[np.ndarray, 'M 3 3']) -> Int64[np.ndarray, ' M']:
   """The base-3 number of each board (exact for every board)."""
   flat = boards.reshape(len(boards), CELLS).astype(np.int64) + 1
   return flat @ _POWERS_OF_3
-
-
-def board_from_moves(moves: Sequence[int], first: int = base.AGENT) -> Int8[np.ndarray, '3 3']:
-  """Plays 0-based cells in turn, `first` (+1 or -1) moving first; for tests and baselines.
-
-  Raises:
-    ValueError: a move is out of range or onto an occupied cell.
-  """
-  board = empty_boards(1)
-  player = first
-  for move in moves:
-    board = play(board, np.array([move]), player)
-    player = -player
-  return board[0]
-
-
-def render(boards: Int8[np.ndarray, 'M 3 3']) -> list[str]:
-  """The 12-character text of each board: 3 lines of 3 cells, top first."""
-  return base.render_grids(boards, HEADER)
 
 
 class TicTacToe(base.BoardGame):

@@ -378,7 +378,7 @@ def _cell(stage, bucket, rows, parallel: ParallelConfig, entry, **measured) -> C
 def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, progress):
   entries, feasible = {}, []
   for c in candidates:
-    entry = exe.get(stage, c, bucket, rows)
+    entry = exe.get(exe.key(stage, c, bucket, rows))
     entries[c] = entry
     if config.budget_bytes is None or memory_lib.fits(entry.memory.peak, config.budget_bytes):
       feasible.append(c)
@@ -541,7 +541,7 @@ class Profiler:
     t0 = time.perf_counter()
     stage, bucket, rows, name = cell
     config = ParallelConfig.parse(name)
-    entry = self.executables.get(stage, config, bucket, rows)
+    entry = self.executables.get(self.executables.key(stage, config, bucket, rows))
     if jax.process_count() == 1 and jax.default_backend() == 'cpu':
       seed = self.config.measure.seed
       _, params = qwen2.init_model(self.model, self.executables.mesh(config), seed=seed)
@@ -555,7 +555,7 @@ class Profiler:
   def compiled_here(self, cell: CellKey) -> bool:
     """Whether this process holds the compiled program of `cell`."""
     stage, bucket, rows, name = cell
-    return self.executables.is_ready(stage, ParallelConfig.parse(name), bucket, rows)
+    return self.executables.key(stage, ParallelConfig.parse(name), bucket, rows) in self.executables
 
   def agreed(self, held: Sequence[bool]) -> list[bool]:
     """Flags every process holds for the same cells (e.g. 'compiled here'), true where they

@@ -6,10 +6,10 @@ compiled programs from one `Executables`, so each stage has a single compile pat
 
   from earl_jax.programs import Executables, StageSpec, switch
   exe = Executables(model_cfg, spec=StageSpec(sampling=rollout_config.sampling))
-  entry = exe.get(Stage.EXPERIENCE, ParallelConfig(dp=2, tp=4), bucket=1024, rows=64,
-                  budget=budget_bytes)                 # refused (InfeasibleError) over budget
+  key = exe.key(Stage.EXPERIENCE, ParallelConfig(dp=2, tp=4), bucket=1024, rows=64)
+  entry = exe.get(key, budget=budget_bytes)            # refused (InfeasibleError) over budget
   entry.memory.peak                                    # XLA's per-device bytes
-  exe.precompile(Stage.TRAIN, ParallelConfig(dp=4, tp=2), 2048, 64, tree=train_state)
+  exe.precompile(exe.key(Stage.TRAIN, ParallelConfig(dp=4, tp=2), 2048, 64), tree=train_state)
   state, entry, record = switch(Stage.TRAIN, state, exe, ParallelConfig(dp=4, tp=2), 2048, 64)
 
 Modules: builders (StageSpec, ProgramKey, Program, one builder per stage, make_inputs),

@@ -13,8 +13,9 @@ nothing outlives it: the layouts' parameter shardings, the abstract train states
 device-to-device moves between layouts (a `sharding.reshard.Resharder`).
 
   exe = Executables(cfg, spec=StageSpec(sampling=SamplingConfig(max_new_tokens=8)))
-  rollout = exe.get(Stage.ROLLOUT, ParallelConfig(dp=2, tp=4), bucket=1024, rows=16)
-  exe.precompile(Stage.ROLLOUT, ParallelConfig(tp=8), bucket=2048, rows=16)   # a Future
+  key = exe.key(Stage.ROLLOUT, ParallelConfig(dp=2, tp=4), bucket=1024, rows=16)
+  rollout = exe.get(key)                                   # compiled once per key
+  exe.precompile(exe.key(Stage.ROLLOUT, ParallelConfig(tp=8), 2048, 16))   # a Future
   params, rollout, record = switch(Stage.ROLLOUT, params, exe, ParallelConfig(tp=8), 2048, 16)
   record.stall_ms          # what the step waited: executable (if still compiling) + reshard
 """
@@ -263,21 +264,12 @@ class Executables:
     return entry
 
   def get(
-    self,
-    stage: Stage | str,
-    config: ParallelConfig,
-    bucket: int,
-    rows: int,
-    *,
-    chunk: int | None = None,
-    greedy: bool = False,
-    budget: int | None = None,
-    margin: float = 0.0,
+    self, key: builders.ProgramKey, *, budget: int | None = None, margin: float = 0.0
   ) -> Executable:
-    """The executable of a key: cached, finished by a precompile, or compiled now.
+    """The executable of `key` (see `key`): cached, finished by a precompile, or compiled now.
 
     Args:
-      stage, config, bucket, rows, chunk, greedy: the key (see `key`).
+      key: the program.
       budget: per-device bytes; when given, an executable whose peak x (1 + margin) exceeds it
         is refused (InfeasibleError) instead of being returned to run.
       margin: safety margin on the peak.
@@ -285,7 +277,6 @@ class Executables:
     Raises:
       memory.InfeasibleError: over budget, with the need and the budget in the message.
     """
-    key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     with self._lock:
       self._requested.add(key)
       entry = self._entries.get(key)
@@ -310,28 +301,17 @@ class Executables:
     self, config: ParallelConfig, bucket: int, rows: int, *, chunk: int, greedy: bool = False
   ) -> Executable:
     """The rollout program the engine runs for one turn (`get` of a rollout key)."""
-    return self.get(Stage.ROLLOUT, config, bucket, rows, chunk=chunk, greedy=greedy)
+    return self.get(self.key(Stage.ROLLOUT, config, bucket, rows, chunk=chunk, greedy=greedy))
 
-  def precompile(
-    self,
-    stage: Stage | str,
-    config: ParallelConfig,
-    bucket: int,
-    rows: int,
-    *,
-    chunk: int | None = None,
-    greedy: bool = False,
-    tree: Any = None,
-  ) -> futures.Future:
-    """Starts compiling a key in the background (no-op if cached or in flight).
+  def precompile(self, key: builders.ProgramKey, *, tree: Any = None) -> futures.Future:
+    """Starts compiling `key`'s program in the background (no-op if cached or in flight).
 
     Args:
-      stage, config, bucket, rows, chunk, greedy: the key.
+      key: the program (see `key`).
       tree: the program's first argument as it is laid out now (the weights, or the train
         state); when given, the device-to-device move onto the new layout is compiled too, so
         that a later `switch` pays only for moving the bytes.
     """
-    key = self.key(stage, config, bucket, rows, chunk=chunk, greedy=greedy)
     layout = None if tree is None else mesh_lib.abstract_arrays(tree)
     with self._lock:
       self._requested.add(key)
@@ -352,14 +332,9 @@ class Executables:
     return future
 
   def _prepare_move(self, key: builders.ProgramKey, layout: Any) -> Executable:
-    entry = self.get(
-      key.stage, key.config, key.bucket, key.rows, chunk=key.chunk or None, greedy=key.greedy
-    )
+    entry = self.get(key)
     self.resharder.prepare(layout, entry.program.tree_shardings)
     return entry
-
-  def is_ready(self, stage: Stage | str, config: ParallelConfig, bucket: int, rows: int) -> bool:
-    return self.key(stage, config, bucket, rows) in self
 
   def requested(self, key: builders.ProgramKey) -> bool:
     """Asked for before (by `get` or `precompile`), whether or not the LRU still holds it: the
@@ -420,7 +395,9 @@ def switch(
   key = executables.key(stage, config, bucket, rows)
   precompiled = executables.requested(key)
   t0 = time.perf_counter()
-  entry = executables.get(stage, config, bucket, rows, budget=budget, margin=margin)
+  entry = executables.get(
+    executables.key(stage, config, bucket, rows), budget=budget, margin=margin
+  )
   wait_ms = 1e3 * (time.perf_counter() - t0)
   tree, reshard_ms = executables.resharder.timed(tree, entry.program.tree_shardings)
   record = SwitchRecord(

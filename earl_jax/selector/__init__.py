@@ -30,7 +30,7 @@ executables and the moves between layouts are run by the trainer.
                                    source=prev_config, budget=sel.budget_bytes)
   sel.commit(d, state)        # or, when XLA refused the program: sel.mark_infeasible(d, why)
   for key in sel.lookahead(d):          # next bucket's executable + weight move, in background
-    exe.precompile(*key, tree=params)
+    exe.precompile(exe.key(*key), tree=params)
   sel.state_dict() / sel.load_state_dict(...)    # hysteresis state for checkpoints
   sel.log()                                      # every decision with its reason
 

@@ -51,7 +51,7 @@ paying for a profile.
   d, state = sel.propose(Stage.ROLLOUT, stats)    # pure; `sel.decide` also commits
   sel.commit(d, state)                           # or sel.mark_infeasible(d, why), propose again
   d.config, d.bucket, d.run_bucket, d.reason
-  for key in sel.lookahead(d): executables.precompile(*key, tree=params)
+  for key in sel.lookahead(d): executables.precompile(executables.key(*key), tree=params)
 """
 
 import dataclasses

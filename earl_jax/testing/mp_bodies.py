@@ -107,17 +107,19 @@ def rollout_peaks_near_a_budget(
   out = {}
   spec = builders.StageSpec(sampling=SamplingConfig(max_new_tokens=4))
   with Executables(cfg, spec=spec) as exe:
-    need = {c: exe.get(Stage.ROLLOUT, c, bucket, rows).memory.peak for c in (small, big)}
+    need = {c: exe.get(exe.key(Stage.ROLLOUT, c, bucket, rows)).memory.peak for c in (small, big)}
     budget = (need[small] + need[big]) // 2
-    exe.get(Stage.ROLLOUT, small, bucket, rows, budget=budget)
+    exe.get(exe.key(Stage.ROLLOUT, small, bucket, rows), budget=budget)
     try:
-      exe.get(Stage.ROLLOUT, big, bucket, rows, budget=budget)
+      exe.get(exe.key(Stage.ROLLOUT, big, bucket, rows), budget=budget)
       out['refused'] = None
     except memory.InfeasibleError as e:
       out['refused'] = str(e)
-    _, params = qwen2.init_model(cfg, exe.get(Stage.ROLLOUT, small, bucket, rows).program.mesh)
+    _, params = qwen2.init_model(
+      cfg, exe.get(exe.key(Stage.ROLLOUT, small, bucket, rows)).program.mesh
+    )
     for c in (small, big):
-      entry = exe.get(Stage.ROLLOUT, c, bucket, rows)
+      entry = exe.get(exe.key(Stage.ROLLOUT, c, bucket, rows))
       p = jax.jit(lambda x: x, out_shardings=entry.program.in_shardings[0])(params)
       jax.block_until_ready(entry.compiled(*builders.make_inputs(entry.program, p)))
       # What else the process touches during a run (thread stacks, allocator arenas) only adds

@@ -146,7 +146,7 @@ def test_parsing_respects_the_action_range():
 
 
 def test_render_grids_and_grid_from_text_round_trip():
-  board = connect_four.board_from_moves([3, 3, 4, 2])
+  board = connect_four.ConnectFour().board_from_moves([3, 3, 4, 2])
   (text,) = base.render_grids(board[None], connect_four.HEADER)
   assert text == '1234567\n.......\n.......\n.......\n.......\n...O...\n..OXX..\n'
   np.testing.assert_array_equal(base.grid_from_text(text), board)

@@ -7,6 +7,8 @@ import pytest
 
 from earl_jax.envs import base, board_env, connect_four, opponents, registry, tic_tac_toe
 
+C4, TTT = connect_four.ConnectFour(), tic_tac_toe.TicTacToe()
+
 
 def _env(**changes) -> board_env.BoardGameEnv:
   env = registry.make_env(base.EnvConfig(**changes))
@@ -120,7 +122,7 @@ def test_a_full_column_is_an_invalid_reply_that_ends_the_episode():
   info = result.infos[0]
   assert (info['outcome'], info['parsed_action'], info['legal']) == ('invalid', 0, False)
   assert info['opponent_action'] is None
-  assert result.observations[0] == connect_four.render(start[None])[0] + 'invalid\n'
+  assert result.observations[0] == C4.render(start[None])[0] + 'invalid\n'
   np.testing.assert_array_equal(env.boards[0], start)  # nothing was played
   assert result.infos[1]['legal'] and result.infos[1]['outcome'] is None
 
@@ -176,7 +178,7 @@ def test_show_illegal_lists_the_illegal_moves_only_when_there_are_some(show_lega
 def test_bad_replies_get_the_penalty(game, reply):
   env = _env(game=game, invalid_penalty=-3.0, agent_first='always')
   if game == 'tic_tac_toe':
-    start = tic_tac_toe.board_from_moves([4, 0])[None]
+    start = TTT.board_from_moves([4, 0])[None]
   else:
     start = None
   env.reset(1, seed=0, start_boards=start)
@@ -188,7 +190,7 @@ def test_bad_replies_get_the_penalty(game, reply):
 
 def test_occupied_tic_tac_toe_cell_is_parsed_but_illegal():
   env = _env(game='tic_tac_toe')
-  env.reset(1, seed=0, start_boards=tic_tac_toe.board_from_moves([4, 0])[None])
+  env.reset(1, seed=0, start_boards=TTT.board_from_moves([4, 0])[None])
   info = env.step(['5']).infos[0]
   assert (info['parsed_action'], info['legal'], info['outcome']) == (4, False, 'invalid')
 
@@ -416,7 +418,7 @@ def test_start_boards_are_validated():
     env.reset(1, 0, start_boards=np.zeros((1, 3, 3), np.int8))
   won = _grid('.......\n' * 2 + 'X......\n' * 4)
   with pytest.raises(ValueError, match=r'start_boards \[1\] are already won or full'):
-    env.reset(2, 0, start_boards=np.stack([connect_four.empty_boards(1)[0], won]))
+    env.reset(2, 0, start_boards=np.stack([C4.empty_boards(1)[0], won]))
   with pytest.raises(ValueError, match='cells must be -1, 0 or'):
     env.reset(1, 0, start_boards=np.full((1, 6, 7), 2, np.int8))
 

@@ -5,6 +5,8 @@ import pytest
 
 from earl_jax.envs import base, connect_four
 
+C4 = connect_four.ConnectFour()
+
 DIRECTIONS = {
   'horizontal': (0, 1),
   'vertical': (1, 0),
@@ -45,7 +47,7 @@ def _random_boards(n, seed):
 def _random_game_boards(n, seed, plies):
   """Reachable positions: `plies` random legal moves from the empty board (may have ended)."""
   rng = np.random.default_rng(seed)
-  boards = connect_four.empty_boards(n)
+  boards = C4.empty_boards(n)
   player = base.AGENT
   for _ in range(plies):
     legal = connect_four.legal_mask(boards)
@@ -97,7 +99,7 @@ def test_full_board_without_a_winner_is_a_draw():
 
 
 def test_stones_fall_to_the_lowest_empty_row():
-  boards = connect_four.empty_boards(2)
+  boards = C4.empty_boards(2)
   for k in range(6):
     player = base.AGENT if k % 2 == 0 else base.OPPONENT
     boards = connect_four.play(boards, np.array([3, 0]), player)
@@ -107,7 +109,7 @@ def test_stones_fall_to_the_lowest_empty_row():
 
 
 def test_play_returns_new_boards_and_rejects_full_or_out_of_range_columns():
-  board = connect_four.board_from_moves([0] * 6)
+  board = C4.board_from_moves([0] * 6)
   before = board.copy()
   after = connect_four.play(board[None], np.array([1]), base.AGENT)
   np.testing.assert_array_equal(board, before)
@@ -119,21 +121,21 @@ def test_play_returns_new_boards_and_rejects_full_or_out_of_range_columns():
 
 
 def test_full_columns_are_not_legal():
-  board = connect_four.board_from_moves([0] * 6 + [6] * 6 + [3] * 5)
+  board = C4.board_from_moves([0] * 6 + [6] * 6 + [3] * 5)
   assert connect_four.legal_moves(board) == [1, 2, 3, 4, 5]
   assert connect_four.legal_mask(board[None]).tolist() == [[False] + [True] * 5 + [False]]
 
 
 def test_board_from_moves_alternates_players():
-  board = connect_four.board_from_moves([3, 3, 2], first=base.OPPONENT)
+  board = C4.board_from_moves([3, 3, 2], first=base.OPPONENT)
   assert board[5, 3] == base.OPPONENT and board[4, 3] == base.AGENT and board[5, 2] == base.OPPONENT
   with pytest.raises(ValueError, match='full'):
-    connect_four.board_from_moves([0] * 7)
+    C4.board_from_moves([0] * 7)
 
 
 def test_render_is_compact_and_uses_the_alphabet():
-  board = connect_four.board_from_moves([3, 4, 3, 4, 2, 3])
-  (text,) = connect_four.render(board[None])
+  board = C4.board_from_moves([3, 4, 3, 4, 2, 3])
+  (text,) = C4.render(board[None])
   assert text == ('1234567\n.......\n.......\n.......\n...O...\n...XO..\n..XXO..\n')
   assert len(text) == 56
   assert set(text) <= set(base.ALPHABET)
@@ -166,7 +168,7 @@ def test_heuristic_is_antisymmetric_and_likes_the_centre_and_open_threes():
   np.testing.assert_array_equal(
     connect_four.heuristic(boards, base.AGENT), -connect_four.heuristic(boards, base.OPPONENT)
   )
-  centre, edge = connect_four.board_from_moves([3]), connect_four.board_from_moves([0])
+  centre, edge = C4.board_from_moves([3]), C4.board_from_moves([0])
   scores = connect_four.heuristic(np.stack([centre, edge]), base.AGENT)
   assert scores[0] > scores[1]
   three = base.grid_from_text('.......\n' * 5 + 'XXX..OO\n')

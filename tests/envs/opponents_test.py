@@ -51,12 +51,12 @@ def _reference_values(game, board, player, depth):
   return values
 
 
-def _random_positions(game, module, n, seed, plies):
+def _random_positions(game, n, seed, plies):
   """Running positions reached by random play (no winner, not full)."""
   rng = np.random.default_rng(seed)
   out = []
   while len(out) < n:
-    board = module.empty_boards(1)
+    board = game.empty_boards(1)
     player = base.AGENT
     for _ in range(plies):
       legal = np.flatnonzero(game.legal_mask(board)[0])
@@ -70,7 +70,7 @@ def _random_positions(game, module, n, seed, plies):
 
 
 def test_random_opponent_is_uniform_over_legal_moves():
-  board = connect_four.board_from_moves([0] * 6 + [5] * 6)  # columns 1 and 6 are full
+  board = C4.board_from_moves([0] * 6 + [5] * 6)  # columns 1 and 6 are full
   opponent = opponents.RandomOpponent(C4)
   noise = np.random.default_rng(0).random((7000, 7))
   moves = opponent.select(np.repeat(board[None], 7000, axis=0), OPP, noise)
@@ -82,7 +82,7 @@ def test_random_opponent_is_uniform_over_legal_moves():
 
 
 def test_opponents_are_deterministic_given_the_noise():
-  board = connect_four.board_from_moves([3, 3])
+  board = C4.board_from_moves([3, 3])
   noise = np.random.default_rng(1).random((5, 7))
   for opponent in (
     opponents.RandomOpponent(C4),
@@ -136,7 +136,7 @@ def test_greedy_opponent(name, game, text, move):
 
 
 def test_greedy_is_random_without_immediate_wins_or_threats():
-  board = connect_four.board_from_moves([3, 3])
+  board = C4.board_from_moves([3, 3])
   assert _choices(opponents.GreedyOpponent(C4), board) == set(range(7))
 
 
@@ -195,7 +195,7 @@ def test_minimax_prefers_faster_wins():
 
 @pytest.mark.parametrize('depth', [1, 2, 3])
 def test_minimax_values_match_a_plain_alpha_beta_search_on_connect_four(depth):
-  positions = _random_positions(C4, connect_four, 6, seed=depth, plies=10)
+  positions = _random_positions(C4, 6, seed=depth, plies=10)
   boards = np.stack([b for b, _ in positions])
   for player in (base.AGENT, OPP):
     got = opponents.minimax_values(C4, boards, player, depth)
@@ -205,7 +205,7 @@ def test_minimax_values_match_a_plain_alpha_beta_search_on_connect_four(depth):
 
 @pytest.mark.parametrize('depth', [1, 4, 9])
 def test_minimax_values_match_a_plain_alpha_beta_search_on_tic_tac_toe(depth):
-  positions = _random_positions(TTT, tic_tac_toe, 8, seed=depth, plies=3)
+  positions = _random_positions(TTT, 8, seed=depth, plies=3)
   boards = np.stack([b for b, _ in positions])
   players = [p for _, p in positions]
   for board, player in zip(boards, players):
@@ -214,10 +214,10 @@ def test_minimax_values_match_a_plain_alpha_beta_search_on_tic_tac_toe(depth):
 
 
 def test_tic_tac_toe_is_a_draw_under_perfect_play():
-  values = opponents.minimax_values(TTT, tic_tac_toe.empty_boards(1), base.AGENT, 9)
+  values = opponents.minimax_values(TTT, TTT.empty_boards(1), base.AGENT, 9)
   np.testing.assert_array_equal(values, np.zeros((1, 9)))
   # After a corner opening, only the centre reply holds the draw.
-  values = opponents.minimax_values(TTT, tic_tac_toe.board_from_moves([0])[None], OPP, 9)[0]
+  values = opponents.minimax_values(TTT, TTT.board_from_moves([0])[None], OPP, 9)[0]
   assert values[4] == 0
   assert (np.delete(values, [0, 4]) < -opponents.WIN).all()
 

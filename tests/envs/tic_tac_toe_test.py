@@ -7,9 +7,11 @@ import pytest
 
 from earl_jax.envs import base, tic_tac_toe
 
+TTT = tic_tac_toe.TicTacToe()
+
 
 def test_cells_are_numbered_in_reading_order():
-  boards = tic_tac_toe.empty_boards(9)
+  boards = TTT.empty_boards(9)
   boards = tic_tac_toe.play(boards, np.arange(9), base.AGENT)
   for cell in range(9):
     assert boards[cell, cell // 3, cell % 3] == base.AGENT
@@ -56,19 +58,19 @@ def test_full_board_without_a_line_is_a_draw():
 
 
 def test_occupied_and_out_of_range_cells_are_rejected():
-  board = tic_tac_toe.board_from_moves([4, 0])
+  board = TTT.board_from_moves([4, 0])
   assert tic_tac_toe.legal_moves(board) == [1, 2, 3, 5, 6, 7, 8]
   with pytest.raises(ValueError, match=r'Cell\(s\) \[4\] are occupied'):
     tic_tac_toe.play(board[None], np.array([4]), base.AGENT)
   with pytest.raises(ValueError, match=r'cells are 0\.\.8'):
     tic_tac_toe.play(board[None], np.array([9]), base.AGENT)
   with pytest.raises(ValueError, match='occupied'):
-    tic_tac_toe.board_from_moves([4, 4])
+    TTT.board_from_moves([4, 4])
 
 
 def test_render():
-  board = tic_tac_toe.board_from_moves([0, 2, 4, 8])
-  (text,) = tic_tac_toe.render(board[None])
+  board = TTT.board_from_moves([0, 2, 4, 8])
+  (text,) = TTT.render(board[None])
   assert text == 'X.O\n.X.\n..O\n'
   assert set(text) <= set(base.ALPHABET)
 

@@ -70,7 +70,7 @@ GAME_GRID = [
 @pytest.mark.parametrize('stage,pc,bucket,rows', GAME_GRID, ids=lambda x: str(x))
 def test_analytic_model_is_within_its_stated_error_on_the_main_jobs_model(stage, pc, bucket, rows):
   with Executables(GAME, spec=GAME_SPEC) as exe:
-    xla = exe.get(stage, pc, bucket, rows).memory.peak
+    xla = exe.get(exe.key(stage, pc, bucket, rows)).memory.peak
   est = analytic.estimate(stage, GAME, pc, bucket, rows, decode_tokens=1, chunk=64).total
   assert analytic.within_stated_error(est, xla), (
     f'{stage} {pc} S={bucket} R={rows}: analytic {est / MiB:.2f} MiB vs XLA {xla / MiB:.2f} MiB '
@@ -80,7 +80,7 @@ def test_analytic_model_is_within_its_stated_error_on_the_main_jobs_model(stage,
 
 @pytest.mark.parametrize('stage,pc,bucket,rows', GRID, ids=lambda x: str(x))
 def test_analytic_model_is_within_its_stated_error(exe, stage, pc, bucket, rows):
-  xla = exe.get(stage, pc, bucket, rows).memory.peak
+  xla = exe.get(exe.key(stage, pc, bucket, rows)).memory.peak
   est = analytic.estimate(stage, CFG, pc, bucket, rows, decode_tokens=4, chunk=SPEC.chunk).total
   assert analytic.within_stated_error(est, xla), (
     f'{stage} {pc} S={bucket} R={rows}: analytic {est / MiB:.2f} MiB vs XLA {xla / MiB:.2f} MiB '

@@ -57,10 +57,10 @@ def exe():
 @pytest.fixture(scope='module')
 def budget(exe):
   """Between dp2.tp4's and dp8's peak at the longest bucket: dp8 is OOM there, nothing else."""
-  need = {c: exe.get(Stage.ROLLOUT, c, 2048, 8).memory.peak for c in (DP8, DP2TP4)}
+  need = {c: exe.get(exe.key(Stage.ROLLOUT, c, 2048, 8)).memory.peak for c in (DP8, DP2TP4)}
   assert need[DP2TP4] < need[DP8]
-  assert exe.get(Stage.ROLLOUT, DP8, 32, 8).memory.peak < need[DP2TP4]
-  exe.get(Stage.ROLLOUT, DP2TP4, 32, 8)
+  assert exe.get(exe.key(Stage.ROLLOUT, DP8, 32, 8)).memory.peak < need[DP2TP4]
+  exe.get(exe.key(Stage.ROLLOUT, DP2TP4, 32, 8))
   return (need[DP8] + need[DP2TP4]) // 2
 
 
@@ -130,13 +130,13 @@ def test_a_cache_from_another_setup_is_rebuilt(exe, budget, tmp_path, monkeypatc
 
 
 def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
-  tiny_budget = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak // 2
+  tiny_budget = exe.get(exe.key(Stage.ROLLOUT, DP2TP4, 32, 8)).memory.peak // 2
   prof = profiler.run(CFG, _config(tiny_budget), executables=exe)
   assert all(c.oom for c in prof.cells.values())
   sel = Selector(
     SelectorConfig(budget_mib=tiny_budget / MiB), buckets=TABLE, rows=8, profile=prof, model=CFG
   )
-  need = exe.get(Stage.ROLLOUT, DP2TP4, 32, 8).memory.peak
+  need = exe.get(exe.key(Stage.ROLLOUT, DP2TP4, 32, 8)).memory.peak
   with pytest.raises(
     memory.InfeasibleError, match=rf'smallest need is dp2\.tp4 with {need / MiB:.1f} MiB'
   ):

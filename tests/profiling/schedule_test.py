@@ -52,7 +52,7 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     # but not while the run's own precompile is under way (it would take a core from them).
     run_profile.wait_compiles()
     stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
-    exe.precompile(Stage.TRAIN, ParallelConfig(dp=8), 64, 8)
+    exe.precompile(exe.key(Stage.TRAIN, ParallelConfig(dp=8), 64, 8))
     assert exe.busy()
     assert run_profile.between_steps(sel, stats) == 0.0
     assert not any(c.measured for c in sel.profile(Stage.ROLLOUT).cells.values())
@@ -92,7 +92,7 @@ def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
     d = sel.decide(Stage.ROLLOUT, stats)
     assert d.rows == 8 and d.measured and '8 responses -> load 8' in d.reason
     compiles = exe.compiles
-    exe.get(Stage.ROLLOUT, d.config, d.run_bucket, d.rows)  # the program the rollout runs
+    exe.get(exe.key(Stage.ROLLOUT, d.config, d.run_bucket, d.rows))  # the program the rollout runs
     assert exe.compiles == compiles  # compiled once, for the profile
     assert sel.decide(Stage.EXPERIENCE, stats).rows == 16
   with pytest.raises(ValueError, match='rows of rollout must be positive'):

@@ -39,7 +39,7 @@ def test_each_bucket_compiles_once_and_is_reused(monkeypatch):
     for n in (5, 17, 32, 33, 60, 64, 20, 48):
       tokens = rng.randint(1, CFG.vocab_size, (8, n)).astype(np.int32)
       padded, bucket = buckets.pad_to_bucket(tokens, table, axis=1)
-      entry = exe.get(Stage.EXPERIENCE, DP2TP4, bucket, 8)
+      entry = exe.get(exe.key(Stage.EXPERIENCE, DP2TP4, bucket, 8))
       lp = entry(params, jax.device_put(padded, entry.program.in_shardings[1]))
       assert lp.shape == (8, bucket)
       seen.setdefault(bucket, entry)
@@ -63,12 +63,12 @@ def test_background_precompile_switch_and_refusal():
   _, params = qwen2.init_model(CFG, mesh_a, seed=1)
   before = [np.asarray(x) for x in jax.tree.leaves(params)]
   with Executables(CFG, spec=SPEC) as exe:
-    exe.get(Stage.ROLLOUT, DP8, 32, 8)
+    exe.get(exe.key(Stage.ROLLOUT, DP8, 32, 8))
     with jax.set_mesh(mesh_a):
-      future = exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8)
-      assert exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8) is future  # in flight: not twice
+      future = exe.precompile(exe.key(Stage.ROLLOUT, DP2TP4, 64, 8))
+      assert exe.precompile(exe.key(Stage.ROLLOUT, DP2TP4, 64, 8)) is future  # in flight: not twice
       # With the current weights: the move onto the new layout is compiled as well.
-      move = exe.precompile(Stage.ROLLOUT, DP2TP4, 64, 8, tree=params)
+      move = exe.precompile(exe.key(Stage.ROLLOUT, DP2TP4, 64, 8), tree=params)
       entry = future.result()
       assert move.result() is entry
       # Lowering in the background thread never touched this thread's mesh.
@@ -107,7 +107,7 @@ def test_train_switch_moves_params_and_moments_and_steps():
     state, got, record = switch(Stage.TRAIN, state, exe, DP2TP4, 32, 8, source=DP8)
     # Not precompiled: the step waited for the whole compile.
     assert not record.precompiled and record.wait_ms >= got.compile_ms
-    assert exe.get(Stage.TRAIN, DP2TP4, 32, 8) is got
+    assert exe.get(exe.key(Stage.TRAIN, DP2TP4, 32, 8)) is got
     entry = got
     mu = state.opt_state[1][0].mu['layers'][0]['mlp']['up_proj'][...]
     p = state.params['layers'][0]['mlp']['up_proj'][...]
