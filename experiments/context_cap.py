@@ -143,7 +143,7 @@ def _finished(workdir: str, cmd: list[str], steps: int) -> bool:
 
 
 def _series(path: str) -> dict[str, list]:
-  from earl_jax import metrics
+  from earl_jax.run import metrics
 
   rows = [r for r in metrics.read_jsonl(path) if 'ctx/turn_len_mean' in r]
   keys = ('ctx/turn_len_mean', 'ctx/move_len_mean', 'ctx/thoughts_per_move',

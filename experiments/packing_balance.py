@@ -46,7 +46,8 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   runtime.setup(cpu_devices=8)
-  from earl_jax import metrics, trainer
+  from earl_jax.run import metrics
+  from earl_jax.train import trainer
 
   if _STEPS.value <= _WARMUP.value:
     raise app.UsageError(f'--steps={_STEPS.value} must exceed --warmup={_WARMUP.value}.')

@@ -55,10 +55,10 @@ def main(argv):
   runtime.setup(cpu_devices=None if env else _CPU_DEVICES.value)
   import jax
 
-  from earl_jax import assembly
   from earl_jax.errors import UserError
   from earl_jax.profiling import profiler
   from earl_jax.programs import Executables
+  from earl_jax.train import assembly
 
   config = _CONFIG.value
   settings = config.selector.profile

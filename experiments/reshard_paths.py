@@ -105,10 +105,10 @@ def main(argv):
   runtime.setup(cpu_devices=8, cache_dir=tempfile.mkdtemp(prefix='reshard_paths_cache_'))
   import itertools
 
-  from earl_jax import assembly
   from earl_jax.config import ParallelConfig
-  from earl_jax.placement import StagePlacement
   from earl_jax.programs import Executables
+  from earl_jax.train import assembly
+  from earl_jax.train.placement import StagePlacement
 
   config = _CONFIG.value
   model, tok = assembly.load_model(config)

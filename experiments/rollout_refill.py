@@ -111,7 +111,7 @@ def _warm_start(config) -> bool:
 
 def _model(config) -> ModelConfig:
   """The policy's shapes: the preset's model (untied when it starts from a random init)."""
-  from earl_jax import assembly
+  from earl_jax.train import assembly
 
   model_cfg, _ = assembly.load_model(config)
   return model_cfg if _warm_start(config) else model_cfg.replace(tie_word_embeddings=False)
@@ -120,7 +120,7 @@ def _model(config) -> ModelConfig:
 def _check_warm_starts(names: list[str]) -> None:
   """Raises a one-line ConfigError, before anything compiles, if a preset that plays a warm
   start has none at `--code_checkpoint` (or one of another model)."""
-  from earl_jax import placement
+  from earl_jax.train import placement
   from experiments.configs import train as presets
 
   for name in names:
@@ -198,7 +198,7 @@ def _case(preset: str, B: int, M: int, control: bool, counter: _CompileCounter) 
   exe = Executables(model_cfg, spec=spec)
   mesh = exe.mesh(ParallelConfig.parse(_LAYOUT.value))
   if _warm_start(config):
-    from earl_jax import placement
+    from earl_jax.train import placement
 
     params = placement.load_warm_start(_CODE_CHECKPOINT.value, model_cfg, mesh)
   else:

@@ -27,12 +27,12 @@ _CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='c
 def main(argv):
   del argv
   _RUN.start()
-  from earl_jax import sft  # after the runtime is set up
+  from earl_jax.sft.job import SFTRun  # after the runtime is set up
 
   config = _CONFIG.value
   workdir = _RUN.workdir_for(config.name)
   # Checks the model, the examples, the workdir (and the checkpoint to resume) before compiling.
-  run = sft.SFTRun(config, **_RUN.job_args(workdir))
+  run = SFTRun(config, **_RUN.job_args(workdir))
   if run.is_main:
     print(
       f'earl_jax sft: {config.name} -> {workdir}; {len(run.train_set)} train and '

@@ -26,7 +26,8 @@ _CONFIG = config_cli.DEFINE_config('config', presets=presets.PRESETS, default='d
 def main(argv):
   del argv
   _RUN.start()
-  from earl_jax import plotting, trainer  # after the runtime is set up
+  from earl_jax.run import plotting
+  from earl_jax.train import trainer
 
   config = _CONFIG.value
   workdir = _RUN.workdir_for(config.name)

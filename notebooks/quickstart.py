@@ -226,8 +226,8 @@ print(f'through the controller: every block in and out, {2 * total * 7 / 8 / 102
 import dataclasses
 import tempfile
 
-from earl_jax import plotting
-from earl_jax.trainer import Trainer
+from earl_jax.run import plotting
+from earl_jax.train.trainer import Trainer
 from experiments.configs import train as presets
 
 workdir = tempfile.mkdtemp(prefix='earl_quickstart_')

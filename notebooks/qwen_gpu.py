@@ -149,7 +149,7 @@ import tempfile
 
 from earl_jax.config import BucketConfig
 from earl_jax.rollout.engine import RolloutConfig
-from earl_jax.trainer import Trainer
+from earl_jax.train.trainer import Trainer
 from experiments.configs import train as presets
 
 run = dataclasses.replace(presets.qwen(), model_dir=MODEL_DIR, param_dtype=dtype, steps=STEPS)

@@ -25,9 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from earl_jax import metrics
 from earl_jax.errors import UserError
-from earl_jax.run import preemption
+from earl_jax.run import metrics, preemption
 from earl_jax.run.rundir import RunDir
 
 

@@ -32,8 +32,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from earl_jax import checkpointing, metrics
 from earl_jax.errors import UserError
+from earl_jax.run import checkpointing, metrics
 from earl_jax.run.workdir_lock import LOCK, WorkdirError, WorkdirLock
 
 # The longest file or folder name (bytes) of the file systems a run writes to (ext4, xfs, tmpfs).

@@ -65,23 +65,6 @@ def load_tiny_checkpoint_and_score(model_dir: str, reference: str) -> dict:
   }
 
 
-def socket_mesh_exchange(matrix: list[list[int]]) -> dict:
-  """One `SocketMesh.exchange` of `matrix`: what this process received from each peer (its
-  length and the byte values in it)."""
-  from experiments.floors import SocketMesh
-
-  mesh = SocketMesh()
-  try:
-    seconds = mesh.exchange(np.asarray(matrix))
-    again = mesh.exchange(np.asarray(matrix))  # the buffers are reused
-  finally:
-    mesh.close()
-  return {
-    'seconds': [seconds, again],
-    'received': {str(q): [len(b), sorted(set(b.tolist()))] for q, b in mesh.received.items()},
-  }
-
-
 def rollout_peaks_near_a_budget(
   bucket: int, rows: int, small: str, big: str, repeats: int = 3
 ) -> dict:
@@ -141,8 +124,9 @@ def trainer_run(workdir: str, steps: int, resume: bool, winners: dict[str, str])
   its metrics rows and summary (every process returns what it holds)."""
   import dataclasses
 
-  from earl_jax import metrics, trainer
+  from earl_jax.run import metrics
   from earl_jax.testing import configs
+  from earl_jax.train import trainer
 
   # Seed 1: step 1's episodes have unequal returns. With all returns equal (seed 0) the first
   # gradient is float noise (the policy is its own reference), which Adam scales up to full-size
@@ -214,14 +198,15 @@ def code_trainer_run(workdir: str, steps: int) -> dict:
       each ran ({row: programs}).
     programs_run: the programs this process's sandbox judged during the run.
   """
-  from earl_jax import metrics, trainer
   from earl_jax.config import BucketConfig
   from earl_jax.envs import code_env
   from earl_jax.envs.base import CodeEnvConfig
   from earl_jax.rollout.engine import RolloutConfig
   from earl_jax.rollout.sampler import SamplingConfig
+  from earl_jax.run import metrics
   from earl_jax.sandbox import SandboxConfig
   from earl_jax.testing import configs
+  from earl_jax.train import trainer
 
   # A reply with no code ends its episode at -1: a batch's returns differ, so every update moves
   # the policy (an untrained model passes no test: every other return is 0). Feedback lines of at

@@ -15,7 +15,7 @@ import dataclasses
 from earl_jax.config import BucketConfig
 from earl_jax.envs.base import CodeEnvConfig
 from earl_jax.rl.train_step import OptimConfig
-from earl_jax.sft import SFTConfig
+from earl_jax.sft.job import SFTConfig
 
 
 def code() -> SFTConfig:
@@ -41,7 +41,7 @@ def code() -> SFTConfig:
     eval_env=CodeEnvConfig(task='functions', split='heldout', heldout_fraction=0.4, max_turns=1),
     # A first turn and its reply are 83 to 173 tokens: 192; a repair example (a near miss, one
     # failing test, the prompt again, the reference) 189 to 409, most under 320. A batch holds
-    # the examples of one bucket (earl_jax.sft.batch_plan), so a first turn pads to 192 only.
+    # the examples of one bucket (earl_jax.sft.examples.batch_plan), so a first turn pads to 192 only.
     buckets=BucketConfig(lengths=(192, 320, 448)),
     batch_size=32,
     # 800 steps: the model starts to copy constants from the words (train loss ~0.2 -> ~0.02)

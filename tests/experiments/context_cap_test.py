@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from earl_jax import metrics
 from earl_jax.errors import UserError
+from earl_jax.run import metrics
 from experiments import context_cap
 
 

@@ -1,8 +1,25 @@
 """The transport floors of the dispatch benchmark (experiments/floors.py), across processes."""
 
+import numpy as np
 import pytest
 
 from earl_jax.testing import multiprocess
+from experiments.floors import SocketMesh
+
+
+def socket_mesh_exchange(matrix: list[list[int]]) -> dict:
+  """One `SocketMesh.exchange` of `matrix`: what this process received from each peer (its
+  length and the byte values in it)."""
+  mesh = SocketMesh()
+  try:
+    seconds = mesh.exchange(np.asarray(matrix))
+    again = mesh.exchange(np.asarray(matrix))  # the buffers are reused
+  finally:
+    mesh.close()
+  return {
+    'seconds': [seconds, again],
+    'received': {str(q): [len(b), sorted(set(b.tolist()))] for q, b in mesh.received.items()},
+  }
 
 
 @pytest.mark.multiprocess
@@ -11,7 +28,7 @@ def test_socket_mesh_carries_each_pairs_bytes_from_that_peer():
   exactly its column of the matrix, and every byte came from the peer it names."""
   matrix = [[0, 5 << 20, 3], [1, 0, 0], [(4 << 20) + 7, 2, 0]]
   results = multiprocess.run(
-    'earl_jax.testing.mp_bodies:socket_mesh_exchange',
+    'tests.experiments.floors_test:socket_mesh_exchange',
     num_processes=3,
     devices_per_process=1,
     kwargs={'matrix': matrix},

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from earl_jax import sft
+from earl_jax.sft.job import SFTRun
 from earl_jax.testing import helpers
 from experiments.configs import sft as sft_presets
 
@@ -22,7 +22,7 @@ def warm_start(tmp_path_factory) -> str:
   run one or two turns."""
   workdir = tmp_path_factory.mktemp('sft') / 'run'
   config = dataclasses.replace(sft_presets.smoke(), steps=1, eval_every=0, checkpoint_every=1)
-  sft.SFTRun(config, workdir=str(workdir)).run(progress=False)
+  SFTRun(config, workdir=str(workdir)).run(progress=False)
   return str(workdir / 'checkpoints')
 
 

@@ -7,12 +7,14 @@ import os
 
 import pytest
 
-from earl_jax import metrics, sft, trainer
 from earl_jax.config import BucketConfig
 from earl_jax.envs import code_env, code_tasks
 from earl_jax.models import tokenizer
+from earl_jax.run import metrics
 from earl_jax.sandbox import SandboxConfig
+from earl_jax.sft.job import SFTRun
 from earl_jax.testing.configs import smoke_experiment
+from earl_jax.train import trainer
 from experiments.configs import sft as sft_presets
 from experiments.configs import train as presets
 
@@ -42,7 +44,7 @@ def test_the_buckets_hold_every_repair_turn():
 def warm_start(tmp_path_factory) -> str:
   workdir = tmp_path_factory.mktemp('sft') / 'run'
   config = dataclasses.replace(sft_presets.smoke(), steps=2, eval_every=0, checkpoint_every=2)
-  sft.SFTRun(config, workdir=str(workdir)).run(progress=False)
+  SFTRun(config, workdir=str(workdir)).run(progress=False)
   return str(workdir / 'checkpoints')
 
 

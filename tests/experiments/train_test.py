@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from earl_jax import metrics
+from earl_jax.run import metrics
 from earl_jax.testing import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

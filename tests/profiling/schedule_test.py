@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import pytest
 
-from earl_jax import assembly
 from earl_jax.config import ParallelConfig
 from earl_jax.profiling import schedule
 from earl_jax.profiling.table import MeasureConfig, load_cached
@@ -17,6 +16,7 @@ from earl_jax.stage import Stage
 from earl_jax.testing import multiprocess
 from earl_jax.testing.configs import smoke_experiment
 from earl_jax.testing.typecheck import unchecked
+from earl_jax.train import assembly
 
 
 def _run_parts(tmp_path, rollout=None, **settings):
@@ -184,7 +184,7 @@ def measured_run(workdir: str, steps: int) -> dict:
   this): the decisions and the measured cells it ended with (a multi-process body)."""
   import jax
 
-  from earl_jax import trainer
+  from earl_jax.train import trainer
 
   base = smoke_experiment(steps=steps, eval_every=0, checkpoint_every=0)
   profile = ProfileSettings(

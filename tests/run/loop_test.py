@@ -8,8 +8,7 @@ import signal
 
 import pytest
 
-from earl_jax import metrics
-from earl_jax.run import loop, preemption
+from earl_jax.run import loop, metrics, preemption
 from earl_jax.run.rundir import RunDir
 from earl_jax.run.workdir_lock import LOCK
 

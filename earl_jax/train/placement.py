@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from earl_jax import checkpointing, distributed
 from earl_jax import dispatch as dispatch_lib
+from earl_jax import distributed
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.errors import UserError
 from earl_jax.experiment import ExperimentConfig
@@ -41,6 +41,7 @@ from earl_jax.programs import executables as executables_lib
 from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import train_step
 from earl_jax.rl.batch import Batch
+from earl_jax.run import checkpointing
 from earl_jax.selector import selector as selector_lib
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage

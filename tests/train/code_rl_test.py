@@ -8,11 +8,12 @@ import os
 import numpy as np
 import pytest
 
-from earl_jax import metrics, trainer
 from earl_jax.config import BucketConfig
+from earl_jax.run import metrics
 from earl_jax.sandbox import SandboxConfig
 from earl_jax.testing import fixture_path, mp_bodies, multiprocess
 from earl_jax.testing.configs import smoke_experiment
+from earl_jax.train import trainer
 from experiments.configs import train as presets
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.placement import StagePlacement, decide_compiled, tree_bytes
 from earl_jax.profiling.table import Cell, Profile
 from earl_jax.programs import Executables, StageSpec, memory
 from earl_jax.selector.selector import ProfileSettings, Selector, SelectorConfig, StepStats
 from earl_jax.stage import Stage
 from earl_jax.testing.configs import smoke_experiment
+from earl_jax.train.placement import StagePlacement, decide_compiled, tree_bytes
 
 DP8, DP4TP2, TP8 = ParallelConfig(dp=8), ParallelConfig(dp=4, tp=2), ParallelConfig(tp=8)
 

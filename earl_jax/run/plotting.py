@@ -6,7 +6,7 @@ plotting.plot_training('runs/default/metrics.jsonl', 'runs/default')
 
 import os
 
-from earl_jax import metrics
+from earl_jax.run import metrics
 
 
 def _pyplot():

@@ -25,13 +25,13 @@ import numpy as np
 
 from earl_jax import dispatch as dispatch_lib
 from earl_jax.experiment import ExperimentConfig
-from earl_jax.placement import StagePlacement, decide_compiled
 from earl_jax.profiling.schedule import ProfileScheduler
 from earl_jax.programs import Executables, SwitchRecord
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
+from earl_jax.train.placement import StagePlacement, decide_compiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from earl_jax import metrics, trainer
 from earl_jax.config import BucketConfig, ParallelConfig
 from earl_jax.rl.losses import LossConfig
+from earl_jax.run import metrics
 from earl_jax.sharding.mesh import ShardingError
 from earl_jax.stage import STAGES, Stage
 from earl_jax.testing import fixture_path, mp_bodies, multiprocess
 from earl_jax.testing.configs import smoke_experiment, staged_profile
 from earl_jax.testing.typecheck import unchecked
+from earl_jax.train import trainer
 
 
 def test_smoke_run_uses_selector_and_dispatcher(tmp_path):

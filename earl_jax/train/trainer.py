@@ -46,14 +46,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from earl_jax import assembly, metrics
 from earl_jax import dispatch as dispatch_lib
-from earl_jax import placement as placement_lib
 from earl_jax.config import ParallelConfig
 from earl_jax.experiment import ExperimentConfig
-from earl_jax.metrics import StageTimer, format_line, move_summary
-from earl_jax.placement import StagePlacement
-from earl_jax.planning import StagePlanner
 from earl_jax.profiling.table import Profile
 from earl_jax.programs import Executables
 from earl_jax.programs import memory as memory_lib
@@ -61,12 +56,17 @@ from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
-from earl_jax.run import loop
+from earl_jax.run import loop, metrics
 from earl_jax.run.loop import NonFiniteError
+from earl_jax.run.metrics import StageTimer, format_line, move_summary
 from earl_jax.run.rundir import ResumeError, ResumePoint, RunDir, WorkdirError
 from earl_jax.selector import selector as selector_lib
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
+from earl_jax.train import assembly
+from earl_jax.train import placement as placement_lib
+from earl_jax.train.placement import StagePlacement
+from earl_jax.train.planning import StagePlanner
 
 
 @dataclasses.dataclass

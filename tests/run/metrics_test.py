@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from earl_jax import metrics
 from earl_jax.rollout.trajectories import EpisodeStats
+from earl_jax.run import metrics
 from earl_jax.stage import Stage
 
 RECORD = {

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from earl_jax import checkpointing
 from earl_jax.config import ModelConfig, ParallelConfig
 from earl_jax.models import qwen2
 from earl_jax.programs import builders
 from earl_jax.rl import train_step as train_lib
+from earl_jax.run import checkpointing
 from earl_jax.sharding import mesh as mesh_lib
 
 CFG = ModelConfig.preset('tiny')

@@ -2,7 +2,7 @@
 
 import json
 
-from earl_jax import plotting
+from earl_jax.run import plotting
 
 
 def _rows():
