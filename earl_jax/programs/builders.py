@@ -19,6 +19,10 @@ trainer and the profiler all run these same programs (through `executables.Execu
   train       `train_step.train_step` on a [B, T] `Batch` (the train state is donated).
               Throughput counts B x T tokens.
 
+The warm start's programs are the train and experience programs of objective 'sft'
+(`ProgramKey.objective`, `earl_jax.sft.steps`): one AdamW update on the next-token loss of a
+[B, T] `SFTBatch` (the train state donated), and that loss's sum and token count (held out).
+
   prog = builders.build(ProgramKey(stage=Stage.ROLLOUT, config=ParallelConfig(dp=2, tp=4),
                                    bucket=1024, rows=16, chunk=32), cfg, spec, mesh)
   compiled = prog.lower().compile()
@@ -44,6 +48,7 @@ from earl_jax.rl import losses
 from earl_jax.rl import train_step as train_lib
 from earl_jax.rl.batch import Batch
 from earl_jax.rollout import engine, sampler
+from earl_jax.sft import steps as sft_steps
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding import rules
 from earl_jax.stage import Stage
@@ -124,6 +129,8 @@ class ProgramKey:
     rows: B, the batch rows (responses).
     chunk: P, the prompt tokens a rollout call prefills (0 for the other stages).
     greedy: a rollout program that decodes by argmax (evaluation).
+    objective: 'rl', the RL job's programs; 'sft', the warm start's train and experience
+      programs (its update, and its held-out loss).
   """
 
   stage: Stage
@@ -132,6 +139,7 @@ class ProgramKey:
   rows: int
   chunk: int = 0
   greedy: bool = False
+  objective: str = 'rl'
 
   def __post_init__(self):
     object.__setattr__(self, 'stage', Stage.parse(self.stage))
@@ -144,12 +152,19 @@ class ProgramKey:
         raise ValueError(f'ProgramKey.chunk of a rollout program must be >= 1, got {self.chunk}.')
     elif self.chunk or self.greedy:
       raise ValueError(f'ProgramKey: chunk and greedy are rollout settings, not {self.stage}.')
+    if self.objective not in ('rl', 'sft') or (
+      self.objective == 'sft' and self.stage == Stage.ROLLOUT
+    ):
+      raise ValueError(
+        f'ProgramKey.objective={self.objective!r} for {self.stage}: expected rl, or sft for the '
+        'train and experience programs.'
+      )
 
   def __str__(self) -> str:
     name = f'{self.stage}/{self.config.name}/S{self.bucket}/R{self.rows}'
     if self.stage == Stage.ROLLOUT:
       name += f'/P{self.chunk}' + ('/greedy' if self.greedy else '')
-    return name
+    return name + ('/sft' if self.objective == 'sft' else '')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -379,10 +394,70 @@ def train_program(
   )
 
 
-BUILDERS: dict[Stage, Builder] = {
-  Stage.ROLLOUT: rollout_program,
-  Stage.EXPERIENCE: experience_program,
-  Stage.TRAIN: train_program,
+def sft_train_program(
+  key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
+) -> Program:
+  """The warm start's update on a [B, T] `SFTBatch`: (state, batch) -> (state, metrics)
+  (`sft_steps.sft_step`; the state is donated)."""
+  graphdef, _ = _setup(key, model, mesh)
+  state = abstract_train_state(model, mesh, spec.optim)
+  state_sh = jax.tree.map(lambda a: a.sharding, state)
+  batch_sh = sft_steps.SFTBatch.shardings(mesh)
+  step = functools.partial(
+    sft_steps.sft_step, graphdef=graphdef, optimizer=train_lib.make_optimizer(spec.optim)
+  )
+  fn = jax.jit(
+    step,
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, _replicated(mesh)),
+    donate_argnums=(0,),
+  )
+  batch = sft_steps.SFTBatch.abstract(key.rows, key.bucket, batch_sh)
+  return Program(
+    key=key,
+    model=model,
+    spec=spec,
+    mesh=mesh,
+    fn=fn,
+    abstract_args=(state, batch),
+    tokens=key.rows * key.bucket,
+  )
+
+
+def sft_heldout_program(
+  key: ProgramKey, model: ModelConfig, spec: StageSpec, mesh: jax.sharding.Mesh
+) -> Program:
+  """The warm start's held-out loss of a [B, T] `SFTBatch`: (params, batch) -> {'nll_sum',
+  'tokens'} over the masked tokens."""
+  graphdef, abstract_params = _setup(key, model, mesh)
+  batch_sh = sft_steps.SFTBatch.shardings(mesh)
+
+  def sums(params, batch):
+    return sft_steps.sft_loss(params, graphdef, batch)[1]
+
+  fn = jax.jit(
+    sums,
+    in_shardings=(qwen2.state_shardings(abstract_params), batch_sh),
+    out_shardings=_replicated(mesh),
+  )
+  batch = sft_steps.SFTBatch.abstract(key.rows, key.bucket, batch_sh)
+  return Program(
+    key=key,
+    model=model,
+    spec=spec,
+    mesh=mesh,
+    fn=fn,
+    abstract_args=(abstract_params, batch),
+    tokens=key.rows * key.bucket,
+  )
+
+
+BUILDERS: dict[tuple[str, Stage], Builder] = {
+  ('rl', Stage.ROLLOUT): rollout_program,
+  ('rl', Stage.EXPERIENCE): experience_program,
+  ('rl', Stage.TRAIN): train_program,
+  ('sft', Stage.EXPERIENCE): sft_heldout_program,
+  ('sft', Stage.TRAIN): sft_train_program,
 }
 
 
@@ -394,7 +469,7 @@ def build(
 ) -> Program:
   """The program of `key` on `mesh` (default: `key.config` over all canonical devices)."""
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(key.config)
-  return BUILDERS[key.stage](key, model, spec or StageSpec(), mesh)
+  return BUILDERS[key.objective, key.stage](key, model, spec or StageSpec(), mesh)
 
 
 def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[Any, ...]:

@@ -177,13 +177,21 @@ class Executables:
     *,
     chunk: int | None = None,
     greedy: bool = False,
+    objective: str = 'rl',
   ) -> builders.ProgramKey:
-    """The key of a program; a rollout program without a chunk gets `spec.chunk`."""
+    """The key of a program (`builders.ProgramKey`); a rollout program without a chunk gets
+    `spec.chunk`."""
     stage = Stage.parse(stage)
     if stage == Stage.ROLLOUT and chunk is None:
       chunk = self.spec.chunk
     return builders.ProgramKey(
-      stage=stage, config=config, bucket=bucket, rows=rows, chunk=chunk or 0, greedy=greedy
+      stage=stage,
+      config=config,
+      bucket=bucket,
+      rows=rows,
+      chunk=chunk or 0,
+      greedy=greedy,
+      objective=objective,
     )
 
   def mesh(self, config: ParallelConfig) -> jax.sharding.Mesh:

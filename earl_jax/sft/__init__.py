@@ -2,5 +2,6 @@
 
 examples  the examples (a code episode's first turn, or a repair, answered by the reference) and
           their bucketed, seeded batches
-job       `SFTConfig`, the train and held-out programs, and `SFTRun` on the run layer
+steps     `SFTBatch`, the next-token loss and the update (built as programs of objective 'sft')
+job       `SFTConfig` and `SFTRun`, on the run layer and the executable cache
 """

@@ -29,23 +29,18 @@ import hashlib
 import itertools
 import re
 import string
-import typing
 from collections.abc import Sequence
 from typing import Any
 
-import flax.struct
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
 
 from earl_jax import buckets as buckets_lib
 from earl_jax.config import BucketConfig
 from earl_jax.envs import base as envs
 from earl_jax.envs import code_env
 from earl_jax.models import tokenizer as tokenizer_lib
+from earl_jax.sft.steps import SFTBatch
 from earl_jax.sharding import mesh as mesh_lib
-from earl_jax.sharding import rules
 
 # -- examples and batches --------------------------------------------------------------------------
 
@@ -205,32 +200,6 @@ def batch_indices(buckets: np.ndarray, step: int, rows: int, seed: int) -> np.nd
 def example_buckets(examples: Examples, table: BucketConfig) -> np.ndarray:
   """int64 [E]: the bucket of `table` each example pads to."""
   return np.array([table.bucket_for(n) for n in examples.lengths.tolist()], np.int64)
-
-
-# Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
-# the shape annotations document it and the runtime checker skips it.
-@typing.no_type_check
-@flax.struct.dataclass
-class SFTBatch:
-  tokens: Int[Array | np.ndarray, 'B T']
-  loss_mask: Bool[Array | np.ndarray, 'B T']
-
-  @property
-  def bucket(self) -> int:
-    return self.tokens.shape[1]
-
-  @classmethod
-  def shardings(cls, mesh: jax.sharding.Mesh) -> 'SFTBatch':
-    """Rows split over data x fsdp, replicated over tensor (the RL batch's train layout)."""
-    sharding = rules.sharding(('batch', 'seq'), mesh)
-    return cls(tokens=sharding, loss_mask=sharding)
-
-  @classmethod
-  def abstract(cls, rows: int, bucket: int, shardings: 'SFTBatch') -> 'SFTBatch':
-    return cls(
-      tokens=jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=shardings.tokens),
-      loss_mask=jax.ShapeDtypeStruct((rows, bucket), jnp.bool_, sharding=shardings.loss_mask),
-    )
 
 
 def pad_batch(

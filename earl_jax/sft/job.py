@@ -8,8 +8,10 @@
 
 The layout is the selector's decision for the train stage (its analytic model, as the RL job's
 first train decision without a profile) from the training examples' lengths, on a mesh of
-`sharding.mesh`; it holds for the whole run. Each bucket's train and held-out programs are
-compiled ahead of time on first use, with explicit shardings and the train state donated.
+`sharding.mesh`; it holds for the whole run. Each bucket's train and held-out programs
+(`sft.steps`) are compiled ahead of time on first use, with explicit shardings and the train
+state donated, through the executable cache of the RL job's stage programs
+(`programs.Executables`, objective 'sft').
 Checkpoints hold the RL job's `TrainState` (AdamW moments of `optim`), with the model's shape in
 their meta, so that `placement.load_warm_start` can check and restore them onto any layout.
 
@@ -17,21 +19,15 @@ Dimension letters as in `earl_jax.config`.
 """
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
 
 from earl_jax import buckets as buckets_lib
 from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
@@ -40,7 +36,7 @@ from earl_jax.errors import ConfigError
 from earl_jax.experiment import config_diff
 from earl_jax.models import hf_import, qwen2
 from earl_jax.models import tokenizer as tokenizer_lib
-from earl_jax.programs import StageSpec
+from earl_jax.programs import Executable, Executables, StageSpec
 from earl_jax.rl import train_step
 from earl_jax.run import loop, metrics
 from earl_jax.run.rundir import RunDir
@@ -48,13 +44,13 @@ from earl_jax.selector import selector as selector_lib
 from earl_jax.selector.selector import ProfileSettings, SelectorConfig
 from earl_jax.sft.examples import (
   Examples,
-  SFTBatch,
   batch_indices,
   build_examples,
   example_buckets,
   pad_batch,
   put_batch,
 )
+from earl_jax.sft.steps import SFTBatch
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
@@ -220,89 +216,6 @@ def load_model(config: SFTConfig) -> tuple[ModelConfig, tokenizer_lib.Tokenizer]
 # -- programs --------------------------------------------------------------------------------------
 
 
-def sft_loss(
-  params: nnx.State, graphdef: nnx.GraphDef, batch: SFTBatch
-) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
-  """The mean negative log-likelihood of the masked tokens (every reply token weighs the same),
-  with the sum and the count it divides."""
-  model = nnx.merge(graphdef, params)
-  logp = qwen2.token_logprobs(model, batch.tokens)  # column t: log p(tokens[t] | tokens[:t])
-  weights = batch.loss_mask.astype(jnp.float32)
-  nll_sum, tokens = -jnp.sum(logp * weights), jnp.sum(weights)
-  return nll_sum / jnp.maximum(tokens, 1.0), {'nll_sum': nll_sum, 'tokens': tokens}
-
-
-def sft_step(
-  state: train_step.TrainState,
-  batch: SFTBatch,
-  *,
-  graphdef: nnx.GraphDef,
-  optimizer: Any,
-) -> tuple[train_step.TrainState, dict[str, Float[Array, '']]]:
-  """One AdamW update on the batch's loss (skipped, as in RL, when anything is not finite)."""
-  grad_fn = jax.value_and_grad(sft_loss, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, graphdef, batch)
-  state, grad_norm, finite = train_step.apply_gradients(state, loss, grads, optimizer)
-  return state, {
-    'loss': loss,
-    'grad_norm': grad_norm,
-    'finite': finite.astype(jnp.float32),
-    'loss_tokens': aux['tokens'],
-  }
-
-
-class Programs:
-  """The train and held-out programs of one model on one mesh, for B rows: AOT-compiled once
-  per bucket, on first use (`compiles` counts them)."""
-
-  def __init__(
-    self, model: ModelConfig, mesh: jax.sharding.Mesh, optim: train_step.OptimConfig, rows: int
-  ):
-    self.model, self.mesh, self.rows = model, mesh, rows
-    self.graphdef, abstract_params = qwen2.abstract_model(model, mesh)
-    self.optimizer = train_step.make_optimizer(optim)
-    self.abstract_state = train_step.abstract_train_state(abstract_params, self.optimizer)
-    self.batch_shardings = SFTBatch.shardings(mesh)
-    self._compiled: dict[tuple[str, int], Any] = {}
-    self.compiles = 0
-
-  def train(self, bucket: int) -> Callable[[Any, SFTBatch], tuple[Any, dict]]:
-    """(state, batch [B, bucket]) -> (state, metrics); the state is donated."""
-    return self._get('train', bucket)
-
-  def heldout(self, bucket: int) -> Callable[[Any, SFTBatch], dict]:
-    """(params, batch [B, bucket]) -> {'nll_sum', 'tokens'} of the masked tokens."""
-    return self._get('heldout', bucket)
-
-  def _get(self, kind: str, bucket: int):
-    if (kind, bucket) not in self._compiled:
-      self._compiled[kind, bucket] = self._compile(kind, bucket)
-      self.compiles += 1
-    return self._compiled[kind, bucket]
-
-  def _compile(self, kind: str, bucket: int):
-    state_sh = jax.tree.map(lambda a: a.sharding, self.abstract_state)
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    batch = SFTBatch.abstract(self.rows, bucket, self.batch_shardings)
-    if kind == 'train':
-      step = functools.partial(sft_step, graphdef=self.graphdef, optimizer=self.optimizer)
-      fn = jax.jit(
-        step,
-        in_shardings=(state_sh, self.batch_shardings),
-        out_shardings=(state_sh, replicated),
-        donate_argnums=(0,),
-      )
-      args = (self.abstract_state, batch)
-    else:
-      sums = lambda params, batch: sft_loss(params, self.graphdef, batch)[1]  # noqa: E731
-      fn = jax.jit(
-        sums, in_shardings=(state_sh.params, self.batch_shardings), out_shardings=replicated
-      )
-      args = (self.abstract_state.params, batch)
-    with jax.set_mesh(self.mesh):
-      return fn.lower(*args).compile()
-
-
 def decide_layout(
   config: SFTConfig, model: ModelConfig, lengths: Sequence[int]
 ) -> selector_lib.Decision:
@@ -368,8 +281,12 @@ class SFTRun:
       workdir, config, resume=resume, log=self.log, set_aside_used=move_aside
     )
     with self.run_dir.released_on_error():  # a run that fails while being built frees it
-      self.mesh = mesh_lib.make_mesh(self.decision.config)
-      self.programs = Programs(self.model_cfg, self.mesh, config.optim, config.batch_size)
+      # The train and held-out programs, one per bucket, from the executable cache the RL job's
+      # stage programs come from (objective 'sft'); the layout holds for the whole run.
+      self.executables = Executables(self.model_cfg, spec=StageSpec(optim=config.optim))
+      self.layout = self.decision.config
+      self.mesh = self.executables.mesh(self.layout)
+      self.batch_shardings = SFTBatch.shardings(self.mesh)
       self._pass_engine = None
       self.global_step = 0
       self.history: list[dict] = []
@@ -377,7 +294,9 @@ class SFTRun:
         self.state = self._initial_state()
         rows = None
       else:
-        restored = self.run_dir.restore(resume_point, lambda meta: self.programs.abstract_state)
+        restored = self.run_dir.restore(
+          resume_point, lambda meta: self.executables.abstract_train_state(self.layout)
+        )
         self.state, self.global_step = restored.state, restored.step
         rows = restored.rows
         self.history = list(rows)
@@ -393,7 +312,13 @@ class SFTRun:
       _, params = hf_import.load_params(self.config.model_dir, self.model_cfg, self.mesh)
     else:
       _, params = qwen2.init_model(self.model_cfg, self.mesh, seed=self.config.init_seed)
-    return train_step.init_train_state(params, self.programs.optimizer)
+    return train_step.init_train_state(params, train_step.make_optimizer(self.config.optim))
+
+  def _program(self, stage: Stage, bucket: int) -> Executable:
+    """The warm start's program of `stage` (train: the update; experience: the held-out loss)
+    for B = `batch_size` rows of `bucket` tokens, compiled on first use."""
+    key = self.executables.key(stage, self.layout, bucket, self.config.batch_size, objective='sft')
+    return self.executables.get(key)
 
   # -- steps and evaluation ------------------------------------------------------------------------
 
@@ -403,8 +328,8 @@ class SFTRun:
     t0 = time.perf_counter()
     indices = batch_indices(self.train_buckets, self.global_step, cfg.batch_size, cfg.seed)
     host = pad_batch(self.train_set, indices, cfg.batch_size, cfg.buckets)
-    batch = put_batch(host, self.programs.batch_shardings)
-    self.state, out = self.programs.train(batch.bucket)(self.state, batch)
+    batch = put_batch(host, self.batch_shardings)
+    self.state, out = self._program(Stage.TRAIN, batch.bucket)(self.state, batch)
     out = {k: float(v) for k, v in jax.device_get(out).items()}
     seconds = time.perf_counter() - t0
     tokens = int(self.train_set.lengths[indices].sum())
@@ -428,8 +353,9 @@ class SFTRun:
       host = pad_batch(
         self.heldout_set, range(start, min(start + rows, n)), rows, self.config.buckets
       )
-      batch = put_batch(host, self.programs.batch_shardings)
-      out = jax.device_get(self.programs.heldout(batch.bucket)(self.state.params, batch))
+      batch = put_batch(host, self.batch_shardings)
+      out = self._program(Stage.EXPERIENCE, batch.bucket)(self.state.params, batch)
+      out = jax.device_get(out)
       nll, count = nll + float(out['nll_sum']), count + float(out['tokens'])
     return {'heldout/loss': nll / max(count, 1.0), 'heldout/tokens': count}
 
@@ -448,7 +374,6 @@ class SFTRun:
     }
 
   def _make_pass_engine(self):
-    from earl_jax.programs import Executables
     from earl_jax.rollout import engine, sampler
 
     cfg, examples = self.config, self.heldout_set
@@ -526,7 +451,7 @@ class SFTRun:
       'pass_rate_last': passes[-1] if passes else None,
       'tokens_per_s': float(np.median(speeds)) if speeds else None,
       'skipped_steps': int(self.state.skipped),
-      'compiles': self.programs.compiles,
+      'compiles': self.executables.compiles,
       'checkpoints': os.path.join(self.workdir, 'checkpoints') if saved else None,
     }
 

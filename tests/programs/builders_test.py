@@ -163,6 +163,11 @@ def test_program_keys_validate_and_name_themselves(weights):
     builders.ProgramKey(stage=Stage.TRAIN, config=DP2TP4, bucket=64, rows=8, chunk=8)
   with pytest.raises(ValueError, match='bucket must be a positive int'):
     builders.ProgramKey(stage=Stage.TRAIN, config=DP2TP4, bucket=0, rows=8)
+  assert str(_key(Stage.EXPERIENCE, objective='sft')) == 'experience/dp2.tp4/S64/R8/sft'
+  with pytest.raises(ValueError, match="objective='sft' for rollout: expected rl, or sft for"):
+    _key(Stage.ROLLOUT, objective='sft')
+  with pytest.raises(ValueError, match="objective='ppo' for train"):
+    _key(Stage.TRAIN, objective='ppo')
   with pytest.raises(mesh_lib.ShardingError, match='rows \\(responses\\)=7 is not divisible'):
     builders.build(_key(Stage.EXPERIENCE, rows=7), CFG, SPEC)
   with pytest.raises(ValueError, match='built on a mesh of shape'):

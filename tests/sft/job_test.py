@@ -62,10 +62,13 @@ def test_a_few_steps_lower_the_heldout_loss(trained):
   run, summary, workdir = trained
   assert summary['steps'] == 4 and summary['train_config'] == 'dp8.tp1'
   assert summary['heldout_loss_last'] < summary['heldout_loss_first'] - 0.5
-  # One train and one held-out program per bucket reached, each compiled once.
+  # One train and one held-out program per bucket reached, each compiled once, through the
+  # executable cache of the RL job's stage programs (objective 'sft').
   buckets = {r['bucket'] for r in run.history if 'bucket' in r}
-  assert {('train', b) for b in buckets} <= set(run.programs._compiled)
-  assert summary['compiles'] == len(run.programs._compiled) <= 2 * len(run.config.buckets.lengths)
+  built = [r['key'] for r in run.executables.log if 'compile_ms' in r]
+  assert len(built) == len(set(built)) == summary['compiles'] <= 2 * len(run.config.buckets.lengths)
+  assert {f'train/dp8.tp1/S{b}/R32/sft' for b in buckets} <= set(built)
+  assert all(k.startswith(('train/', 'experience/')) and k.endswith('/sft') for k in built)
   evals = [r for r in run.history if 'heldout/loss' in r]
   assert [r['step'] for r in evals] == [0, 2, 4]
   assert all(0.0 <= r['heldout/pass_rate'] <= 1.0 for r in evals)
