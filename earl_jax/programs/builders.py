@@ -331,6 +331,11 @@ def experience_program(
   abstract_args = (abstract_params, tokens, *((tokens, tokens) if spec.packed else ()))
   param_sh = qwen2.state_shardings(abstract_params)
   fn = jax.jit(step, in_shardings=(param_sh, *[bt] * (len(abstract_args) - 1)), out_shardings=bt)
+  return _token_rows(key, model, spec, mesh, fn, abstract_args)
+
+
+def _token_rows(key: ProgramKey, model, spec, mesh, fn, abstract_args) -> Program:
+  """A program over [B, T] = [rows, bucket] tokens: its throughput counts B x T tokens."""
   return Program(
     key=key,
     model=model,
@@ -383,15 +388,7 @@ def train_program(
     batch_shardings=batch_sh,
     metrics_sharding=_replicated(mesh),
   )
-  return Program(
-    key=key,
-    model=model,
-    spec=spec,
-    mesh=mesh,
-    fn=fn,
-    abstract_args=(state, batch),
-    tokens=key.rows * key.bucket,
-  )
+  return _token_rows(key, model, spec, mesh, fn, (state, batch))
 
 
 def sft_train_program(
@@ -413,15 +410,7 @@ def sft_train_program(
     donate_argnums=(0,),
   )
   batch = sft_steps.SFTBatch.abstract(key.rows, key.bucket, batch_sh)
-  return Program(
-    key=key,
-    model=model,
-    spec=spec,
-    mesh=mesh,
-    fn=fn,
-    abstract_args=(state, batch),
-    tokens=key.rows * key.bucket,
-  )
+  return _token_rows(key, model, spec, mesh, fn, (state, batch))
 
 
 def sft_heldout_program(
@@ -441,15 +430,7 @@ def sft_heldout_program(
     out_shardings=_replicated(mesh),
   )
   batch = sft_steps.SFTBatch.abstract(key.rows, key.bucket, batch_sh)
-  return Program(
-    key=key,
-    model=model,
-    spec=spec,
-    mesh=mesh,
-    fn=fn,
-    abstract_args=(abstract_params, batch),
-    tokens=key.rows * key.bucket,
-  )
+  return _token_rows(key, model, spec, mesh, fn, (abstract_params, batch))
 
 
 BUILDERS: dict[tuple[str, Stage], Builder] = {
