@@ -54,6 +54,21 @@ def check_positive(obj: Any, *names: str) -> None:
       raise ConfigError(f'{type(obj).__name__}.{name} must be a positive int, got {value!r}.')
 
 
+# The train state's step counter is int32: a run of more steps could not count them.
+MAX_STEPS = 2**31 - 1
+
+
+def check_steps(obj: Any, name: str = 'steps') -> None:
+  """Raises ConfigError unless the field is a positive int the int32 step counter holds."""
+  check_positive(obj, name)
+  value = getattr(obj, name)
+  if value > MAX_STEPS:
+    raise ConfigError(
+      f'{type(obj).__name__}.{name}={value}: expected at most {MAX_STEPS:,} (the train '
+      "state's int32 step counter)."
+    )
+
+
 def check_float32(obj: Any, *names: str) -> None:
   """Raises ConfigError naming the field when one of them is not a finite number that float32
   holds: NaN, inf and |x| > 3.4e38 all become NaN or inf on the device."""

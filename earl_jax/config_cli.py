@@ -53,7 +53,13 @@ def _parse_value(text: str, annotation: Any, where: str) -> Any:
   if origin is tuple:
     stripped = text.strip()
     if stripped.startswith('(') or stripped.startswith('['):
-      items = list(ast.literal_eval(stripped))
+      try:
+        items = list(ast.literal_eval(stripped))
+      except (SyntaxError, ValueError, TypeError):
+        raise ConfigOverrideError(
+          f'{where}: {text!r} is not a tuple: expected comma-separated values, e.g. 64,128 '
+          'or (64, 128).'
+        ) from None
     else:
       items = [s for s in stripped.split(',') if s.strip()]
     item_type = args[0] if args else str

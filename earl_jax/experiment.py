@@ -14,7 +14,14 @@ import json
 from collections.abc import Iterable
 
 from earl_jax import dispatch as dispatch_lib
-from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
+from earl_jax.config import (
+  BucketConfig,
+  DType,
+  ModelConfig,
+  check_positive,
+  check_seed,
+  check_steps,
+)
 from earl_jax.envs import base as envs
 from earl_jax.errors import ConfigError
 from earl_jax.models.tokenizer import Tokenizer
@@ -119,9 +126,8 @@ class ExperimentConfig:
 
   def __post_init__(self):
     _check_name(self.name)
-    check_positive(
-      self, 'steps', 'micro_batches', 'update_epochs', 'eval_episodes', 'keep_checkpoints'
-    )
+    check_positive(self, 'micro_batches', 'update_epochs', 'eval_episodes', 'keep_checkpoints')
+    check_steps(self)
     for field in ('eval_every', 'checkpoint_every', 'max_skipped_in_a_row'):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -146,6 +152,14 @@ class ExperimentConfig:
       raise ConfigError(
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='
         f'{self.rollout.num_episodes}.'
+      )
+    _check_split(self.env, self.eval_env)
+    adv = self.advantages
+    if adv.estimator == 'grpo' and adv.credit == 'episode' and self.rollout.group_size == 1:
+      raise ConfigError(
+        "advantages.estimator='grpo' with rollout.group_size=1: each episode is its group's mean, "
+        'so every advantage is 0 and nothing trains; expected rollout.group_size >= 2, or the '
+        "'reinforce' or 'reinforce_pp' estimator."
       )
     if self.pack and self.loss.aggregation != 'token':
       raise ConfigError(
@@ -223,6 +237,40 @@ _IGNORED_ON_RESUME = (
   'eval_seed',
   'selector.profile.cache',
 )
+
+
+def _check_split(env: object, eval_env: object) -> None:
+  """Refuses a code run whose evaluation could play tasks it trains on.
+
+  A generated family ('functions', 'repo_repair') is shuffled by `split_seed`, and its held-out
+  split is the first `heldout_fraction` of it: with one seed, a larger fraction's held-out tasks
+  include a smaller one's. So the training tasks (split 'train' at fraction f) and the evaluated
+  ones (split 'heldout' at fraction g) are disjoint when the seeds agree and g <= f; any other
+  pairing of the same family can share tasks. HumanEval is one set (a run trains on another
+  family and evaluates on it).
+
+  Raises:
+    ConfigError: naming both environments' split settings.
+  """
+  if not (isinstance(env, envs.CodeEnvConfig) and isinstance(eval_env, envs.CodeEnvConfig)):
+    return
+  if env.task != eval_env.task or env.task == 'humaneval':
+    return
+  disjoint = (
+    env.split == 'train'
+    and eval_env.split == 'heldout'
+    and env.split_seed == eval_env.split_seed
+    and eval_env.heldout_fraction <= env.heldout_fraction
+  )
+  if not disjoint:
+    raise ConfigError(
+      f'env (split={env.split!r}, heldout_fraction={env.heldout_fraction}, split_seed='
+      f'{env.split_seed}) and eval_env (split={eval_env.split!r}, heldout_fraction='
+      f'{eval_env.heldout_fraction}, split_seed={eval_env.split_seed}) can share '
+      f'{env.task!r} tasks, so the evaluation would score tasks the run trains on: expected '
+      "env.split='train' and eval_env.split='heldout' with the same split_seed and "
+      'eval_env.heldout_fraction <= env.heldout_fraction.'
+    )
 
 
 def _ignored_on_resume(d: dict) -> set[str]:

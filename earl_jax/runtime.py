@@ -77,13 +77,16 @@ class RunFlags:
   move_aside: Any
 
   def start(self) -> None:
-    """Absl's log at WARNING unless `--verbosity` is given (the job prints its step lines),
+    """SIGTERM and Ctrl-C stop at once until the loop steps (`preemption.StopAtOnce`), absl's
+    log at WARNING unless `--verbosity` is given (the job prints its step lines),
     `jax.distributed` from the launcher's environment, then `setup` (fake CPU devices only in a
     single process)."""
     from absl import flags
 
     from earl_jax import distributed
+    from earl_jax.run import preemption
 
+    preemption.StopAtOnce().install()
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
     env = distributed.initialize_from_env()

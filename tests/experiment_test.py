@@ -1,11 +1,15 @@
 """ExperimentConfig: validation before anything is built, JSON form, the --resume fingerprint."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
 
 from earl_jax.config import BucketConfig
+from earl_jax.envs import code_env
+from earl_jax.envs.base import CodeEnvConfig
+from earl_jax.errors import ConfigError
 from earl_jax.experiment import ExperimentConfig, config_diff
 from earl_jax.testing.configs import smoke_experiment
 
@@ -132,3 +136,43 @@ def test_what_needs_the_tokenizer_is_checked_before_a_run_starts(rollout, match)
   with pytest.raises(ValueError, match=match):
     config.check_tokenizer(load_tokenizer('game'), 64)
   base.check_tokenizer(load_tokenizer('game'), 64)  # the smoke preset itself passes
+
+
+def test_no_heldout_task_reaches_a_training_rollout_under_any_split_override():
+  """Every pairing of split settings the config accepts trains and evaluates disjoint
+  'functions' tasks (the task ids the two environments play); the others are refused in one line
+  naming both environments' settings, the issue's case (train at 0.2, evaluate at 0.4) among
+  them."""
+  accepted = refused = 0
+  grid = itertools.product(('train', 'heldout'), (0, 1), (0.2, 0.4), repeat=2)
+  for split, seed, fraction, eval_split, eval_seed, eval_fraction in grid:
+    env = CodeEnvConfig(split=split, split_seed=seed, heldout_fraction=fraction)
+    eval_env = env.replace(split=eval_split, split_seed=eval_seed, heldout_fraction=eval_fraction)
+    error = _config_error(env=env, eval_env=eval_env, tokenizer='code')
+    if error is not None:
+      assert error.startswith(f'env (split={split!r}') and 'eval_env (split=' in error
+      assert '\n' not in error
+      refused += 1
+      continue
+    accepted += 1
+    played = [
+      {
+        t.task_id
+        for t in code_env.load_tasks('functions', c.split, c.split_seed, c.heldout_fraction)
+      }
+      for c in (env, eval_env)
+    ]
+    assert played[0] and played[1] and not played[0] & played[1], (env, eval_env)
+  assert (accepted, refused) == (6, 58)
+  code = CodeEnvConfig(heldout_fraction=0.2)
+  with pytest.raises(ConfigError, match=r'heldout_fraction=0.2.*heldout_fraction=0.4.*can share'):
+    ExperimentConfig(env=code, eval_env=code.replace(split='heldout', heldout_fraction=0.4))
+
+
+def _config_error(**fields) -> str | None:
+  """The ConfigError an ExperimentConfig of `fields` raises (None: it is accepted)."""
+  try:
+    ExperimentConfig(**fields)
+  except ConfigError as e:
+    return str(e)
+  return None

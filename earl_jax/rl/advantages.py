@@ -62,8 +62,11 @@ class AdvantageConfig:
       )
     if not 0 < self.gamma <= 1:
       raise ConfigError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
-    if not self.eps > 0:
-      raise ConfigError(f'AdvantageConfig.eps must be > 0, got {self.eps}.')
+    if not 0 < self.eps <= 1:  # larger (or inf) shrinks every normalised advantage (to 0)
+      raise ConfigError(
+        f'AdvantageConfig.eps must be in (0, 1] (a small constant added to the std), got '
+        f'{self.eps}.'
+      )
 
 
 def _normalise(

@@ -29,13 +29,18 @@ from jaxtyping import Array, Bool, Float, Int
 from earl_jax.errors import ConfigError
 from earl_jax.models.qwen2 import KVCache, Qwen2, restrict_logits
 
+# The lowest sampling temperature. The policy's gradients scale as 1 / temperature: far below it
+# they overflow float32 and every update is skipped (1e-30 skipped every step).
+MIN_TEMPERATURE = 1e-2
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
   """How replies are sampled.
 
   Attributes:
-    temperature: > 0; logits are divided by it. Use `greedy` for argmax decoding.
+    temperature: >= `MIN_TEMPERATURE`; logits are divided by it. Use `greedy` for argmax
+      decoding.
     top_p: nucleus mass in (0, 1]; 1 disables truncation.
     max_new_tokens: the per-turn token limit (the end-of-turn token counts).
     greedy: argmax instead of sampling (temperature still scales the recorded log-probs).
@@ -47,8 +52,12 @@ class SamplingConfig:
   greedy: bool = False
 
   def __post_init__(self):
-    if not self.temperature > 0:
-      raise ConfigError(f'SamplingConfig.temperature must be > 0, got {self.temperature}.')
+    if not MIN_TEMPERATURE <= self.temperature < float('inf'):
+      raise ConfigError(
+        f'SamplingConfig.temperature must be a number >= {MIN_TEMPERATURE} (the gradients scale '
+        'as 1 / temperature: far below it they overflow and every step is skipped; greedy=true '
+        f'decodes by argmax), got {self.temperature}.'
+      )
     if not 0 < self.top_p <= 1:
       raise ConfigError(f'SamplingConfig.top_p must be in (0, 1], got {self.top_p}.')
     if self.max_new_tokens < 1:

@@ -262,13 +262,25 @@ class Checkpointer:
     be read (truncated, corrupted, an item missing, checksums that do not match) is reported to
     `on_skip(step, reason)` and the next older one is tried; CheckpointError when none is left.
     """
+    return self._newest_readable(
+      lambda step, meta: (step, *self.restore(abstract_state(meta), step)), on_skip, steps
+    )
+
+  def restore_newest_readable_params(
+    self, abstract_params: Any, *, on_skip: Callable[[int, str], None], steps: list[int] | None
+  ) -> tuple[int, Any]:
+    """(step, parameters) of the newest of `steps` whose parameters restore and verify
+    (`restore_params`), the others reported to `on_skip` as `restore_newest_readable` does."""
+    return self._newest_readable(
+      lambda step, meta: (step, self.restore_params(abstract_params, step)[0]), on_skip, steps
+    )
+
+  def _newest_readable(self, restore: Callable[[int, dict], Any], on_skip, steps) -> Any:
     for step, meta in self.readable_metas(steps, on_skip=on_skip):
       try:
-        state, meta = self.restore(abstract_state(meta), step)
+        return restore(step, meta)
       except Exception as e:  # any unreadable checkpoint is skipped, and said so
         on_skip(step, _reason(e))
-        continue
-      return step, state, meta
     raise CheckpointError(
       f'no readable checkpoint in {self.directory} (tried steps '
       f'{sorted(self.all_steps(), reverse=True) if steps is None else steps}): expected at '

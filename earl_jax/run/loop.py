@@ -104,7 +104,6 @@ def run(job: Job, *, progress: bool = True) -> float:
   t0 = time.perf_counter()
   cadence, run_dir = Cadence.of(job.config), job.run_dir
   shown = progress and job.is_main
-  run_dir.write_config()
 
   def write(record: dict, show: bool) -> None:
     job.writer.write(record['step'], record)
@@ -113,25 +112,26 @@ def run(job: Job, *, progress: bool = True) -> float:
       tqdm.write(line)
     job.log(line)
 
-  if job.global_step == 0 and cadence.eval_every:
-    write({'step': 0, **job.evaluate()}, shown)
   bar = tqdm(total=cadence.steps, initial=job.global_step, disable=not shown, leave=False)
   at_once = False
-  with preemption.StopRequests() as stops:
-    try:
+  try:
+    run_dir.write_config()
+    if job.global_step == 0 and cadence.eval_every:  # a stop here stops at once: no step to save
+      write({'step': 0, **job.evaluate()}, shown)
+    with preemption.StopRequests() as stops:
       _steps(job, cadence, t0, run_dir, stops, write, bar, shown)
-    except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the save under way
-      at_once = True
-      raise
-    finally:
-      bar.close()
-      if at_once:
-        run_dir.release()
-      else:
-        try:
-          job.close()
-        finally:
-          run_dir.close()  # waits for the save (its failure raised last), frees the workdir
+  except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the save under way
+    at_once = True
+    raise
+  finally:
+    bar.close()
+    if at_once:
+      run_dir.release()
+    else:
+      try:
+        job.close()
+      finally:
+        run_dir.close()  # waits for the save (its failure raised last), frees the workdir
   return time.perf_counter() - t0
 
 

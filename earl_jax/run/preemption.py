@@ -21,6 +21,11 @@ through one small all-gather per step (`distributed.process_max`), on one proces
       if signum := stops.agreed():
         save()
         raise Stopped(step, signum, saved=True)
+
+Outside the steps (building the run, its first compiles, the evaluation before the first step, the
+plots after the last), there is no step to finish: a job's entry point installs `StopAtOnce`,
+under which either signal raises `Stopped` at once, with a line that says so (before the first
+step: nothing to save). `StopRequests` takes over while the loop steps, and gives back.
 """
 
 import os
@@ -34,27 +39,53 @@ from earl_jax import distributed
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class Stopped(Exception):  # noqa: N818 (a stop on request: not an error)
-  """The run stopped at a step boundary because it was asked to (SIGTERM or SIGINT).
+# A BaseException, as KeyboardInterrupt is: no `except Exception` on the way may swallow a stop.
+class Stopped(BaseException):
+  """The run stopped because it was asked to (SIGTERM or SIGINT): at a step boundary, or at once
+  outside the steps (`StopAtOnce`).
 
   Attributes:
-    step: the last step done (and saved, with `saved`).
+    step: the last step done (and saved, with `saved`); None: the signal came outside the steps
+      (`StopAtOnce`), before the first one when `stepped` is False.
     signum: the signal that asked for the stop.
     saved: whether a checkpoint of `step` was written.
     exit_code: 128 + `signum`, the shell's convention for a process ended by a signal.
   """
 
-  def __init__(self, step: int, signum: int, *, saved: bool):
+  def __init__(self, step: int | None, signum: int, *, saved: bool, stepped: bool = True):
     self.step = step
     self.signum = signum
     self.saved = saved
     self.exit_code = 128 + signum
     name = signal.Signals(signum).name
-    if saved:
+    if step is None and not stepped:
+      line = f'stopped by {name} before the first step: nothing to save'
+    elif step is None:
+      line = f'stopped by {name} after the training steps (their checkpoints are complete)'
+    elif saved:
       line = f'stopped at step {step} by {name}; checkpoint saved; resume with --resume'
     else:
       line = f'stopped at step {step} by {name}; this run keeps no checkpoints (checkpoint_every=0)'
     super().__init__(line)
+
+
+class StopAtOnce:
+  """Outside the steps, SIGTERM and SIGINT raise `Stopped` at once (see the module docstring);
+  installed for the rest of the process by a job's entry point (`install`, main thread only).
+  `stepped`: a `StopRequests` has run inside it (the loop has stepped)."""
+
+  def __init__(self):
+    self.stepped = False
+
+  def install(self) -> 'StopAtOnce':
+    if threading.current_thread() is threading.main_thread():
+      for s in SIGNALS:
+        signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+    del frame
+    raise Stopped(None, signum, saved=False, stepped=self.stepped)
 
 
 class StopRequests:
@@ -70,6 +101,9 @@ class StopRequests:
   def __enter__(self) -> 'StopRequests':
     if threading.current_thread() is threading.main_thread():
       self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+      for handler in self._previous.values():  # the loop steps: a later stop is after them
+        if isinstance(getattr(handler, '__self__', None), StopAtOnce):
+          handler.__self__.stepped = True
       self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     return self
 

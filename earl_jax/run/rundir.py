@@ -242,10 +242,13 @@ class RunDir:
     self.checkpointer.save(step, state, {**base, **meta})
 
   def write_config(self) -> None:
-    """Writes the config to config.json (process 0), as the run starts."""
+    """Writes the config to config.json (process 0), as the run starts: whole or not at all
+    (a temporary file renamed over it)."""
     if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
+      path = os.path.join(self.workdir, 'config.json')
+      with open(path + '.tmp', 'w') as f:
         json.dump(self.config.to_json(), f, indent=2)
+      os.replace(path + '.tmp', path)
 
   def wait(self) -> None:
     """Waits for the checkpoint being written (StorageError if it failed)."""

@@ -30,7 +30,14 @@ import numpy as np
 from absl import logging
 
 from earl_jax import buckets as buckets_lib
-from earl_jax.config import BucketConfig, DType, ModelConfig, check_positive, check_seed
+from earl_jax.config import (
+  BucketConfig,
+  DType,
+  ModelConfig,
+  check_positive,
+  check_seed,
+  check_steps,
+)
 from earl_jax.envs import base as envs
 from earl_jax.errors import ConfigError
 from earl_jax.experiment import config_diff
@@ -139,7 +146,8 @@ class SFTConfig:
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.strip() or '/' in self.name:
       raise ConfigError(f'SFTConfig.name={self.name!r}: expected a non-empty folder name.')
-    check_positive(self, 'batch_size', 'steps', 'keep_checkpoints', 'max_new_tokens')
+    check_positive(self, 'batch_size', 'keep_checkpoints', 'max_new_tokens')
+    check_steps(self)
     for field in (
       'log_every',
       'eval_every',

@@ -223,7 +223,7 @@ def code_trainer_run(workdir: str, steps: int) -> dict:
     model='tiny',
     tokenizer='code',
     env=env,
-    eval_env=env,
+    eval_env=env.replace(split='heldout'),
     rollout=RolloutConfig(
       num_episodes=8,
       sampling=SamplingConfig(temperature=1.0, max_new_tokens=8),

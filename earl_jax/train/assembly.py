@@ -10,14 +10,17 @@ composition root; nothing here runs a step).
 """
 
 import dataclasses
+import math
 
 from earl_jax.config import ModelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.models import hf_import, tokenizer
 from earl_jax.profiling.schedule import ProfileScheduler
 from earl_jax.profiling.table import Profile
 from earl_jax.programs import Executables, StageSpec
 from earl_jax.rollout import engine
+from earl_jax.selector import candidates
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
 
@@ -52,6 +55,30 @@ def load_rows(config: ExperimentConfig) -> tuple[int, ...]:
   """The selector's load bins: the episodes of a step (experience and train run them all at
   once) and, when fewer, the rollout's slots (its program runs that many rows)."""
   return selector_lib.load_bins((config.rollout.slots, config.rollout.num_episodes))
+
+
+def check_eval_episodes(config: ExperimentConfig, model: ModelConfig, num_devices: int) -> None:
+  """Refuses an `eval_episodes` that some rollout layout cannot split over its batch shards (the
+  evaluation plays on whichever layout the rollout runs on), before anything is written.
+
+  Raises:
+    ConfigError: naming the value and the multiple expected.
+  """
+  layouts = candidates.candidates_for(
+    Stage.ROLLOUT,
+    model,
+    num_devices=num_devices,
+    rows=load_rows(config),
+    with_fsdp=config.selector.with_fsdp,
+    only=config.selector.layouts,
+  )
+  shards = math.lcm(*(c.dp * c.fsdp for c in layouts))
+  if config.eval_episodes % shards:
+    raise ConfigError(
+      f'eval_episodes={config.eval_episodes}: the evaluation plays on the rollout layout, and '
+      f'its candidates ({", ".join(c.name for c in layouts)}) split rows over up to {shards} '
+      f'batch shards: expected a multiple of {shards}.'
+    )
 
 
 def rollout_rows(config: ExperimentConfig) -> dict[Stage, int]:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from earl_jax import dispatch as dispatch_lib
 from earl_jax import distributed
@@ -307,13 +308,12 @@ def check_warm_start(init_from: str | None, model: ModelConfig) -> tuple[Any, in
   directory = warm_start_dir(init_from)
   ckpt = checkpointing.Checkpointer(directory, async_save=False)
   try:
-    step = ckpt.latest_step()
-    if step is None:
+    if ckpt.latest_step() is None:
       raise WarmStartError(
         f'init_from={init_from!r}: no checkpoint in {ckpt.directory}: expected the checkpoints '
         'of a warm start run (experiments/sft.py writes them every checkpoint_every steps).'
       )
-    meta, saved = ckpt.read_meta(step), ckpt.state_shapes(step)
+    step, meta, saved = _newest_readable_shapes(init_from, ckpt)
   finally:
     ckpt.close()
   if not isinstance(saved, dict) or 'params' not in saved:
@@ -338,16 +338,51 @@ def load_warm_start(init_from: str, model: ModelConfig, mesh: jax.sharding.Mesh)
     abstract,
   )
   ckpt = checkpointing.Checkpointer(warm_start_dir(init_from), async_save=False)
-  try:
-    params, _ = ckpt.restore_params(target, step)
+  try:  # the newest step whose parameters restore and verify, as --resume takes it
+    older = [s for s in sorted(ckpt.all_steps(), reverse=True) if s <= step]
+    restored, params = ckpt.restore_newest_readable_params(
+      target, on_skip=_skip_warm_start(init_from), steps=older
+    )
+  except checkpointing.CheckpointError:
+    raise WarmStartError(
+      f'init_from={init_from!r}: no checkpoint in {ckpt.directory} restores (steps {older}, '
+      'each said above): expected an intact warm start; run experiments/sft.py again.'
+    ) from None
   finally:
     ckpt.close()
+  if restored != step:
+    logging.warning('warm start: from step %d of %s, the newest that restores', restored, init_from)
   dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
   if dtypes != {np.dtype(model.param_dtype)}:  # e.g. a float32 warm start of a bfloat16 run
     shardings = qwen2.state_shardings(abstract)
     cast = lambda p: jax.tree.map(lambda x: x.astype(model.param_dtype), p)  # noqa: E731
     params = jax.jit(cast, out_shardings=shardings, donate_argnums=0)(params)
   return params
+
+
+def _skip_warm_start(init_from: str) -> Callable[[int, str], None]:
+  def skip(step: int, reason: str) -> None:
+    logging.warning(
+      'warm start: step %d of %s does not read (%s): trying an older one', step, init_from, reason
+    )
+
+  return skip
+
+
+def _newest_readable_shapes(init_from: str, ckpt: checkpointing.Checkpointer):
+  """(step, meta, saved state shapes) of the newest step whose metadata reads (older ones are
+  tried, and the skipped ones said); WarmStartError when none does."""
+  skip = _skip_warm_start(init_from)
+  for step, meta in ckpt.readable_metas(on_skip=skip):
+    try:
+      return step, meta, ckpt.state_shapes(step)
+    except Exception as e:  # an unreadable checkpoint is skipped, and said so
+      skip(step, ' '.join(str(e).split())[:200] or type(e).__name__)
+  raise WarmStartError(
+    f'init_from={init_from!r}: no checkpoint in {ckpt.directory} has readable metadata (steps '
+    f'{sorted(ckpt.all_steps(), reverse=True)}, each said above): expected an intact warm start; '
+    'run experiments/sft.py again.'
+  )
 
 
 def _abstract_params(model: ModelConfig):

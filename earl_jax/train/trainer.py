@@ -121,6 +121,7 @@ class Trainer:
     self.model_cfg, self.tokenizer = assembly.load_model(config)
     config.check_tokenizer(self.tokenizer, self.model_cfg.vocab_size)
     placement_lib.check_warm_start(config.init_from, self.model_cfg)  # metadata only
+    assembly.check_eval_episodes(config, self.model_cfg, len(mesh_lib.canonical_devices()))
     self.run_dir, resume_point = RunDir.open(
       workdir, config, resume=resume, log=self.log, set_aside_used=move_aside
     )

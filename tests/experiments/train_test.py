@@ -67,6 +67,22 @@ BAD_INPUTS = [
   ('not an int', ['--config.steps=abc'], "'abc' is not an int"),
   ('zero steps', ['--config.steps=0'], 'steps must be a positive int, got 0'),
   ('negative steps', ['--config.steps=-3'], 'steps must be a positive int, got -3'),
+  (
+    'steps past the int32 step counter',
+    ['--config.steps=12345678901234567890'],
+    'steps=12345678901234567890: expected at most 2,147,483,647',
+  ),
+  (
+    'grpo with groups of one',
+    ['--config.advantages.estimator=grpo', '--config.rollout.group_size=1'],
+    "estimator='grpo' with rollout.group_size=1: each episode is its group's mean",
+  ),
+  ('infinite advantage eps', ['--config.advantages.eps=inf'], 'eps must be in (0, 1]'),
+  (
+    'a temperature that skips every step',
+    ['--config.rollout.sampling.temperature=1e-30'],
+    'temperature must be a number >= 0.01',
+  ),
   ('override without value', ['--config.steps'], 'overrides need a value'),
   (
     'infinite learning rate',
@@ -90,6 +106,11 @@ BAD_INPUTS = [
   ('not a bool', ['--config.pack=maybe'], "'maybe' is not a bool"),
   ('buckets out of order', ['--config.buckets.lengths=512,256'], 'strictly increasing'),
   ('no buckets', ['--config.buckets.lengths='], 'lengths is empty'),
+  (
+    'evaluation episodes no layout splits',
+    ['--config.eval_episodes=3'],
+    'eval_episodes=3: the evaluation plays on the rollout layout',
+  ),
   ('unknown model preset', ['--config.model=huge'], "Unknown model preset 'huge'"),
   ('missing model dir', ['--config.model_dir={tmp}/no_model'], 'no_model'),
   ('truncated config.json', ['--config.model_dir={tmp}/truncated_model'], 'is not valid JSON'),
@@ -114,6 +135,7 @@ BAD_INPUTS = [
   ('infinite budget', ['--config.selector.budget_mib=inf'], 'budget_mib must be a finite'),
   ('unknown fsdp stage', ['--config.selector.with_fsdp=train,nope'], "Unknown stage 'nope'"),
   ('unknown flag', ['--nosuchflag'], 'nosuchflag'),  # from here on: both entry points
+  ('unclosed tuple', ['--config.buckets.lengths=(64,128'], "'(64,128' is not a tuple"),
   ('no fake devices', ['--cpu_devices=0'], 'cpu_devices'),
   ('resume without a checkpoint', ['--resume'], 'no checkpoint in'),
   ('workdir under a file', ['--workdir={tmp}/a_file/run'], 'is a file'),
@@ -144,6 +166,7 @@ SFT_BAD_INPUTS = [
   ('unknown nested field', ['--config.optim.nope=1'], "OptimConfig has no field 'nope'"),
   ('not an int', ['--config.steps=abc'], "'abc' is not an int"),
   ('zero steps', ['--config.steps=0'], 'steps must be a positive int, got 0'),
+  ('steps past the int32 step counter', ['--config.steps=99999999999'], 'expected at most'),
   (
     'infinite learning rate',
     ['--config.optim.learning_rate=inf'],
@@ -230,7 +253,7 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path, entry):
     if not ok:
       failures.append(f'{name} {args}: rc={r.returncode}, stderr tail: {lines[-3:]}')
   assert not failures, '\n'.join(failures)
-  assert len(cases) >= {'train': 47, 'sft': 24}[entry]
+  assert len(cases) >= {'train': 53, 'sft': 26}[entry]
   # Nothing half-written: no file or folder was created or changed by a refused run.
   after = _listing(tmp_path)
   assert after == before, sorted(set(after.items()) ^ set(before.items()))
@@ -372,6 +395,30 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, entry):
   assert proc.returncode == 130 and time.monotonic() - t0 < 10, err[-2000:]
   lines = [line for line in err.splitlines() if line.strip()]
   assert lines[-1].startswith('interrupted: stopped at once') and 'Traceback' not in err, lines
+
+
+@pytest.mark.parametrize('entry', ENTRIES)
+def test_a_signal_before_the_first_step_stops_at_once_in_one_line(tmp_path, entry):
+  """SIGTERM while the job is built and compiles (the RL job: as soon as it names its workdir;
+  the warm start: before its first evaluation): one line, exit 143, nothing saved, the workdir
+  free."""
+  workdir = tmp_path / 'run'
+  proc = _start(
+    [ENTRIES[entry].module, '--config=smoke', *ENTRIES[entry].run, f'--workdir={workdir}']
+  )
+  assert proc.stdout.readline().startswith('earl_jax'), proc.communicate()[1][-2000:]
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-2000:]
+  assert out.splitlines()[-1] == 'stopped by SIGTERM before the first step: nothing to save'
+  assert 'Traceback' not in err, err[-2000:]
+  assert not (workdir / '.lock').exists() and not (workdir / 'checkpoints').exists()
+  rows = (
+    metrics.read_jsonl(str(workdir / 'metrics.jsonl'))
+    if (workdir / 'metrics.jsonl').exists()
+    else []
+  )
+  assert not [r for r in rows if r['step'] > 0]
 
 
 def _process_id(pid: int) -> int:

@@ -53,6 +53,8 @@ class _Counting:
     return {'count': self.global_step}
 
   def evaluate(self) -> dict:
+    if self.global_step == self.signal_at:  # 0: the evaluation before the first step
+      os.kill(os.getpid(), signal.SIGTERM)
     self.evaluated.append(self.global_step)
     return {'eval/count': self.global_step}
 
@@ -112,3 +114,27 @@ def test_a_signal_stops_at_the_end_of_its_step_saved(tmp_path):
   )
   assert job.saved == [3] and job.global_step == 3
   assert signal.getsignal(signal.SIGTERM) == before  # the handlers put back
+
+
+def test_outside_the_steps_a_signal_stops_at_once_and_before_the_first_says_nothing_to_save(
+  tmp_path,
+):
+  """Under `StopAtOnce` (a job's entry point), SIGTERM during the evaluation before the first step
+  raises Stopped at once: no step, nothing saved, the workdir freed; the loop's own handlers
+  take over while it steps, and mark the later stops as after the steps."""
+  before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+  try:
+    outside = preemption.StopAtOnce().install()
+    job = _Counting(tmp_path / 'a', signal_at=0, steps=4, eval_every=2, checkpoint_every=1)
+    with pytest.raises(preemption.Stopped) as stopped:
+      _run(job)
+    assert str(stopped.value) == 'stopped by SIGTERM before the first step: nothing to save'
+    assert (stopped.value.step, stopped.value.exit_code) == (None, 143)
+    assert job.global_step == 0 and job.saved == [] and not outside.stepped
+    _run(_Counting(tmp_path / 'b', steps=2))
+    assert outside.stepped and signal.getsignal(signal.SIGTERM) == outside._handle
+    with pytest.raises(preemption.Stopped, match='stopped by SIGINT after the training steps'):
+      os.kill(os.getpid(), signal.SIGINT)
+  finally:
+    for s, handler in before.items():
+      signal.signal(s, handler)

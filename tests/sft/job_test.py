@@ -99,7 +99,12 @@ def test_resume_continues_where_the_run_stopped(trained, tmp_path):
 def _rl_config(init_from: str, **changes) -> ExperimentConfig:
   code = base.CodeEnvConfig()
   return smoke_experiment(
-    model='tiny-code', tokenizer='code', env=code, eval_env=code, init_from=init_from, **changes
+    model='tiny-code',
+    tokenizer='code',
+    env=code,
+    eval_env=code.replace(split='heldout'),
+    init_from=init_from,
+    **changes,
   )
 
 
@@ -143,3 +148,48 @@ def test_bad_warm_starts_are_one_line_errors(trained, tmp_path):
       check_warm_start(init_from, model)
     assert '\n' not in str(e.value)
   assert not os.path.exists(tmp_path / 'nope')  # nothing is created where nothing was
+
+
+def _damage(step_dir) -> None:
+  """Cuts the data files of a checkpoint step's arrays (Orbax's ocdbt.process_0/d/) to half their
+  length; the metadata stays intact."""
+  data = step_dir / 'state' / 'ocdbt.process_0' / 'd'
+  names = os.listdir(data)
+  assert names
+  for name in names:
+    with open(data / name, 'r+b') as f:
+      f.truncate(os.path.getsize(data / name) // 2)
+
+
+def test_a_damaged_warm_start_falls_back_to_the_newest_intact_step(trained, tmp_path, caplog):
+  """The newest step's arrays damaged: the RL job's placement restores step 2 instead (the
+  checksum and fallback path of --resume), and says so; with step 2's metadata cut as well,
+  nothing restores, in one line."""
+  run, _, workdir = trained
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  _damage(copy / 'checkpoints' / '4')
+  model = ModelConfig.preset(run.config.model)
+  config = _rl_config(str(copy / 'checkpoints'))
+  assert check_warm_start(config.init_from, model)[1] == 4  # its metadata still reads
+  ckpt = checkpointing.Checkpointer(str(copy / 'checkpoints'), async_save=False)
+  with Executables(model, spec=StageSpec(optim=config.optim)) as exe:
+    placement = StagePlacement.initialize(config, model, exe, DP4TP2)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          placement.state.params)  # fmt: skip
+    step_2, _ = ckpt.restore_params(target, 2)
+    for a, b in zip(_host(placement.state.params), _host(step_2)):
+      np.testing.assert_array_equal(a, b)
+  ckpt.close()
+  said = [r.getMessage() for r in caplog.records]
+  assert any('warm start: step 4 of' in m and 'trying an older one' in m for m in said), said
+  assert any('warm start: from step 2' in m for m in said), said
+  meta = copy / 'checkpoints' / '2' / 'meta'
+  for dirpath, _, files in os.walk(meta):
+    for f in files:
+      with open(os.path.join(dirpath, f), 'r+b') as fh:
+        fh.truncate(3)
+  refused = pytest.raises(WarmStartError, match=r'no checkpoint in .* restores \(steps \[4, 2\]')
+  with Executables(model, spec=StageSpec(optim=config.optim)) as exe, refused as e:
+    StagePlacement.initialize(config, model, exe, DP4TP2)
+  assert '\n' not in str(e.value)
