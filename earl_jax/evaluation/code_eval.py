@@ -36,6 +36,8 @@ import gzip
 import json
 import math
 import os
+import re
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +51,7 @@ from earl_jax.envs import base, code_env, code_tasks
 from earl_jax.errors import UserError
 from earl_jax.models import hf_import
 from earl_jax.models import tokenizer as tokenizer_lib
-from earl_jax.run import checkpointing
+from earl_jax.run import checkpointing, rundir
 from earl_jax.sandbox import Program, Sandbox, SandboxConfig, Verdict, humaneval
 from earl_jax.sandbox.humaneval import pass_at_k
 
@@ -69,6 +71,8 @@ class CodeEvalConfig:
     task: 'humaneval' (the 164 problems) or 'functions' (the generated tasks of `split`).
     split: the generated tasks' split, 'heldout' or 'train' (HumanEval has one set).
     split_seed: the shuffle that splits the generated tasks (as `CodeEnvConfig.split_seed`).
+    heldout_fraction: the share of the generated tasks held out (as
+      `CodeEnvConfig.heldout_fraction`; a checkpoint's run evaluates at its own, `run_split`).
     limit: evaluate this many tasks, the first of the seed's shuffle of them (None: all).
     n: samples per task (>= 1); greedy decoding when 1, else `temperature` and `top_p`.
     k: the pass@k reported, each in [1, n].
@@ -84,6 +88,7 @@ class CodeEvalConfig:
   task: str = 'humaneval'
   split: base.CodeSplit = 'heldout'
   split_seed: int = 0
+  heldout_fraction: float = 0.2
   limit: int | None = None
   n: int = 1
   k: tuple[int, ...] = (1,)
@@ -106,6 +111,9 @@ class CodeEvalConfig:
       _check_int(name, getattr(self, name), 0)
     if self.limit is not None:
       _check_int('limit', self.limit, 1)
+    fraction = self.heldout_fraction
+    if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 < fraction < 1:
+      raise CodeEvalError(f'heldout_fraction={fraction!r}: expected a number in (0, 1).')
     ks = self.k
     if not isinstance(ks, tuple) or not ks or not all(_is_int(k) and k >= 1 for k in ks):
       raise CodeEvalError(f'k={ks!r}: expected a non-empty tuple of ints >= 1.')
@@ -130,6 +138,7 @@ class CodeEvalConfig:
       task=self.task,
       split=self.split,
       split_seed=self.split_seed,
+      heldout_fraction=self.heldout_fraction,
       max_turns=self.max_turns,
       sandbox=self.sandbox,
     )
@@ -547,7 +556,15 @@ def make_report(
   """The summary of judged rows (pass@k, and the first turn's with repair turns)."""
   summary: dict[str, Any] = {
     'task': config.task,
-    **({'split': config.split} if config.task == 'functions' else {}),
+    **(
+      {
+        'split': config.split,
+        'split_seed': config.split_seed,
+        'heldout_fraction': config.heldout_fraction,
+      }
+      if config.task == 'functions'
+      else {}
+    ),
     'tasks': len({r['task_id'] for r in rows}),
     'samples': len(rows),
     'n': config.n,
@@ -587,9 +604,67 @@ def evaluate(config: CodeEvalConfig, policy: Policy, mesh: jax.sharding.Mesh) ->
   )
 
 
+OUTPUTS = ('samples.jsonl', 'problems.jsonl', 'results.jsonl', 'summary.json')
+
+
+def run_split(saved: dict) -> dict[str, Any]:
+  """The split a run evaluated on: `split`, `split_seed` and `heldout_fraction` of the 'functions'
+  `eval_env` of its saved config (`checkpoint_config`), or {} (another task, or no config)."""
+  env = saved.get('eval_env')
+  if not isinstance(env, dict) or env.get('task') != 'functions':
+    return {}
+  return {k: env[k] for k in ('split', 'split_seed', 'heldout_fraction') if k in env}
+
+
+def default_output_dir(config: CodeEvalConfig, source: PolicySource) -> str:
+  """runs/eval_<task>[_<split><fraction>]_<the policy's path>_n<n>_t<turns>_s<seed>: one folder
+  per policy and settings, so that evaluations of different checkpoints never share one."""
+  policy = (source.checkpoint or source.model_dir or 'policy').strip(os.sep)
+  slug = re.sub(r'[^A-Za-z0-9.]+', '-', policy).strip('-')[-80:]
+  split = f'_{config.split}{config.heldout_fraction:g}' if config.task == 'functions' else ''
+  name = f'eval_{config.task}{split}_{slug}_n{config.n}_t{config.max_turns}_s{config.seed}'
+  return os.path.join('runs', name)
+
+
+def check_output_dir(out_dir: str, *, overwrite: bool) -> None:
+  """Refuses, before any sampling, an output folder that cannot be written or that holds an
+  evaluation (unless `overwrite`).
+
+  Raises:
+    CodeEvalError: naming the folder and what was expected.
+  """
+  existing = [n for n in OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
+  if existing and not overwrite:
+    raise CodeEvalError(
+      f'output_dir={out_dir!r} holds an evaluation ({", ".join(existing)}): expected a new '
+      'folder; pass --overwrite to replace it, or another --output_dir.'
+    )
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+    rundir.probe_write(out_dir)
+  except OSError as e:
+    raise CodeEvalError(
+      f'output_dir={out_dir!r} cannot be written ({e.strerror}): expected a folder this process '
+      'can write.'
+    ) from None
+
+
 def write_outputs(report: Report, out_dir: str) -> dict[str, str]:
   """Writes samples.jsonl, problems.jsonl, results.jsonl and summary.json under `out_dir`;
-  returns their paths by name."""
+  returns their paths by name. Should `out_dir` fail, they go to a new temporary folder and
+  CodeEvalError names it (the verdicts are kept)."""
+  try:
+    return _write_outputs(report, out_dir)
+  except OSError as e:
+    fallback = tempfile.mkdtemp(prefix='eval_code_')
+    _write_outputs(report, fallback)
+    raise CodeEvalError(
+      f'output_dir={out_dir!r} could not be written ({e.strerror or e}); the evaluation is kept '
+      f'in {fallback}: expected a writable --output_dir.'
+    ) from None
+
+
+def _write_outputs(report: Report, out_dir: str) -> dict[str, str]:
   os.makedirs(out_dir, exist_ok=True)
   paths = {
     name: os.path.join(out_dir, f'{name}.{"json" if name == "summary" else "jsonl"}')

@@ -325,14 +325,20 @@ def check_writable(workdir: str) -> None:
   if not os.path.isdir(existing):
     raise WorkdirError(f'--workdir {workdir}: {existing} is a file: expected a folder.')
   try:
-    fd, probe = tempfile.mkstemp(dir=existing, prefix='.earl_write_check_')
-    os.close(fd)
-    os.remove(probe)
+    probe_write(existing)
   except OSError as e:
     raise WorkdirError(
       f'--workdir {workdir} is not writable ({e.strerror} in {existing}): expected a folder '
       'this process can write.'
     ) from None
+
+
+def probe_write(folder: str) -> None:
+  """Creates and removes a file in `folder`: OSError (its `strerror` says why) unless this
+  process can write there."""
+  fd, probe = tempfile.mkstemp(dir=folder, prefix='.earl_write_check_')
+  os.close(fd)
+  os.remove(probe)
 
 
 def _nonempty(workdir: str, name: str) -> bool:

@@ -16,6 +16,7 @@ import collections
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from earl_jax.sandbox import humaneval
@@ -61,12 +62,49 @@ def _task(task_id: str) -> humaneval.HumanEvalTask:
     raise _UserError(str(e)) from None
 
 
+# The SandboxConfig fields this CLI sets, and its flags.
+_FLAGS = {
+  'test_timeout_s': '--timeout_s',
+  'program_timeout_s': '--program_timeout_s',
+  'workers': '--workers',
+}
+
+
 def _check_one(args, config: SandboxConfig) -> dict:
   task = _task(args.task)
   source = _read_text(args.solution, '--solution')
   with Sandbox(config) as box:
     verdict = box.check(Program(source), task.tests)
   return _summary(task.task_id, verdict)
+
+
+def _check_writable(path: str) -> None:
+  """Refuses a results file whose folder cannot be written, before anything is judged."""
+  folder = os.path.dirname(os.path.abspath(path))
+  try:
+    fd, probe = tempfile.mkstemp(dir=folder, prefix='.results_write_check_')
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise _UserError(
+      f'the results go to {path}, and {folder} cannot be written ({e.strerror}): expected '
+      '--samples in a writable folder'
+    ) from None
+
+
+def _write_rows(path: str, rows: list[dict]) -> None:
+  """The verdict rows to `path`; should that fail, to a temporary file the error names."""
+  text = ''.join(json.dumps(row) + '\n' for row in rows)
+  try:
+    with open(path, 'w', encoding='utf-8') as f:
+      f.write(text)
+  except OSError as e:
+    fd, kept = tempfile.mkstemp(prefix='sandbox_results_', suffix='.jsonl')
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      f.write(text)
+    raise _UserError(
+      f'{path} could not be written ({e.strerror}); the verdicts are kept in {kept}'
+    ) from None
 
 
 def _check_samples(args, config: SandboxConfig) -> dict:
@@ -85,21 +123,23 @@ def _check_samples(args, config: SandboxConfig) -> dict:
   if not samples:
     raise _UserError(f'{args.samples}: no samples')
   tasks = [_task(str(sample.get('task_id'))) for sample in samples]
+  out_file = args.samples + '_results.jsonl'
+  _check_writable(out_file)  # before any program runs
   with Sandbox(config) as box:
     verdicts = box.check_many(
       [(task.program(s['completion']), task.tests) for task, s in zip(tasks, samples)]
     )
-  out_file = args.samples + '_results.jsonl'
   per_task = collections.defaultdict(lambda: [0, 0])
-  with open(out_file, 'w', encoding='utf-8') as f:
-    for sample, task, verdict in zip(samples, tasks, verdicts):
-      ok = verdict.status == 'pass'
-      per_task[task.task_id][0] += 1
-      per_task[task.task_id][1] += ok
-      result = 'passed' if ok else ('timed out' if verdict.status == 'timeout' else 'failed: ')
-      if result == 'failed: ':
-        result += verdict.feedback
-      row = {
+  rows = []
+  for sample, task, verdict in zip(samples, tasks, verdicts):
+    ok = verdict.status == 'pass'
+    per_task[task.task_id][0] += 1
+    per_task[task.task_id][1] += ok
+    result = 'passed' if ok else ('timed out' if verdict.status == 'timeout' else 'failed: ')
+    if result == 'failed: ':
+      result += verdict.feedback
+    rows.append(
+      {
         **sample,
         'result': result,
         'passed': ok,
@@ -108,7 +148,8 @@ def _check_samples(args, config: SandboxConfig) -> dict:
         'tests_total': verdict.total,
         'reward': verdict.reward,
       }
-      f.write(json.dumps(row) + '\n')
+    )
+  _write_rows(out_file, rows)
   fewest = min(n for n, _ in per_task.values())
   summary = {
     f'pass@{k}': sum(pass_at_k(n, c, k) for n, c in per_task.values()) / len(per_task)
@@ -142,8 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         test_timeout_s=args.timeout_s,
         program_timeout_s=max(args.program_timeout_s, args.timeout_s),
       )
-    except ValueError as e:
-      raise _UserError(str(e)) from None
+    except ValueError as e:  # named as the flag that set it
+      message = str(e)
+      for field, flag in _FLAGS.items():
+        message = message.replace(f'SandboxConfig.{field}', flag)
+      raise _UserError(message) from None
     if args.task is not None and not os.path.isfile(args.solution):
       raise _UserError(f'--solution={args.solution!r}: no such file')
     summary = _check_one(args, config) if args.task else _check_samples(args, config)

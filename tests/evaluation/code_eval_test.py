@@ -241,8 +241,73 @@ def test_bad_checkpoints_are_one_line(tmp_path):
 def test_the_app_says_bad_flags_in_one_line():
   """Checked before any model is read: exit code 2 and one line (the rest are tested above)."""
   done = run_module(
-    'experiments.eval_code', '--model_dir=/nope', '--n=1', '--k=1,5', '--cpu_devices=1', timeout=120
+    'experiments.eval_code',
+    f'--model_dir={fixture_path("qwen2_tiny")}',
+    '--n=1',
+    '--k=1,5',
+    '--cpu_devices=1',
+    timeout=120,
   )
   assert done.returncode == 2, done.stderr[-2000:]
   lines = done.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: ') and 'k=5 > n=1' in lines[0], lines
+
+
+def test_a_run_is_evaluated_on_its_own_split_and_an_evaluation_is_never_replaced(tmp_path):
+  """A checkpoint of a 'functions' run: the app evaluates that run's held-out split (its
+  eval_env's fraction, 0.4 here, not the flag's default 0.2) and says so; its default folder is
+  named for the checkpoint and the settings; the same evaluation again is refused before any
+  sampling, in one line, and the first one's files are left as they were."""
+  eval_env = {'task': 'functions', 'split': 'heldout', 'split_seed': 0, 'heldout_fraction': 0.4}
+  run = tmp_path / 'run'
+  _tiny_checkpoint(
+    str(run / 'checkpoints'), {'model': 'tiny', 'tokenizer': 'code', 'eval_env': eval_env}
+  )
+  saved = code_eval.checkpoint_config(str(run))
+  assert code_eval.run_split(saved) == {
+    k: eval_env[k] for k in ('split', 'split_seed', 'heldout_fraction')
+  }
+  assert code_eval.run_split({'eval_env': {'task': 'humaneval'}}) == {}
+  args = ['experiments.eval_code', f'--checkpoint={run}', '--task=functions', '--limit=2']
+  args += ['--max_new_tokens=4', '--cpu_devices=2', '--workers=2']
+  out_dir = code_eval.default_output_dir(
+    CodeEvalConfig(task='functions', heldout_fraction=0.4), PolicySource(checkpoint=str(run))
+  )
+  assert out_dir.startswith('runs/eval_functions_heldout0.4_') and out_dir.endswith('run_n1_t1_s0')
+  out = tmp_path / 'out'
+  done = run_module(*args, f'--output_dir={out}', timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  said, summary = done.stdout.splitlines()[0], json.loads(done.stdout.splitlines()[1])
+  assert (
+    said == f'evaluating on the heldout functions (heldout_fraction=0.4, split_seed=0) -> {out}'
+  )
+  assert (summary['heldout_fraction'], summary['tasks']) == (0.4, 2)
+  heldout = {t.task_id for t in code_tasks.function_tasks('heldout', 0, 0.4)}
+  with open(out / 'results.jsonl') as f:
+    assert {json.loads(line)['task_id'] for line in f} <= heldout
+  before = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out)}
+  again = run_module(*args, f'--output_dir={out}', timeout=120)
+  lines = again.stderr.strip().splitlines()
+  assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
+  assert (
+    'holds an evaluation (samples.jsonl, problems.jsonl' in lines[0] and '--overwrite' in lines[0]
+  )
+  assert {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out)} == before
+
+
+def test_an_unwritable_output_is_refused_first_and_a_failed_write_keeps_the_verdicts(tmp_path):
+  (tmp_path / 'a_file').write_text('not a folder')
+  with pytest.raises(CodeEvalError, match=r"output_dir='.*a_file/out' cannot be written") as e:
+    code_eval.check_output_dir(str(tmp_path / 'a_file' / 'out'), overwrite=False)
+  assert '\n' not in str(e.value)
+  report = code_eval.Report(
+    rows=[{'task_id': 'x/0', 'completion': 'pass', 'passed': True}],
+    problems=[{'task_id': 'x/0'}],
+    summary={'pass@1': 1.0},
+  )
+  with pytest.raises(CodeEvalError, match=r'the evaluation is kept in (\S+):') as e:
+    code_eval.write_outputs(report, str(tmp_path / 'a_file' / 'out'))
+  kept = re.search(r'kept in (\S+):', str(e.value)).group(1)
+  with open(os.path.join(kept, 'results.jsonl')) as f:
+    assert [json.loads(line) for line in f] == report.rows
+  assert sorted(os.listdir(kept)) == sorted(code_eval.OUTPUTS)

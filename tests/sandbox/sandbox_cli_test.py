@@ -52,7 +52,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
     (('--task=HumanEval/0', f'--solution={tmp_path / "missing.py"}'), 'no such file'),
     (('--task=HumanEval/0',), '--solution'),
     ((), 'either --task'),
-    (('--timeout_s=-1', '--task=HumanEval/0', f'--solution={solution}'), 'test_timeout_s'),
+    (('--timeout_s=-1', '--task=HumanEval/0', f'--solution={solution}'), '--timeout_s=-1.0'),
+    (('--timeout_s=nan', '--task=HumanEval/0', f'--solution={solution}'), '--timeout_s=nan'),
     (('--bogus',), 'unrecognized'),
   ]:
     done = _cli(*args)
@@ -90,3 +91,38 @@ def test_pass_at_k_is_the_unbiased_estimator():
   assert abs(pass_at_k(10, 3, 1) - 0.3) < 1e-12
   assert abs(pass_at_k(10, 3, 5) - (1 - 21 / 252)) < 1e-12  # 1 - C(7,5)/C(10,5)
   assert pass_at_k(5, 1, 5) == 1.0
+
+
+def _samples(path) -> None:
+  task = humaneval.get_task('HumanEval/0')
+  path.write_text(json.dumps({'task_id': 'HumanEval/0', 'completion': task.canonical_solution}))
+
+
+def test_results_that_cannot_be_written_are_refused_first_or_kept_elsewhere(tmp_path):
+  """A read-only samples folder is refused before anything is judged; a results path that fails
+  only when written (a folder of that name) keeps the verdicts in a file the error names."""
+  folder = tmp_path / 'ro'
+  folder.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(folder)])
+  if mounted.returncode:  # root mounts a tmpfs (CI runs as root); elsewhere the second half
+    folder = None
+  try:
+    if folder is not None:
+      _samples(folder / 'samples.jsonl')
+      subprocess.run(['mount', '-o', 'remount,ro', str(folder)], check=True)
+      done = _cli(f'--samples={folder / "samples.jsonl"}')
+      assert done.returncode == 2 and done.stdout == '', done.stderr
+      assert 'cannot be written (Read-only file system)' in done.stderr
+      assert len(done.stderr.strip().splitlines()) == 1
+  finally:
+    if folder is not None:
+      subprocess.run(['umount', '-l', str(folder)], check=False)
+  samples = tmp_path / 'samples.jsonl'
+  _samples(samples)
+  os.mkdir(str(samples) + '_results.jsonl')  # open(..., 'w') on it fails after the judging
+  done = _cli(f'--samples={samples}')
+  assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+  kept = done.stderr.strip().rsplit('the verdicts are kept in ', 1)[1]
+  with open(kept) as f:
+    assert [json.loads(line)['passed'] for line in f] == [True]
+  os.remove(kept)
