@@ -111,6 +111,18 @@ def apply_override(config: Any, path: str, text: str) -> Any:
   return dataclasses.replace(config, **{head: value})
 
 
+def apply_overrides(config: Any, overrides: Sequence[tuple[str, str]], *, flag: str) -> Any:
+  """`config` with the `--flag.path=text` overrides applied in order; an error one causes (a value
+  that does not parse, or that the config refuses) names that override's flag first."""
+  for path, text in overrides:
+    try:
+      config = apply_override(config, path, text)
+    except UserError as e:
+      e.args = (f'--{flag}.{path}={text}: {e}',)  # its type kept, the flag named first
+      raise
+  return config
+
+
 class ConfigFlag:
   """`--name=<preset>` and the `--name.a.b=value` overrides that go with it (see the module)."""
 
@@ -137,10 +149,7 @@ class ConfigFlag:
 
   @property
   def value(self) -> Any:
-    config = self.presets[self._preset.value]()
-    for path, text in self._overrides:
-      config = apply_override(config, path, text)
-    return config
+    return apply_overrides(self.presets[self._preset.value](), self._overrides, flag=self.name)
 
   def flags_parser(self, argv: Sequence[str]) -> list[str]:
     """An absl `flags_parser` for this config flag alone."""

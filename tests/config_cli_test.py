@@ -70,6 +70,13 @@ def test_split_overrides_from_argv():
   assert found['cfgtest'] == [('steps', '4'), ('inner.lr', '2')]
   with pytest.raises(config_cli.ConfigOverrideError, match='overrides need a value'):
     config_cli.split_overrides(['prog', '--cfgtest.steps'], ['cfgtest'])
+  # An override the config refuses (or that does not parse) names its flag first.
+  bad = [('steps', '4'), ('buckets.lengths', '(64,128')]
+  with pytest.raises(config_cli.ConfigOverrideError) as e:
+    config_cli.apply_overrides(Outer(), bad, flag='cfgtest')
+  assert str(e.value).startswith("--cfgtest.buckets.lengths=(64,128: BucketConfig.lengths: '(64,")
+  with pytest.raises(ValueError, match=r'^--cfgtest.buckets.lengths=128,64: .*strictly increasing'):
+    config_cli.apply_overrides(Outer(), [('buckets.lengths', '128,64')], flag='cfgtest')
 
 
 def _leaves(config, prefix=''):

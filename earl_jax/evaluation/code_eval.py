@@ -332,7 +332,14 @@ def buckets_for(
   `feedback_chars`, at most one token per printable character) and the prompt again.
   """
   env, new = config.env_config(), config.max_new_tokens
-  first = max(len(tok.turn_prompt_ids(code_env.printable(t.prompt), first=True)) for t in tasks)
+  try:
+    first = max(len(tok.turn_prompt_ids(code_env.printable(t.prompt), first=True)) for t in tasks)
+  except ValueError as e:  # e.g. the game tokenizer's alphabet has no lowercase letters
+    raise CodeEvalError(
+      f'{tok!r} cannot encode the {config.task} prompts ({" ".join(str(e).split())[:160]}): '
+      'expected the tokenizer the model was trained with on code (--tokenizer=code, or the '
+      "model directory's)."
+    ) from None
   prompts = [buckets_lib.round_up(first, 64)]
   longest = first + new
   if config.max_turns > 1:

@@ -235,6 +235,15 @@ def test_bad_checkpoints_are_one_line(tmp_path):
     with pytest.raises(error, match=fragment) as e:
       code_eval.load_policy(source, mesh)
     assert '\n' not in str(e.value), str(e.value)
+  # A checkpoint of the games' tokenizer, evaluated on code: one line before any sampling.
+  game = code_eval.load_policy(
+    PolicySource(checkpoint=unnamed, model='tiny', tokenizer='game'), mesh
+  )
+  with pytest.raises(
+    CodeEvalError, match=r'GameTokenizer.*cannot encode the functions prompts'
+  ) as e:
+    code_eval.evaluate(CodeEvalConfig(task='functions', limit=1, sandbox=SANDBOX), game, mesh)
+  assert '\n' not in str(e.value)
   assert not os.listdir(empty)  # nothing is created where nothing was
 
 

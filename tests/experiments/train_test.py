@@ -79,6 +79,13 @@ BAD_INPUTS = [
   ),
   ('infinite advantage eps', ['--config.advantages.eps=inf'], 'eps must be in (0, 1]'),
   (
+    'an evaluation that plays training tasks',
+    ['--config=code', '--config.env.heldout_fraction=0.2'],
+    "--config.env.heldout_fraction=0.2: env (split='train', heldout_fraction=0.2, split_seed=0) "
+    "and eval_env (split='heldout', heldout_fraction=0.4, split_seed=0) can share 'functions' "
+    'tasks',
+  ),
+  (
     'a temperature that skips every step',
     ['--config.rollout.sampling.temperature=1e-30'],
     'temperature must be a number >= 0.01',
@@ -253,7 +260,7 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path, entry):
     if not ok:
       failures.append(f'{name} {args}: rc={r.returncode}, stderr tail: {lines[-3:]}')
   assert not failures, '\n'.join(failures)
-  assert len(cases) >= {'train': 53, 'sft': 26}[entry]
+  assert len(cases) >= {'train': 54, 'sft': 26}[entry]
   # Nothing half-written: no file or folder was created or changed by a refused run.
   after = _listing(tmp_path)
   assert after == before, sorted(set(after.items()) ^ set(before.items()))
