@@ -69,6 +69,18 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
+  from earl_jax.evaluation import code_eval
+
+  try:
+    _main()
+  except code_eval.CodeEvalError as e:  # 'n=0: ...' names the flag --n
+    name = str(e).split('=', 1)[0]
+    if name in flags.FLAGS and not str(e).startswith('--'):
+      e.args = (f'--{e}',)
+    raise
+
+
+def _main():
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   runtime.setup(cpu_devices=_CPU_DEVICES.value)

@@ -22,7 +22,7 @@ import time
 
 from absl import flags
 
-from earl_jax import config_cli, distributed, runtime
+from earl_jax import config_cli, distributed, errors, runtime
 from experiments.configs import train as presets
 
 _CPU_DEVICES = flags.DEFINE_integer(
@@ -46,7 +46,11 @@ def _measure(config):
     for name, flag in (('repeats', _REPEATS), ('rounds', _ROUNDS), ('min_seconds', _MIN_SECONDS))
     if flag.value is not None
   }
-  return dataclasses.replace(config.selector.profile.measure, **overrides)
+  try:
+    return dataclasses.replace(config.selector.profile.measure, **overrides)
+  except errors.UserError as e:  # named as the flag that set it
+    e.args = (' '.join(f'--{k}={v}' for k, v in overrides.items()) + f': {e}',)
+    raise
 
 
 def main(argv):
