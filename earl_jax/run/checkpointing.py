@@ -15,9 +15,11 @@ restored arrays against their checksums: a corrupted checkpoint is an error, nev
 
 import contextlib
 import errno
+import gc
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +48,34 @@ def _reason(error: Exception) -> str:
   """An exception as one short line."""
   text = ' '.join(str(error).split())
   return f'{type(error).__name__}: {text[:200]}' if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def _quiet_if_it_fails() -> Iterator[None]:
+  """Holds back what is written to stderr (the file descriptor, as C++ writes it) inside, and
+  drops it when the block raises: a restore of damaged arrays leaves TensorStore reads whose
+  callbacks print tracebacks into a closed event loop, which the one line about the skipped
+  step says better. What a block that succeeds wrote is written out after it."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    failed = True
+    try:
+      yield
+      failed = False
+    finally:
+      try:
+        if failed:
+          gc.collect()  # the abandoned reads end (and print) now, not later on the real stderr
+          time.sleep(0.2)
+        sys.stderr.flush()
+      finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+      if not failed:
+        held.seek(0)
+        os.write(2, held.read())
 
 
 @jax.jit
@@ -278,7 +308,8 @@ class Checkpointer:
   def _newest_readable(self, restore: Callable[[int, dict], Any], on_skip, steps) -> Any:
     for step, meta in self.readable_metas(steps, on_skip=on_skip):
       try:
-        return restore(step, meta)
+        with _quiet_if_it_fails():
+          return restore(step, meta)
       except Exception as e:  # any unreadable checkpoint is skipped, and said so
         on_skip(step, _reason(e))
     raise CheckpointError(
