@@ -428,6 +428,39 @@ def test_a_signal_before_the_first_step_stops_at_once_in_one_line(tmp_path, entr
   assert not [r for r in rows if r['step'] > 0]
 
 
+@pytest.mark.parametrize('entry', ENTRIES)
+def test_a_second_run_in_a_live_workdir_is_refused_and_a_garbled_history_resumes(tmp_path, entry):
+  """While a run lives, a second one in its workdir (here a --resume) is refused in one line;
+  once the first has stopped on SIGTERM, a metrics.jsonl with a garbled line resumes, saying so
+  in one line, with every readable row kept."""
+  workdir = tmp_path / 'run'
+  module, long = ENTRIES[entry].module, ENTRIES[entry].long
+  proc = _start(
+    [module, '--config=smoke', *long, '--config.checkpoint_every=1', f'--workdir={workdir}']
+  )
+  _wait_for_step(workdir, proc, 1)
+  second = _run([*long, f'--workdir={workdir}', '--resume'], entry=entry)
+  lines = [line for line in second.stderr.splitlines() if line.strip()]
+  assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
+  assert f'--workdir {workdir} is in use by a live run (host ' in lines[0]
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 143, err[-2000:]
+  step = int(next(x for x in out.splitlines() if x.startswith('stopped at step')).split()[3])
+  kept = len(metrics.read_jsonl(str(workdir / 'metrics.jsonl')))
+  with open(workdir / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 99, "lo\n')  # a garbled row (a last one cut short goes without a word)
+  steps = f'--config.steps={step + 1}'
+  resumed = _run(
+    [*long, steps, '--config.eval_every=0', f'--workdir={workdir}', '--resume'], entry=entry
+  )
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  said = [x for x in resumed.stderr.splitlines() if 'metrics.jsonl of' in x]
+  assert len(said) == 1 and f'line {kept + 1} unreadable' in said[0], resumed.stderr[-2000:]
+  rows = metrics.read_jsonl(str(workdir / 'metrics.jsonl'))
+  assert [r['step'] for r in rows if r['step'] > 0] == list(range(1, step + 2))
+
+
 def _process_id(pid: int) -> int:
   """The JAX process index the launcher gave the worker `pid` (from its environment)."""
   with open(f'/proc/{pid}/environ', 'rb') as f:
