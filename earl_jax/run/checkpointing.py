@@ -292,8 +292,10 @@ class Checkpointer:
     be read (truncated, corrupted, an item missing, checksums that do not match) is reported to
     `on_skip(step, reason)` and the next older one is tried; CheckpointError when none is left.
     """
-    return self._newest_readable(
-      lambda step, meta: (step, *self.restore(abstract_state(meta), step)), on_skip, steps
+    return self.newest_readable(
+      lambda step, meta: (step, *self.restore(abstract_state(meta), step)),
+      on_skip=on_skip,
+      steps=steps,
     )
 
   def restore_newest_readable_params(
@@ -301,11 +303,22 @@ class Checkpointer:
   ) -> tuple[int, Any]:
     """(step, parameters) of the newest of `steps` whose parameters restore and verify
     (`restore_params`), the others reported to `on_skip` as `restore_newest_readable` does."""
-    return self._newest_readable(
-      lambda step, meta: (step, self.restore_params(abstract_params, step)[0]), on_skip, steps
+    return self.newest_readable(
+      lambda step, meta: (step, self.restore_params(abstract_params, step)[0]),
+      on_skip=on_skip,
+      steps=steps,
     )
 
-  def _newest_readable(self, restore: Callable[[int, dict], Any], on_skip, steps) -> Any:
+  def newest_readable(
+    self,
+    restore: Callable[[int, dict], Any],
+    *,
+    on_skip: Callable[[int, str], None],
+    steps: list[int] | None = None,
+  ) -> Any:
+    """`restore(step, meta)` of the newest of `steps` (default: all, newest first) whose meta
+    reads and for which it does not raise; the others reported to `on_skip(step, reason)`;
+    CheckpointError when none is left."""
     for step, meta in self.readable_metas(steps, on_skip=on_skip):
       try:
         with _quiet_if_it_fails():

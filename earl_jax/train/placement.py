@@ -372,17 +372,16 @@ def _skip_warm_start(init_from: str) -> Callable[[int, str], None]:
 def _newest_readable_shapes(init_from: str, ckpt: checkpointing.Checkpointer):
   """(step, meta, saved state shapes) of the newest step whose metadata reads (older ones are
   tried, and the skipped ones said); WarmStartError when none does."""
-  skip = _skip_warm_start(init_from)
-  for step, meta in ckpt.readable_metas(on_skip=skip):
-    try:
-      return step, meta, ckpt.state_shapes(step)
-    except Exception as e:  # an unreadable checkpoint is skipped, and said so
-      skip(step, ' '.join(str(e).split())[:200] or type(e).__name__)
-  raise WarmStartError(
-    f'init_from={init_from!r}: no checkpoint in {ckpt.directory} has readable metadata (steps '
-    f'{sorted(ckpt.all_steps(), reverse=True)}, each said above): expected an intact warm start; '
-    'run experiments/sft.py again.'
-  )
+  try:
+    return ckpt.newest_readable(
+      lambda step, meta: (step, meta, ckpt.state_shapes(step)), on_skip=_skip_warm_start(init_from)
+    )
+  except checkpointing.CheckpointError:
+    raise WarmStartError(
+      f'init_from={init_from!r}: no checkpoint in {ckpt.directory} has readable metadata (steps '
+      f'{sorted(ckpt.all_steps(), reverse=True)}, each said above): expected an intact warm '
+      'start; run experiments/sft.py again.'
+    ) from None
 
 
 def _abstract_params(model: ModelConfig):
