@@ -375,6 +375,23 @@ def _cell(stage, bucket, rows, parallel: ParallelConfig, entry, **measured) -> C
   )
 
 
+def timed_cell(entry, times_ms: Sequence[float]) -> Cell:
+  """The measured cell of a compiled `entry` (an `Executable`) from the times of its calls, in
+  ms: the median call's tokens per device per second."""
+  key = entry.key
+  median_s = statistics.median(times_ms) / 1e3
+  return _cell(
+    key.stage,
+    key.bucket,
+    key.rows,
+    key.config,
+    entry,
+    oom=False,
+    throughput=entry.program.tokens / median_s / key.config.num_devices,
+    times_ms=tuple(times_ms),
+  )
+
+
 def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, progress):
   entries, feasible = {}, []
   for c in candidates:
@@ -409,18 +426,7 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
       times[c].extend(ts)
       del args
   for c in feasible:
-    entry = entries[c]
-    median_s = statistics.median(times[c]) / 1e3
-    cell = _cell(
-      stage,
-      bucket,
-      rows,
-      c,
-      entry,
-      oom=False,
-      throughput=entry.program.tokens / median_s / c.num_devices,
-      times_ms=tuple(times[c]),
-    )
+    cell = timed_cell(entries[c], times[c])
     cells[(stage, bucket, rows, c.name)] = cell
     if progress:
       progress(cell)
@@ -571,17 +577,18 @@ class Profiler:
     proceed: Callable[[Stage, int, int, list[str]], bool],
     params: nnx.State | None = None,
   ) -> tuple[Profile, nnx.State | None]:
-    """`profile` with `cells` measured one at a time in their order, each once
-    `proceed(stage, bucket, rows, [layout])` agrees, until it does not (it must answer alike on
-    every process: every process times the same programs together); a program not compiled yet
-    is compiled first. Process 0's figures on every process; process 0's cache file updated.
+    """`profile` with `cells` measured one at a time in their order, each where
+    `proceed(stage, bucket, rows, [layout])` agrees (a cell it declines is passed over, and the
+    next asked: it must answer alike on every process, since every process times the same
+    programs together); a program not compiled yet is compiled first. Process 0's figures on
+    every process; process 0's cache file updated.
 
     `params`: the random weights of an earlier call (on any layout), reused; returns them, on
     the last layout measured, for the next call (None when nothing was measured)."""
     t0, measured_any = time.perf_counter(), False
     for stage, bucket, rows, name in cells:
       if not proceed(stage, bucket, rows, [name]):
-        break
+        continue
       config = ParallelConfig.parse(name)
       if params is None:
         mesh = self.executables.mesh(config)
@@ -595,6 +602,10 @@ class Profiler:
     if not measured_any:
       return profile, params
     profile.wall_s += time.perf_counter() - t0
+    self.save(profile)
+    return profile, params
+
+  def save(self, profile: Profile) -> None:
+    """Process 0 writes `profile`'s measured cells to the cache file (when there is one)."""
     if self.cache_path and jax.process_index() == 0:
       profile.save(self.cache_path)
-    return profile, params

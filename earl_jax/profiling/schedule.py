@@ -11,10 +11,20 @@ completes it as the run goes (`ProfileSettings`):
   reached) and those of the next bucket up are compiled in the background as soon as they are
   wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first), and timed at
   the start of a later step, while the devices are idle, once compiled on every process
-  (`between_steps`), within `max_share` of the run's time. The stages take turns, one cell each,
-  the needed buckets before the next one up, so that no stage waits for another's cells: every
-  stage, train included, is measured at a new bucket before its decisions there rest on the
-  model alone.
+  (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
+  next one up; there, a stage measured nowhere yet leads with its cheapest cell (so that every
+  stage, train included, is measured before its decisions rest on the analytic prior alone),
+  then the cheapest cells go first, their compile and calls counted, whatever their stage
+  (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
+  passed by those behind it that fit (the share it needs accrues meanwhile). While a compiled
+  cell that fits waits for a step boundary with no compile under way, the run holds back its own
+  speculative precompiles (`hold_precompiles`).
+
+The run's own calls are measurements too (`observing`): the experience and train programs the
+run's steps call are timed where nothing compiled beside them, and a program's cell, at the rows
+it ran (its packed rows), becomes a measured cell (`Cell.timed_by` 'run') once its calls after
+the first give `SAMPLES`. The layout a stage runs is thus measured at the buckets it runs at,
+with no call of the profile's: those go to the layouts the run is not on.
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -26,12 +36,15 @@ the figures are process 0's.
   selector = Selector(sel_cfg, ..., profile=scheduler.profile)
   scheduler.between_steps(selector, prev_stats)     # at the start of a step: time what is ready
   scheduler.before_decision(selector, stage, stats)  # queue (or, without the prior, measure)
+  with scheduler.observing(program):                 # a call the run makes: a sample
+    program(*args)
 """
 
-import itertools
+import contextlib
+import dataclasses
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 
 import jax
@@ -40,14 +53,18 @@ from absl import logging
 from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.profiling import cost_model, profiler
-from earl_jax.profiling.table import CellKey, Profile, ProfileSettings
-from earl_jax.programs import Executables, StageSpec
+from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings
+from earl_jax.programs import Executable, Executables, StageSpec
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
 
+# The stages the run's own calls measure (`ProfileScheduler.observing`): a call each per step, or a
+# few; the rollout engine makes many a step, between the environment's turns.
+OBSERVED = (Stage.EXPERIENCE, Stage.TRAIN)
+
 
 class _Share:
-  """Process 0's account of measuring between steps: a cell is timed when the time spent
+  """A process's account of measuring between steps (process 0's decides): a cell is timed when the time spent
   measuring, with the cell's estimate, stays within `max_share` of the run's time so far. The
   estimate is the cell's calls at the cost model's figure, plus the median of what the cells
   timed so far took beyond their calls (moving the weights to the layout, making the inputs:
@@ -65,10 +82,16 @@ class _Share:
   def overhead_s(self) -> float:
     return statistics.median(self._extra) if self._extra else 0.0
 
+  def fits(self, calls_s: float, now: float | None = None) -> bool:
+    """Whether a cell of `calls_s` seconds of calls fits the share now (nothing recorded)."""
+    now = time.perf_counter() if now is None else now
+    return self.spent + calls_s + self.overhead_s <= self.max_share * (now - self.start)
+
   def allows(self, calls_s: float) -> bool:
+    """`fits`, and if so the cell starts now (its time is spent at `done`)."""
     now = time.perf_counter()
     self.done(now)
-    ok = self.spent + calls_s + self.overhead_s <= self.max_share * (now - self.start)
+    ok = self.fits(calls_s, now)
     self._cell = (now, calls_s) if ok else None
     return ok
 
@@ -88,6 +111,7 @@ class ProfileScheduler:
   """A run's measured profile and when its cells are measured (see the module docstring)."""
 
   IN_FLIGHT = 2  # background profile compiles at a time (a run's exit waits for these only)
+  SAMPLES = 3  # the run's own calls a cell is the median of (after its first, a warm-up)
 
   def __init__(
     self,
@@ -100,12 +124,21 @@ class ProfileScheduler:
     self._profiler = measurer
     self._settings = settings
     self.profile = profile  # None: the selector decides on the analytic model only
-    self._queue: dict[CellKey, None] = {}  # wanted, most wanted first
+    self._queue: dict[CellKey, float] = {}  # wanted, most wanted first: their calls' seconds
     self._compiling: dict[CellKey, futures.Future] = {}
     self._failed: set[CellKey] = set()  # whose compile raised: never timed
     self._share = _Share(settings.max_share)
     self.spent_s = 0.0  # spent timing cells between steps
     self._params = None  # the random weights cells are timed with, kept between steps
+    self._calls: dict[CellKey, list[float]] = {}  # the run's own calls' ms, after the first
+    self._observed: dict[CellKey, Cell] = {}  # complete, not yet in the profile
+    # Per OBSERVED stage, the latest call the run made: (tokens, seconds), process 0's as of the
+    # latest step boundary (what a cell's calls are priced at before the model knows the stage).
+    self._latest: dict[Stage, tuple[int, float]] = {}
+    self._latest_here: dict[Stage, tuple[int, float]] = {}
+    # The run defers its speculative precompiles (the same on every process) while a compiled
+    # cell that fits the share waits for a step boundary with no compile under way.
+    self.hold_precompiles = False
 
   @classmethod
   def start(
@@ -155,7 +188,7 @@ class ProfileScheduler:
     if self._background:
       for ahead in (False, True):
         for cell in selector.wanted(stage, stats, ahead=ahead):
-          self._queue.setdefault((stage, *cell))
+          self._queue.setdefault((stage, *cell), self._cell_s(selector, (stage, *cell)))
       self._pump()
       return 0.0
     if self._profiler is None or not self._settings.lazy:
@@ -163,6 +196,69 @@ class ProfileScheduler:
     profile, seconds = self._profiler.measure_missing(selector, stage, stats)
     self.profile = profile or self.profile
     return seconds
+
+  def quiet(self) -> bool:
+    """Nothing compiles in the background here, the profile's programs or the run's own."""
+    compiling = any(not f.done() for f in self._compiling.values())
+    return not compiling and not (self._profiler is not None and self._profiler.busy())
+
+  @contextlib.contextmanager
+  def observing(self, program: Executable):
+    """Times the call of `program` (a stage program the run's step calls) made inside, blocked
+    on, as a sample of its cell: kept when nothing compiled in the background as it began and
+    ended, and after the program's first call (a warm-up); `SAMPLES` of them make a measured
+    cell, which `between_steps` adds to the profile. Only the `OBSERVED` stages' programs."""
+    key = program.key
+    cell = (key.stage, key.bucket, key.rows, key.config.name)
+    if (
+      not self._background
+      or key.stage not in OBSERVED
+      or key.stage not in self._settings.stages
+      or cell in self._observed
+      or self._measured(cell)
+    ):
+      yield
+      return
+    quiet = self.quiet()
+    t0 = time.perf_counter()
+    yield
+    ms = 1e3 * (time.perf_counter() - t0)
+    self._latest_here[key.stage] = (program.program.tokens, ms / 1e3)
+    if cell not in self._calls:
+      self._calls[cell] = []  # the first call warms the program up
+    elif quiet and self.quiet():
+      self._calls[cell].append(ms)
+      if len(self._calls[cell]) >= self.SAMPLES:
+        self._observed[cell] = dataclasses.replace(
+          profiler.timed_cell(program, self._calls.pop(cell)), timed_by='run'
+        )
+
+  def _measured(self, cell: CellKey) -> bool:
+    got = None if self.profile is None else self.profile.cells.get(cell)
+    return got is not None and got.measured
+
+  def _add_observed(self, selector: selector_lib.Selector) -> None:
+    """Adds the cells the run's own calls completed (`observing`) to the profile: process 0's,
+    on every process."""
+    mine = {
+      'cells': [c.as_dict() for c in self._observed.values()],
+      'latest': {str(s): list(v) for s, v in self._latest_here.items()},
+    }
+    new = distributed.broadcast_json(mine if jax.process_index() == 0 else None)
+    self._observed.clear()
+    self._latest = {Stage.parse(s): (int(t), float(x)) for s, (t, x) in new['latest'].items()}
+    cells = {}
+    for data in new['cells']:
+      cell = Cell.from_dict(data)
+      key = (cell.stage, cell.bucket, cell.rows, cell.config)
+      if not self._measured(key):
+        cells[key] = cell
+    if not cells:
+      return
+    self.profile = self.profile.merged(Profile(key=self.profile.key, cells=cells))
+    selector.use_profile(self.profile)
+    self._profiler.save(self.profile)
+    logging.info("profile: %d cells timed from the run's own calls", len(cells))
 
   def wait_compiles(self) -> None:
     """Waits for the background profile compiles under way (a benchmark's or a test's
@@ -177,13 +273,13 @@ class ProfileScheduler:
 
   def _pump(self) -> None:
     """Keeps `IN_FLIGHT` compiles of the most wanted cells going (a cell compiled already, being
-    compiled, or whose compile failed is skipped: the model's figure stays), except while the
-    most wanted cell is compiled and waits to be timed (then the compiles under way drain, so
-    that `between_steps` times it with no compile beside it), and within the compile budget:
+    compiled, or whose compile failed is skipped: the model's figure stays), except while a
+    wanted cell is compiled and fits the share now (then the compiles under way drain, so that
+    `between_steps` times it with no compile beside it), and within the compile budget:
     the profile's background compiles take at most `compile_share` of the run's time, a compile
     counted at the median of those done so far (a compile takes a core from the steps)."""
-    head = next((c for c in self._queue if c not in self._failed), None)
-    if head is not None and self._ready_here(head):
+    live = [c for c in self._queue if c not in self._failed]
+    if any(self._ready_here(c) and self._share.fits(self._queue[c]) for c in live):
       return
     busy = sum(not f.done() for f in self._compiling.values())
     done = [f.result() for f in self._compiling.values() if f.done() and not f.exception()]
@@ -214,32 +310,34 @@ class ProfileScheduler:
     """At the start of a step (`stats`: the previous one's; None: the first step, which never
     waits): times the cells `selector` wants, one at a time in the order of `_wanted`, as far as
     every process has compiled them and while within `max_share` of the run's time (`_Share`),
-    and hands them to `selector`. Returns the seconds spent."""
+    and hands them to `selector`, with the cells the run's own calls completed (`observing`).
+    Returns the seconds spent."""
     if not self._background or stats is None:
       return 0.0
-    wanted = self._wanted(selector, stats)
-    self._queue = dict.fromkeys(wanted)  # what is no longer wanted is not compiled
-    if not wanted:
+    self._add_observed(selector)
+    self.hold_precompiles = False
+    # What is no longer wanted is not compiled.
+    self._queue = {c: self._cell_s(selector, c) for c in self._wanted(selector, stats)}
+    if not self._queue:
       return 0.0
-    # In the order wanted, up to the first cell not compiled on every process yet (the most
-    # wanted cells are timed first, not passed by cheaper ones), and only while no compile runs
-    # on any process, the profile's or the run's own precompiles (a compile takes a core: the
-    # timings it overlaps are slower, and more so for layouts whose collectives wait on every
-    # device).
-    wanted = [c for c in wanted if c not in self._failed]
-    quiet = all(f.done() for f in self._compiling.values()) and not self._profiler.busy()
-    quiet, *held = self._profiler.agreed([quiet] + [self._ready_here(c) for c in wanted])
-    ready = list(itertools.takewhile(lambda pair: pair[1], zip(wanted, held)))
-    ready = [c for c, _ in ready]
+    # In the order wanted, the cells compiled on every process (a cell the share does not allow
+    # yet is passed by those behind it that fit), and only while no compile runs on any process,
+    # the profile's or the run's own precompiles (a compile takes a core: the timings it
+    # overlaps are slower, and more so for layouts whose collectives wait on every device).
+    wanted = [c for c in self._queue if c not in self._failed]
+    quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
+    ready = [c for c, h in zip(wanted, held) if h]
+    if ready and not quiet:
+      fits = any(self._share.fits(self._queue[c]) for c in ready)
+      self.hold_precompiles = bool(distributed.broadcast_json(fits))  # process 0's clock
     if not ready or not quiet:
       self._pump()
       return 0.0
     t0 = time.perf_counter()
 
     def proceed(stage: Stage, bucket: int, rows: int, names: Sequence[str]) -> bool:
-      ok = None
-      if jax.process_index() == 0:  # process 0's clock decides, for every process
-        ok = self._share.allows(self._calls_s(selector.profile(stage), stage, bucket, rows, names))
+      # Every process keeps its own account; process 0's clock decides, for every process.
+      ok = self._share.allows(self._calls_s(selector.profile(stage), stage, bucket, rows, names))
       return bool(distributed.broadcast_json(ok))
 
     measured, self._params = self._profiler.measure_cells(
@@ -265,35 +363,94 @@ class ProfileScheduler:
     self._pump()
     return seconds
 
+  def _wanted(self, selector, stats) -> list[CellKey]:
+    return self.order_wanted(
+      selector, stats, cost=lambda c: self._cell_s(selector, c) + self._compile_s(c)
+    )
+
   @staticmethod
-  def _wanted(selector, stats) -> list[CellKey]:
-    """Every profiled stage's wanted cells, the needed buckets' before the next one up, the
-    stages taking turns one cell at a time (each stage's most promising first), the stage with
-    the fewest measured cells where it wants some first: a stage measured nowhere at a bucket
-    is measured there before the others are measured again."""
+  def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
+    """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
+    calls time them), the needed buckets' before the next one up; among them, the cheapest
+    cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
+    by their own calls), then the cheapest cells first (by `cost`, the seconds of
+    their compile and calls: within the share, a cell that costs little is not held back by one
+    that costs much, and a stage whose programs are slow to compile and call, usually train, is
+    measured as the share accrues). `selector`: a `Selector`, or what
+    reads as one (`config.profile.stages`, `wanted`, `profile`, `history`)."""
     out: list[CellKey] = []
+    running = ProfileScheduler._running(selector)
     for ahead in (False, True):
-      per_stage = [
-        [(stage, *cell) for cell in selector.wanted(stage, stats, ahead=ahead)]
+      cells = [
+        (stage, *cell)
         for stage in selector.config.profile.stages
+        for cell in selector.wanted(stage, stats, ahead=ahead)
       ]
-      per_stage.sort(key=lambda cells: _measured_at(selector, cells[0]) if cells else 0)
-      turns = itertools.zip_longest(*per_stage)
-      out += [cell for turn in turns for cell in turn if cell is not None and cell not in out]
+      cells = [c for c in cells if c not in running and c not in out]
+      by_cost = sorted(cells, key=cost)
+      lead = [
+        next(c for c in by_cost if c[0] == stage)
+        for stage in dict.fromkeys(c[0] for c in by_cost)
+        if stage not in OBSERVED and not _measured_anywhere(selector.profile(stage), stage)
+      ]
+      out += lead + [c for c in by_cost if c not in lead]
     return out
 
+  @staticmethod
+  def _running(selector) -> set[CellKey]:
+    """The cell each stage the run's own calls measure (`OBSERVED`) ran at its latest decision."""
+    latest = {}
+    for d in selector.history:
+      latest[d.stage] = (d.stage, d.run_bucket, d.rows, d.config.name)
+    return {cell for stage, cell in latest.items() if stage in OBSERVED}
+
+  def _cell_s(self, selector, cell: CellKey) -> float:
+    stage, bucket, rows, name = cell
+    return self._calls_s(selector.profile(stage), stage, bucket, rows, [name])
+
   def _calls_s(self, profile: Profile, stage: Stage, bucket: int, rows: int, names) -> float:
-    """The seconds of the calls timing `names` at (stage, bucket, rows) makes, by the cost
-    model's figures (0 where those are the analytic model's nominal ones)."""
+    """The seconds of the calls timing `names` at (stage, bucket, rows) makes (a round: its
+    warm-up, then `repeats` calls and at least `min_seconds` of them), a call at the cost
+    model's figure; for a layout the model knows only from the other layouts (measured nowhere
+    itself: its figure can be far off), at the median of the layouts measured or fitted to
+    their own cells there, or, with none, at the run's latest call of the stage (`observing`)
+    scaled to the cell's tokens. 0 where the model has only the analytic model's nominal
+    figures."""
     measure = self._profiler.config.measure
-    calls = measure.rounds * (measure.warmup + measure.repeats)
     decode = self._profiler.config.spec.decode_tokens
+    unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
+    here = [profile.cell(stage, bucket, rows, c) for c in profile.candidates(stage)]
+    known = [
+      cost_model.seconds_per_call(c, decode)
+      for c in here
+      if c.throughput and (c.measured or c.prior not in unanchored)
+    ]
     total = 0.0
+    latest = None
+    if stage in self._latest:  # the run's latest call of the stage, at this cell's tokens
+      tokens, seconds = self._latest[stage]
+      latest = seconds * cost_model.tokens_per_call(stage, bucket, rows, decode) / tokens
     for name in names:
       cell = profile.cell(stage, bucket, rows, name)
-      if cell.prior != cost_model.ANALYTIC and cell.throughput:
-        total += calls * cost_model.seconds_per_call(cell, decode)
+      if cell.prior == cost_model.ANALYTIC or not cell.throughput:
+        continue
+      call_s = cost_model.seconds_per_call(cell, decode)
+      if cell.prior in unanchored and known:
+        call_s = statistics.median(known)
+      elif cell.prior in unanchored and latest is not None:
+        call_s = latest
+      timed = max(measure.repeats * call_s, measure.min_seconds)
+      total += measure.rounds * (measure.warmup * call_s + timed)
     return total
+
+  def _compile_s(self, cell: CellKey) -> float:
+    """What compiling the program of `cell` takes: the median compile time of its stage's
+    profiled programs (0 before any; the same on every process, compiled here or not)."""
+    if self.profile is None:
+      return 0.0
+    times = [c.compile_ms for c in self.profile.cells.values() if c.stage == cell[0]]
+    times = [t for t in times if t]
+    return statistics.median(times) / 1e3 if times else 0.0
 
   def compile_ms(self, stage: Stage, bucket: int, rows: int, layout: str) -> float:
     """The profiled compile time of a program (0 when not profiled)."""
@@ -301,13 +458,7 @@ class ProfileScheduler:
     return cell.compile_ms if cell is not None and cell.compile_ms else 0.0
 
 
-def _measured_at(selector, cell: CellKey) -> int:
-  """How many layouts of `cell`'s stage are measured at its bucket and rows (`selector`: a
-  `Selector`, or what reads as one: its `profile(stage)`)."""
-  stage, bucket, rows, _ = cell
-  cells = selector.profile(stage).cells
-  return sum(
-    1
-    for c in selector.profile(stage).candidates(stage)
-    if (k := (stage, bucket, rows, c.name)) in cells and cells[k].measured
-  )
+def _measured_anywhere(profile: Profile, stage: Stage) -> bool:
+  """Whether `profile` has a measured cell of `stage` (by the profile or the run's own calls), at
+  any bucket and load."""
+  return any(c.measured and c.throughput for (s, *_), c in profile.cells.items() if s == stage)

@@ -22,6 +22,7 @@ key: a table measured offline with more repeats serves a run that would time few
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,8 @@ class Cell:
       units); '' for a measurement and for an unprofiled stage's preference.
     uncertainty: the relative standard deviation of the throughput (a measurement's noise, or
       the cost model's uncertainty; `cost_model.complete` fills it).
+    timed_by: whose calls a measurement times: 'profile' (the profile's own, between steps or
+      offline) or 'run' (the calls the run's steps made of the program it ran: no extra calls).
   """
 
   stage: Stage
@@ -175,6 +178,15 @@ class Cell:
   measured: bool = True
   prior: str = ''
   uncertainty: float = 0.0
+  timed_by: str = 'profile'
+
+  def as_dict(self) -> dict[str, Any]:
+    """JSON-able (`from_dict` reads it back)."""
+    return {**dataclasses.asdict(self), 'stage': str(self.stage)}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> 'Cell':
+    return cls(**{**data, 'stage': Stage.parse(data['stage']), 'times_ms': tuple(data['times_ms'])})
 
   @property
   def spread(self) -> float | None:
@@ -269,14 +281,14 @@ class Profile:
       'format': FORMAT_VERSION,
       'key': self.key,
       'wall_s': self.wall_s,
-      'cells': [{**dataclasses.asdict(c), 'stage': str(c.stage)} for c in self.cells.values()],
+      'cells': [c.as_dict() for c in self.cells.values()],
     }
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> 'Profile':
     cells = {}
     for c in data['cells']:
-      cell = Cell(**{**c, 'stage': Stage.parse(c['stage']), 'times_ms': tuple(c['times_ms'])})
+      cell = Cell.from_dict(c)
       cells[(cell.stage, cell.bucket, cell.rows, cell.config)] = cell
     return cls(key=data['key'], cells=cells, wall_s=data.get('wall_s', 0.0))
 

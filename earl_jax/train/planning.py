@@ -5,18 +5,20 @@ measuring what a lazy profile lacks for it), and builds what the decision runs: 
 AOT-compiled program, refused before it runs when it exceeds the memory budget (the selector
 then decides again: `placement.decide_compiled`); for the experience stage, the balancing
 permutation and the packing of its ranks; for the train stage, the train state switched to a
-new layout and the neighbouring buckets' programs precompiled in the background.
+new layout and the neighbouring buckets' programs, compiled in the background once the step's
+update is done (`precompile`).
 
   planner = StagePlanner(config, selector, scheduler, executables, placement, log=print)
   plan = planner.rollout(prev_stats)                   # plan.decision, plan.program
   plan = planner.experience(stats, lengths, roll_layout)  # + plan.perm, plan.packed
-  plan = planner.train(stats, bucket, rows, step=7)    # + plan.switch
+  plan = planner.train(stats, bucket, rows, step=7)    # + plan.switch, plan.lookahead
+  planner.precompile(plan.lookahead)                   # after the update
 """
 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +47,8 @@ class Plan:
     perm: (experience) the row permutation that balances real tokens over the ranks, or None.
     packed: (experience) how the ranks pack their episodes (`packing.plan`), or None.
     switch: (train) the move of the train state to a new layout, or None.
+    lookahead: (train) the neighbouring buckets' programs to precompile once the step's update
+      is done (`StagePlanner.precompile`), as `Executables.key` arguments.
   """
 
   decision: selector_lib.Decision
@@ -53,6 +57,7 @@ class Plan:
   perm: np.ndarray | None = None
   packed: packing.PackPlan | None = None
   switch: SwitchRecord | None = None
+  lookahead: tuple[tuple[Stage, Any, int, int], ...] = ()
 
 
 class StagePlanner:
@@ -74,6 +79,7 @@ class StagePlanner:
     self.executables = executables
     self.placement = placement
     self.log = log
+    self._deferred: dict[Any, None] = {}  # precompiles held back for a profile measurement
 
   def executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
     """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
@@ -157,8 +163,8 @@ class StagePlanner:
     self, stats: selector_lib.StepStats, bucket: int, rows: int | None, *, step: int
   ) -> Plan:
     """The train plan; the train state switched if the layout changed (`plan.switch`); the
-    neighbouring buckets' programs precompiled in the background. `rows`: the packed rows (None:
-    one per episode)."""
+    neighbouring buckets' programs to precompile (`plan.lookahead`). `rows`: the packed rows
+    (None: one per episode)."""
 
     def build(decision):
       if decision.config == self.placement.train_config:
@@ -173,9 +179,20 @@ class StagePlanner:
       )
 
     decision, (update, switch), profile_s = self._decide(Stage.TRAIN, stats, build)
-    for stage, config, neighbour, _ in self.selector.lookahead(decision)[1:]:
-      self.executables.precompile(
-        self.executables.key(stage, config, neighbour, rows or decision.rows),
-        tree=self.placement.state,
-      )
-    return Plan(decision, update, profile_s, switch=switch)
+    lookahead = tuple(
+      (stage, config, neighbour, rows or decision.rows)
+      for stage, config, neighbour, _ in self.selector.lookahead(decision)[1:]
+    )
+    return Plan(decision, update, profile_s, switch=switch, lookahead=lookahead)
+
+  def precompile(self, lookahead: Sequence[tuple[Stage, Any, int, int]]) -> None:
+    """Compiles a train plan's `lookahead` in the background, after the step's update (so that
+    no compile of its own overlaps the update the run times, `ProfileScheduler.observing`);
+    while a profile measurement waits for a quiet step boundary (`hold_precompiles`), they wait
+    too, and go with the next step's."""
+    self._deferred.update(dict.fromkeys(lookahead))
+    if self.scheduler.hold_precompiles:
+      return
+    for key in self._deferred:
+      self.executables.precompile(self.executables.key(*key), tree=self.placement.state)
+    self._deferred.clear()

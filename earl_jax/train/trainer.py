@@ -299,17 +299,20 @@ class Trainer:
       batch = timer('pack', packing.pack, batch, packed, mesh)
       args = (batch.tokens, batch.segment_ids, batch.positions)
     params = timer('reshard', self.placement.params_on, decision.config)
-    old = timer('experience', logprobs, params, *args)
+    with self.scheduler.observing(logprobs):  # the run's own calls measure its layout
+      old = timer('experience', logprobs, params, *args)
     del params
     ref = old
     if self.placement.has_reference:
-      ref = timer('experience', logprobs, self.placement.ref_on(decision.config), *args)
+      ref_params = self.placement.ref_on(decision.config)
+      with self.scheduler.observing(logprobs):
+        ref = timer('experience', logprobs, ref_params, *args)
     batch = batch.replace(old_logprobs=old, ref_logprobs=ref)
     return _Experience(batch=batch, layout=layout, bucket=bucket, decision=decision), packed
 
   def _train_program(self, stats, bucket: int, rows: int | None, timer: StageTimer):
     """6a. The train plan (the train state switched if the layout changed). Returns (decision,
-    program, switch ms)."""
+    program, switch ms, the programs to precompile after the update)."""
     plan = self.planner.train(stats, bucket, rows, step=self.global_step)
     timer.profile_s += plan.profile_s
     switch_ms = 0.0
@@ -317,7 +320,7 @@ class Trainer:
       self.switches.append(plan.switch.as_dict())
       switch_ms = plan.switch.stall_ms
       timer.add('reshard', switch_ms / 1e3)
-    return plan.decision, plan.program, switch_ms
+    return plan.decision, plan.program, switch_ms, plan.lookahead
 
   def _to_train(self, exp: _Experience, rollout: _Rollout, train_decision, timer, moves) -> Batch:
     """6b. The batch from the experience layout to the train layout (unpacked: optionally
@@ -337,7 +340,8 @@ class Trainer:
       with jax.set_mesh(self.placement.mesh(train_decision.config)):
         batch = timer('advantages', self._advantages(train_decision.config), batch)
     for _ in range(self.config.update_epochs):
-      state, train_metrics = timer('train', update, self.placement.state, batch)
+      with self.scheduler.observing(update):
+        state, train_metrics = timer('train', update, self.placement.state, batch)
       self.placement.replace_state(state)
     # Replicated scalars: every process has them.
     out = jax.device_get((train_metrics, self.placement.state.skipped))
@@ -353,9 +357,12 @@ class Trainer:
     rollout = self._roll_out(timer)
     exp, packed = self._experience(rollout, timer, moves)
     rows = None if packed is None else packed.rows
-    train_decision, update, switch_ms = self._train_program(rollout.stats, exp.bucket, rows, timer)
+    train_decision, update, switch_ms, lookahead = self._train_program(
+      rollout.stats, exp.bucket, rows, timer
+    )
     batch = self._to_train(exp, rollout, train_decision, timer, moves)
     train_metrics, skipped = self._update(batch, train_decision, update, timer)
+    self.planner.precompile(lookahead)
     self.global_step += 1
     self.prev_stats = rollout.stats
     if timer.profile_s > 0:

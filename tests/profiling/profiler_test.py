@@ -291,8 +291,8 @@ def test_cells_are_timed_between_steps_only_as_far_as_allowed(exe, budget, tmp_p
   assert not empty.cells
   cells = [
     (Stage.ROLLOUT, 32, 8, 'dp8.tp1'),
-    (Stage.ROLLOUT, 32, 8, 'dp2.tp4'),
     (Stage.ROLLOUT, 2048, 8, 'dp2.tp4'),
+    (Stage.ROLLOUT, 32, 8, 'dp2.tp4'),
   ]
   assert all(measurer.compiled_here(c) for c in cells)  # the fixtures compiled them
   assert measurer.agreed([True, False, True]) == [True, False, True]  # one process: its own
@@ -303,14 +303,16 @@ def test_cells_are_timed_between_steps_only_as_far_as_allowed(exe, budget, tmp_p
     return bucket == 32
 
   profile, params = measurer.measure_cells(empty, cells, proceed=proceed)
-  # A cell at a time, until one is not allowed.
-  assert asked == [(32, ['dp8.tp1']), (32, ['dp2.tp4']), (2048, ['dp2.tp4'])]
-  assert set(profile.cells) == set(cells[:2]) and all(c.measured for c in profile.cells.values())
+  # A cell at a time, in order; one not allowed is passed over, and the next one asked.
+  assert asked == [(32, ['dp8.tp1']), (2048, ['dp2.tp4']), (32, ['dp2.tp4'])]
+  allowed = {cells[0], cells[2]}
+  assert set(profile.cells) == allowed and all(c.measured for c in profile.cells.values())
   assert all(len(c.times_ms) == 3 for c in profile.cells.values())  # the median of 3 calls
-  assert set(load_cached(path, profile.key).cells) == set(cells[:2])
+  assert all(c.timed_by == 'profile' for c in profile.cells.values())
+  assert set(load_cached(path, profile.key).cells) == allowed
   # The weights are handed back, and the next call reuses them (no new random weights).
   assert params is not None
-  again, kept = measurer.measure_cells(profile, cells[2:], proceed=lambda *a: True, params=params)
+  again, kept = measurer.measure_cells(profile, [cells[1]], proceed=lambda *a: True, params=params)
   assert kept is not None and again.cell(Stage.ROLLOUT, 2048, 8, 'dp2.tp4').measured
   unknown = (Stage.ROLLOUT, 2048, 16, 'dp8.tp1')
   assert not measurer.compiled_here(unknown)

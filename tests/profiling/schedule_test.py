@@ -3,6 +3,9 @@ the wanted cells are compiled in the background and timed between steps, a cell 
 stages taking turns, within the share; the reasons say which figures were measured."""
 
 import dataclasses
+import statistics
+import time
+import types
 from typing import ClassVar
 
 import pytest
@@ -19,11 +22,11 @@ from earl_jax.testing.typecheck import unchecked
 from earl_jax.train import assembly
 
 
-def _run_parts(tmp_path, rollout=None, **settings):
+def _run_parts(tmp_path, rollout=None, stages=('rollout',), **settings):
   base = smoke_experiment()
   base = base if rollout is None else dataclasses.replace(base, rollout=rollout)
   profile = ProfileSettings(
-    stages=('rollout',),
+    stages=stages,
     cache=str(tmp_path / 'profile.json'),
     lazy=True,
     measure=MeasureConfig(repeats=3, rounds=1),
@@ -56,9 +59,11 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     assert exe.busy()
     assert run_profile.between_steps(sel, stats) == 0.0
     assert not any(c.measured for c in sel.profile(Stage.ROLLOUT).cells.values())
+    assert run_profile.hold_precompiles  # the run's next precompiles wait for a quiet boundary
     exe.wait()
     assert not exe.busy()
     assert run_profile.between_steps(sel, stats) > 0
+    assert not run_profile.hold_precompiles
     cells = sel.profile(Stage.ROLLOUT).cells
     assert all(cells[(Stage.ROLLOUT, 64, 8, n)].measured for _, _, n in wanted)
     d = sel.decide(Stage.ROLLOUT, stats)
@@ -99,6 +104,72 @@ def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
     StepStats(episode_lengths=(4,), num_responses=16, stage_rows={'rollout': 0})
 
 
+def test_the_runs_own_calls_measure_the_layout_it_runs(tmp_path):
+  """The calls the run's steps make of a stage program are timed as samples of its cell: the
+  first is a warm-up, one made while a background compile runs is not kept, and 3 make a
+  measured cell ('run'), added to the profile between steps; the profile's calls then go to the
+  other layouts at that bucket, whatever the load."""
+  config, exe, run_profile, sel = _run_parts(
+    tmp_path, stages=('rollout', 'experience'), max_share=1.0
+  )
+  stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
+  with exe:
+    dp8 = ParallelConfig(dp=8)
+    program = exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 16))  # 16 packed rows
+    rollout = exe.get(exe.key(Stage.ROLLOUT, dp8, 64, 8))
+    cell = (Stage.EXPERIENCE, 64, 16, 'dp8.tp1')
+
+    def call(seconds, program=program):
+      with run_profile.observing(program):
+        time.sleep(seconds)
+
+    call(0.2)  # the warm-up: not a sample
+    call(0.02)
+    exe.precompile(exe.key(Stage.TRAIN, dp8, 64, 8))  # a compile beside a call: not a sample
+    call(0.5)
+    exe.wait()
+    call(0.03)
+    call(0.5, program=rollout)  # the rollout is measured by the profile only
+    assert cell not in sel.profile(Stage.EXPERIENCE).cells  # 2 samples so far
+    # Before the stage is measured anywhere, a cell's calls are priced at the run's latest call
+    # of the stage (process 0's, as of the step boundary), scaled to the cell's tokens.
+    run_profile.between_steps(sel, stats)
+    run_profile.wait_compiles()  # the profile's own compiles it started
+    tokens, seconds = run_profile._latest[Stage.EXPERIENCE]
+    assert tokens == program.program.tokens and 0.03 <= seconds < 0.1
+    measure = config.selector.profile.measure
+    call_s = seconds * (64 * 8) / tokens  # the cell at the step's load, 8 rows of 64
+    expected = measure.rounds * (
+      measure.warmup * call_s + max(measure.repeats * call_s, measure.min_seconds)
+    )
+    priced = run_profile._calls_s(
+      sel.profile(Stage.EXPERIENCE), Stage.EXPERIENCE, 64, 8, ['dp4.tp2']
+    )
+    assert priced == pytest.approx(expected)
+    call(0.04)
+    run_profile.between_steps(sel, stats)
+    measured = sel.profile(Stage.EXPERIENCE).cells[cell]
+    assert measured.measured and measured.timed_by == 'run'
+    assert len(measured.times_ms) == 3 and 20 <= min(measured.times_ms) < 60
+    assert measured.throughput == pytest.approx(
+      program.program.tokens / (statistics.median(measured.times_ms) / 1e3) / 8
+    )
+    by_run = [k for k, c in sel.profile(Stage.ROLLOUT).cells.items() if c.timed_by == 'run']
+    assert by_run == [cell]
+    # At bucket 64 the profile wants every experience layout but the one the run timed there.
+    wanted = {(b, r, n) for b, r, n in sel.wanted(Stage.EXPERIENCE, stats) if b == 64}
+    assert wanted and all(n != 'dp8.tp1' for _, _, n in wanted)
+    assert {r for _, r, _ in wanted} == {8}  # at the step's load
+    # A measured cell is not sampled again.
+    call(0.3)
+    assert sel.profile(Stage.EXPERIENCE).cells[cell] == measured
+    run_profile.between_steps(sel, stats)
+    assert sel.profile(Stage.EXPERIENCE).cells[cell] == measured
+    # The cache file keeps it.
+    cached = load_cached(config.selector.profile.cache, run_profile.profile.key)
+    assert cached.cells[cell].timed_by == 'run'
+
+
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
   """A cell is timed while the time spent measuring, with the cell's estimate (its calls at the
   model's figures, plus the median time the cells timed so far took beyond their calls), stays
@@ -126,25 +197,32 @@ def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
 
 
 class _Wanting:
-  """A selector as `ProfileScheduler._wanted` reads it: what each stage wants, ahead, and its
-  profile (at bucket 256: rollout has 2 layouts measured, experience 1, train none)."""
+  """A selector as `ProfileScheduler.order_wanted` reads it: what each stage wants, ahead, its
+  profile (experience has 1 layout measured at 256 by the run's own calls at another load,
+  rollout and train none), and its decisions (train runs dp8.tp1 at 256)."""
 
   config = dataclasses.make_dataclass('C', ['profile'])(
     dataclasses.make_dataclass('P', ['stages'])((Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN))
   )
   MEASURED: ClassVar = {
-    Stage.ROLLOUT: ('dp4.tp2', 'dp2.tp4'),
-    Stage.EXPERIENCE: ('dp1.fsdp8.tp1',),
+    Stage.ROLLOUT: (),
+    Stage.EXPERIENCE: (('dp1.fsdp8.tp1', 40),),
     Stage.TRAIN: (),
   }
+  history = (
+    types.SimpleNamespace(
+      stage=Stage.ROLLOUT, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
+    ),
+    types.SimpleNamespace(stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)),
+  )
 
   def wanted(self, stage, stats, *, ahead=False):
     if ahead:
       return [(512, 64, 'dp8.tp1')] if stage == Stage.TRAIN else []
     per_stage = {
       Stage.ROLLOUT: ['dp8.tp1', 'fsdp8', 'dp1.tp8'],
-      Stage.EXPERIENCE: ['dp2.tp4'],
-      Stage.TRAIN: ['fsdp8', 'dp8.tp1'],
+      Stage.EXPERIENCE: ['dp2.tp4', 'dp8.tp1'],
+      Stage.TRAIN: ['fsdp8', 'dp8.tp1', 'dp4.tp2'],
     }
     return [(256, 64, n) for n in per_stage[stage]]
 
@@ -155,25 +233,36 @@ class _Wanting:
     key = {'stages': [str(stage)], 'candidates': {str(stage): list(names)}, 'buckets': [256],
            'rows': [64]}  # fmt: skip
     cells = {
-      (stage, 256, 64, n): Cell(
-        stage=stage, config=n, bucket=256, rows=64, peak_bytes=1, oom=False, throughput=1.0
+      (stage, 256, rows, n): Cell(
+        stage=stage, config=n, bucket=256, rows=rows, peak_bytes=1, oom=False, throughput=1.0
       )
-      for n in self.MEASURED[stage]
+      for n, rows in self.MEASURED[stage]
     }
     return Profile(key=key, cells=cells)
 
 
-def test_the_stages_take_turns_the_least_measured_first():
-  """One cell of each stage in turn, the needed bucket's before the next one up, the stage with
-  the fewest measured layouts where it wants some first: train (none measured), experience (1),
-  rollout (2); so train is measured before the others are measured again."""
-  order = schedule.ProfileScheduler._wanted(_Wanting(), None)
+def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
+  """The rollout, measured nowhere yet, leads with its cheapest cell (train, measured nowhere
+  too, is measured by its own calls, and its layout running at 256 is not wanted); then every
+  cell by the cost of its compile and calls, whichever the stage; the next bucket up last."""
+  cost = {
+    (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
+    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'): 25.0,
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'): 1.0,
+    (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'): 2.0,
+    (Stage.TRAIN, 256, 64, 'fsdp8'): 20.0,
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'): 10.0,
+    (Stage.TRAIN, 512, 64, 'dp8.tp1'): 0.0,
+  }
+  order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
   assert order == [
-    (Stage.TRAIN, 256, 64, 'fsdp8'),
-    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'),
-    (Stage.TRAIN, 256, 64, 'dp8.tp1'),
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
+    (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'),
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'),
     (Stage.ROLLOUT, 256, 64, 'fsdp8'),
+    (Stage.TRAIN, 256, 64, 'fsdp8'),
     (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
   ]
@@ -257,13 +346,33 @@ def test_background_compiles_keep_within_the_share(monkeypatch):
   with unchecked():  # a stand-in for the Profiler
     scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
   cells = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2', 'dp2.tp4')]
-  scheduler._queue = dict.fromkeys(cells)
+  scheduler._queue = dict.fromkeys(cells, 0.0)
   now[0] = 60.0
   scheduler._pump()  # nothing known of a compile's cost yet: IN_FLIGHT of them start
   assert compiler.started == cells[:2]
   scheduler._pump()  # both done, 10 s spent of the 6 s allowed: no third
   assert compiler.started == cells[:2]
   now[0] = 150.0  # 15 s allowed: 10 + 5 fits (the first two timed meanwhile)
-  scheduler._queue = dict.fromkeys(cells[2:])
+  scheduler._queue = dict.fromkeys(cells[2:], 0.0)
   scheduler._pump()
   assert compiler.started == cells
+
+
+def test_a_compiled_cell_holds_compiles_back_only_while_it_fits_the_share(monkeypatch):
+  """While a compiled cell waits to be timed and fits the share, the compiles drain (so that the
+  next step boundary is quiet); one the share does not allow yet holds nothing back."""
+  now = [0.0]
+  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
+  compiler = _Compiler()
+  settings = ProfileSettings(stages=('rollout',), lazy=True, compile_share=1.0, max_share=0.1)
+  with unchecked():  # a stand-in for the Profiler
+    scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
+  ready, *others = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2', 'dp2.tp4')]
+  compiler.started.append(ready)  # compiled
+  now[0] = 100.0  # 10 s of the share to spend
+  scheduler._queue = {ready: 30.0, others[0]: 0.0}  # 30 s of calls: not yet
+  scheduler._pump()
+  assert compiler.started == [ready, others[0]]
+  scheduler._queue = {ready: 5.0, others[1]: 0.0}  # 5 s: timed at the next boundary
+  scheduler._pump()
+  assert compiler.started == [ready, others[0]]
