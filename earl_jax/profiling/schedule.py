@@ -64,8 +64,9 @@ OBSERVED = (Stage.EXPERIENCE, Stage.TRAIN)
 
 
 class _Share:
-  """A process's account of measuring between steps (process 0's decides): a cell is timed when the time spent
-  measuring, with the cell's estimate, stays within `max_share` of the run's time so far. The
+  """A process's account of measuring between steps (process 0's decides): a cell is timed when
+  the time spent measuring, with the cell's estimate, stays within `max_share` of the run's time
+  so far. The
   estimate is the cell's calls at the cost model's figure, plus the median of what the cells
   timed so far took beyond their calls (moving the weights to the layout, making the inputs:
   a cost per cell, not per call, so that a cheap cell's overhead does not price an expensive
@@ -316,8 +317,7 @@ class ProfileScheduler:
       return 0.0
     self._add_observed(selector)
     self.hold_precompiles = False
-    # What is no longer wanted is not compiled.
-    self._queue = {c: self._cell_s(selector, c) for c in self._wanted(selector, stats)}
+    self._queue = self._wanted(selector, stats)  # what is no longer wanted is not compiled
     if not self._queue:
       return 0.0
     # In the order wanted, the cells compiled on every process (a cell the share does not allow
@@ -363,10 +363,17 @@ class ProfileScheduler:
     self._pump()
     return seconds
 
-  def _wanted(self, selector, stats) -> list[CellKey]:
-    return self.order_wanted(
-      selector, stats, cost=lambda c: self._cell_s(selector, c) + self._compile_s(c)
-    )
+  def _wanted(self, selector, stats) -> dict[CellKey, float]:
+    """`order_wanted`'s cells, each with the seconds of its calls (`_calls_s`), ordered by those
+    plus its compile's (its stage's median compile, the same on every process)."""
+    calls: dict[CellKey, float] = {}
+    compiles = self._compile_s()
+
+    def cost(cell: CellKey) -> float:
+      calls[cell] = self._cell_s(selector, cell)
+      return calls[cell] + compiles.get(cell[0], 0.0)
+
+    return {c: calls[c] for c in self.order_wanted(selector, stats, cost=cost)}
 
   @staticmethod
   def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
@@ -443,14 +450,14 @@ class ProfileScheduler:
       total += measure.rounds * (measure.warmup * call_s + timed)
     return total
 
-  def _compile_s(self, cell: CellKey) -> float:
-    """What compiling the program of `cell` takes: the median compile time of its stage's
-    profiled programs (0 before any; the same on every process, compiled here or not)."""
-    if self.profile is None:
-      return 0.0
-    times = [c.compile_ms for c in self.profile.cells.values() if c.stage == cell[0]]
-    times = [t for t in times if t]
-    return statistics.median(times) / 1e3 if times else 0.0
+  def _compile_s(self) -> dict[Stage, float]:
+    """Per stage, what compiling one of its programs takes: the median compile time of its
+    profiled programs (none before any; the same on every process, compiled here or not)."""
+    times: dict[Stage, list[float]] = {}
+    for c in self.profile.cells.values() if self.profile is not None else ():
+      if c.compile_ms:
+        times.setdefault(c.stage, []).append(c.compile_ms)
+    return {stage: statistics.median(ms) / 1e3 for stage, ms in times.items()}
 
   def compile_ms(self, stage: Stage, bucket: int, rows: int, layout: str) -> float:
     """The profiled compile time of a program (0 when not profiled)."""
