@@ -14,11 +14,12 @@ completes it as the run goes (`ProfileSettings`):
   (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
   next one up; there, a stage measured nowhere yet leads with its cheapest cell (so that every
   stage, train included, is measured before its decisions rest on the analytic prior alone),
-  then the cheapest cells go first, their compile and calls counted, whatever their stage
-  (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
+  then the cheapest cells go first, their compile and calls counted, per unit of how uncertain
+  their stage's latest decision is (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
   passed by those behind it that fit (the share it needs accrues meanwhile). While a compiled
-  cell that fits waits for a step boundary with no compile under way, the run holds back its own
-  speculative precompiles (`hold_precompiles`).
+  cell that fits waits for a step boundary with no compile under way, the run's own speculative
+  precompiles that have not started yet wait (`Executables.hold`, agreed by every process), so
+  that the next boundary is quiet.
 
 The run's own calls are measurements too (`observing`): the experience and train programs the
 run's steps call are timed where nothing compiled beside them, and a program's cell, at the rows
@@ -111,7 +112,9 @@ class _Share:
 class ProfileScheduler:
   """A run's measured profile and when its cells are measured (see the module docstring)."""
 
-  IN_FLIGHT = 2  # background profile compiles at a time (a run's exit waits for these only)
+  # Background profile compiles at a time (a run's exit waits for these only): one, so that a
+  # compiled cell is timed at the next boundary with no other compile of the profile's beside it.
+  IN_FLIGHT = 1
   SAMPLES = 3  # the run's own calls a cell is the median of (after its first, a warm-up)
 
   def __init__(
@@ -137,9 +140,10 @@ class ProfileScheduler:
     # latest step boundary (what a cell's calls are priced at before the model knows the stage).
     self._latest: dict[Stage, tuple[int, float]] = {}
     self._latest_here: dict[Stage, tuple[int, float]] = {}
-    # The run defers its speculative precompiles (the same on every process) while a compiled
-    # cell that fits the share waits for a step boundary with no compile under way.
-    self.hold_precompiles = False
+    # Whether the run's speculative precompiles are held (`Executables.hold`; the same on every
+    # process): while a compiled cell that fits the share waits for a step boundary with no
+    # compile under way.
+    self.holding = False
 
   @classmethod
   def start(
@@ -312,14 +316,22 @@ class ProfileScheduler:
     waits): times the cells `selector` wants, one at a time in the order of `_wanted`, as far as
     every process has compiled them and while within `max_share` of the run's time (`_Share`),
     and hands them to `selector`, with the cells the run's own calls completed (`observing`).
-    Returns the seconds spent."""
+    While a compiled cell that fits waits for a quiet boundary, the run's queued precompiles are
+    held until the next one (`Executables.hold`). Returns the seconds spent."""
     if not self._background or stats is None:
       return 0.0
     self._add_observed(selector)
-    self.hold_precompiles = False
+    seconds, held = self._measure_ready(selector, stats)
+    self.holding = held
+    self._profiler.executables.hold(held)
+    self._pump()
+    return seconds
+
+  def _measure_ready(self, selector, stats) -> tuple[float, bool]:
+    """`between_steps`' measurement: (seconds spent, whether to hold the run's precompiles)."""
     self._queue = self._wanted(selector, stats)  # what is no longer wanted is not compiled
     if not self._queue:
-      return 0.0
+      return 0.0, False
     # In the order wanted, the cells compiled on every process (a cell the share does not allow
     # yet is passed by those behind it that fit), and only while no compile runs on any process,
     # the profile's or the run's own precompiles (a compile takes a core: the timings it
@@ -327,12 +339,22 @@ class ProfileScheduler:
     wanted = [c for c in self._queue if c not in self._failed]
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
-    if ready and not quiet:
+    import sys as _s
+
+    _now = time.perf_counter() - self._share.start
+    print(
+      f'DBG t={_now:.0f} spent={self._share.spent:.1f} allow={self._share.max_share * _now:.1f} '
+      f'quiet={quiet} pbusy={self._profiler.busy()} st={self._profiler.executables._started} open={self._profiler.executables._open.is_set()} comp={sum(not f.done() for f in self._compiling.values())} '
+      f'ready={[(c[0].value[:2], c[1], c[2], c[3][:7]) for c in ready][:4]} '
+      f'q={[(c[0].value[:2], c[1], c[2], c[3][:7], round(v, 1)) for c, v in list(self._queue.items())[:6]]} '
+      f'calls={ {k[0].value[:2] + str(k[1]) + "/" + str(k[2]): len(v) for k, v in self._calls.items()} }',
+      file=_s.stderr,
+    )
+    if not ready:
+      return 0.0, False
+    if not quiet:
       fits = any(self._share.fits(self._queue[c]) for c in ready)
-      self.hold_precompiles = bool(distributed.broadcast_json(fits))  # process 0's clock
-    if not ready or not quiet:
-      self._pump()
-      return 0.0
+      return 0.0, bool(distributed.broadcast_json(fits))  # process 0's clock decides
     t0 = time.perf_counter()
 
     def proceed(stage: Stage, bucket: int, rows: int, names: Sequence[str]) -> bool:
@@ -360,8 +382,7 @@ class ProfileScheduler:
         self.spent_s,
         self._share.overhead_s,
       )
-    self._pump()
-    return seconds
+    return seconds, False
 
   def _wanted(self, selector, stats) -> dict[CellKey, float]:
     """`order_wanted`'s cells, each with the seconds of its calls (`_calls_s`), ordered by those
@@ -380,13 +401,16 @@ class ProfileScheduler:
     """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
     calls time them), the needed buckets' before the next one up; among them, the cheapest
     cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
-    by their own calls), then the cheapest cells first (by `cost`, the seconds of
-    their compile and calls: within the share, a cell that costs little is not held back by one
-    that costs much, and a stage whose programs are slow to compile and call, usually train, is
-    measured as the share accrues). `selector`: a `Selector`, or what
-    reads as one (`config.profile.stages`, `wanted`, `profile`, `history`)."""
+    by their own calls), then by `cost` (the seconds of their compile and calls) per unit of
+    their stage's doubt (`_doubt`: how uncertain its latest decision is). Within the share, a
+    cell that costs little is not held back by one that costs much, a stage whose decision
+    rests on the model alone is measured before one whose decision is measured, and a stage
+    whose programs are slow to compile and call, usually train, is measured as the share
+    accrues. `selector`: a `Selector`, or what reads as one (`config.profile.stages`, `wanted`,
+    `profile`, `history`)."""
     out: list[CellKey] = []
     running = ProfileScheduler._running(selector)
+    weight = ProfileScheduler._doubt(selector)
     for ahead in (False, True):
       cells = [
         (stage, *cell)
@@ -394,7 +418,7 @@ class ProfileScheduler:
         for cell in selector.wanted(stage, stats, ahead=ahead)
       ]
       cells = [c for c in cells if c not in running and c not in out]
-      by_cost = sorted(cells, key=cost)
+      by_cost = sorted(cells, key=lambda c: cost(c) / weight[c[0]])
       lead = [
         next(c for c in by_cost if c[0] == stage)
         for stage in dict.fromkeys(c[0] for c in by_cost)
@@ -402,6 +426,16 @@ class ProfileScheduler:
       ]
       out += lead + [c for c in by_cost if c not in lead]
     return out
+
+  @staticmethod
+  def _doubt(selector) -> dict[Stage, float]:
+    """Per profiled stage, how uncertain its latest decision is: the relative standard deviation
+    of the chosen layout's figure (`Decision.uncertainty`), at least a measurement's
+    (`cost_model.MIN_NOISE`); a stage not decided yet is as uncertain as the model gets."""
+    doubt = dict.fromkeys(selector.config.profile.stages, cost_model.MAX_UNCERTAINTY)
+    for d in selector.history:
+      doubt[d.stage] = min(max(d.uncertainty, cost_model.MIN_NOISE), cost_model.MAX_UNCERTAINTY)
+    return doubt
 
   @staticmethod
   def _running(selector) -> set[CellKey]:

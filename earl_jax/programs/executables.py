@@ -162,6 +162,10 @@ class Executables:
     self._train_states: dict[ParallelConfig, train_lib.TrainState] = {}
     self._pool = background_pool(background_workers, 'earl-precompile')
     self._background: list[futures.Future] = []  # what `precompile` queued: builds and moves
+    # The gate of that queue (`hold`): a queued build or move starts only while it is open.
+    self._open = threading.Event()
+    self._open.set()
+    self._started = 0  # queued builds and moves past the gate, not done yet
     self.log: list[dict[str, Any]] = []
     self.hits = 0
     self.compiles = 0
@@ -292,6 +296,9 @@ class Executables:
       if entry is not None:
         self.hits += 1
     if entry is None and pending is not None:
+      if not self._open.is_set():
+        logging.info('executables: %s is needed now: the held precompiles go on', key)
+        self._open.set()  # the step needs it: what was held for a measurement waits no more
       t0 = time.perf_counter()
       entry = pending.result()
       self.log.append({'key': str(key), 'waited_ms': 1e3 * (time.perf_counter() - t0)})
@@ -325,12 +332,12 @@ class Executables:
       self._requested.add(key)
       entry = self._entries.get(key)
       if entry is None and key not in self._pending:
-        self._pending[key] = self._pool.submit(self._build, key, True)
+        self._pending[key] = self._pool.submit(self._when_open, self._build, key, True)
         self._background.append(self._pending[key])
       future = self._pending.get(key)
     if layout is not None:
       # Queued after the build (one worker, first in first out), so the build is done first.
-      move = self._pool.submit(self._prepare_move, key, layout)
+      move = self._pool.submit(self._when_open, self._prepare_move, key, layout)
       with self._lock:
         self._background.append(move)
       return move
@@ -338,6 +345,27 @@ class Executables:
       future = futures.Future()
       future.set_result(entry)
     return future
+
+  def _when_open(self, build, *args):
+    """Runs a queued `build(*args)` once the gate is open (`hold`)."""
+    self._open.wait()
+    with self._lock:
+      self._started += 1
+    try:
+      return build(*args)
+    finally:
+      with self._lock:
+        self._started -= 1
+
+  def hold(self, held: bool) -> None:
+    """Holds the precompiles queued (`precompile`) before they start, or lets them go on: while
+    held, the one under way finishes and the others wait, so that the host's cores are free at
+    the next step boundary (a profile measurement waits for one). A program the step then needs
+    (`get`) lets them go on."""
+    if held:
+      self._open.clear()
+    else:
+      self._open.set()
 
   def _prepare_move(self, key: builders.ProgramKey, layout: Any) -> Executable:
     entry = self.get(key)
@@ -352,20 +380,23 @@ class Executables:
       return key in self._requested
 
   def busy(self) -> bool:
-    """Whether a background compile `precompile` queued (a program or a move) is under way or
-    waiting: a timing taken meanwhile shares the host's cores with it."""
+    """Whether a background compile `precompile` queued (a program or a move) is under way, or
+    waiting to start while they are not held (`hold`): a timing taken meanwhile shares the
+    host's cores with it."""
     with self._lock:
       self._background = [f for f in self._background if not f.done()]
-      return bool(self._background)
+      return self._started > 0 or (self._open.is_set() and bool(self._background))
 
   def wait(self) -> None:
-    """Waits for every background compile (re-raising the first error)."""
+    """Waits for every background compile, held ones included (re-raising the first error)."""
+    self._open.set()
     with self._lock:
       pending = list(self._pending.values())
     for f in pending:
       f.result()
 
   def close(self) -> None:
+    self._open.set()
     self._pool.shutdown(wait=True)
 
   def __enter__(self) -> 'Executables':

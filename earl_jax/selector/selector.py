@@ -16,7 +16,9 @@ the number of responses (the load) and, optionally, the free per-device memory. 
    - the bucket moves *down* only after `patience` consecutive lower readings (up at once);
    - the layout is held for `patience` decisions after a switch (a minimum dwell), so it never
      flips back within that, unless it stops fitting;
-   - the current layout is kept while it is feasible and within `switch_threshold` of the best;
+   - the current layout is kept while it is feasible and within `switch_threshold` of the best
+     (the best at its score; the current layout at its figure where it is measured or fitted to
+     its own cells: a switch must beat what the model expects of it);
    - a switch must pay for itself: the measured time it saves over the steps expected in this
      bucket (the mean run of steps per bucket so far) must exceed what it costs (the reshard
      and any compile, from `switch_cost`), both numbers in the reason.
@@ -245,6 +247,7 @@ class Decision:
     run_bucket: the bucket that holds the longest episode: compile and run at this one.
     rows: the load bin (profiled responses >= num_responses).
     statistic: the value of the statistic (after headroom).
+    longest: the longest episode (after headroom; 0 where not read).
     throughput: the ranking score of `config` at (bucket, rows): measured tokens/s/device for a
       profiled stage, the fewest-splits preference otherwise.
     measured: whether the ranking came from measurements.
@@ -281,6 +284,7 @@ class Decision:
   cost_ms: float | None = None
   uncertainty: float = 0.0
   basis: str = ''
+  longest: float = 0.0
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -472,6 +476,16 @@ def _unit_of(figure: Cell | Option) -> str:
 def _bound(option: Option) -> str:
   """' (lower bound)' where an option ranks by the cost model's lower bound, not its figure."""
   return '' if option.score == option.throughput else ' (lower bound)'
+
+
+def _held_at(option: Option) -> float | None:
+  """What the current layout is weighed at against the best: its figure where it is measured or
+  the model fitted it to its own cells (a switch must beat what the model expects of it, not its
+  lower bound: a layout is not left on the model's caution alone), else its score."""
+  unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
+  if option.measured or option.prior not in unanchored:
+    return option.throughput
+  return option.score
 
 
 def _figures(options: Sequence[Option]) -> str:
@@ -789,6 +803,7 @@ class Selector:
       run_bucket=reading.run_bucket,
       rows=reading.rows,
       statistic=reading.value,
+      longest=reading.longest,
       throughput=chosen.option.throughput,
       measured=profile.cell(stage, reading.bucket, reading.rows, chosen.config).measured,
       need_bytes=chosen.option.need_bytes,
@@ -900,10 +915,10 @@ class Selector:
     """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, or None when
     the time per step is not known (no throughputs, or no token count for the stage)."""
     work = stats.stage_tokens.get(str(stage))
-    if not work or not prev.option.score or not best.option.score:
+    if not work or not _held_at(prev.option) or not best.option.score:
       return None
     per_step = work / self.num_devices  # tokens per device per step
-    saved_s = per_step / prev.option.score - per_step / best.option.score
+    saved_s = per_step / _held_at(prev.option) - per_step / best.option.score
     gain = 1e3 * saved_s * state.expected_steps(self.config.patience)
     cost = 0.0
     if self._switch_cost is not None:
@@ -930,8 +945,9 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    now, top = current.option.score, best.option.score
-    figures = f'{top:.1f}{_bound(best.option)} vs {now:.1f}{_bound(current.option)} {unit}'
+    now, top = _held_at(current.option), best.option.score
+    held = '' if now == current.option.throughput else ' (lower bound)'
+    figures = f'{top:.1f}{_bound(best.option)} vs {now:.1f}{held} {unit}'
     if now >= (1.0 - cfg.switch_threshold) * top:
       return _Choice(
         current,
@@ -980,15 +996,19 @@ class Selector:
   def lookahead(self, decision: Decision) -> list[tuple[Stage, ParallelConfig, int, int]]:
     """Keys worth compiling in the background now: the chosen one, and its neighbours'.
 
-    For the next bucket up and the next one down: the fastest feasible layout there (once that
-    bucket is profiled), and the chosen layout too when it fits there (hysteresis may keep it).
-    Each key is (stage, config, bucket, rows), the arguments of `Executables.precompile`.
+    For the next bucket down, and the next one up once the longest episode nears it (past
+    `ProfileSettings.ahead` of the way through its bucket, as for `wanted`): the fastest
+    feasible layout there (once that bucket is profiled), and the chosen layout too when it fits
+    there (hysteresis may keep it). Each key is (stage, config, bucket, rows), the arguments of
+    `Executables.precompile`.
     """
     stage, rows = decision.stage, decision.rows
     keys = [(stage, decision.config, decision.run_bucket, rows)]
     lengths = self.buckets.lengths
     i = lengths.index(decision.run_bucket)
-    neighbours = [lengths[j] for j in (i + 1, i - 1) if 0 <= j < len(lengths)]
+    below = lengths[i - 1] if i else 0
+    near = decision.longest >= below + self.config.profile.ahead * (decision.run_bucket - below)
+    neighbours = [lengths[j] for j in (i + 1, i - 1) if 0 <= j < len(lengths) and (j < i or near)]
     profile = self._profiles[stage]
     for nb in neighbours:
       if not profile.covers(stage, nb, rows):

@@ -79,7 +79,6 @@ class StagePlanner:
     self.executables = executables
     self.placement = placement
     self.log = log
-    self._deferred: dict[Any, None] = {}  # precompiles held back for a profile measurement
 
   def executable(self, decision: selector_lib.Decision, bucket: int, rows: int | None = None):
     """The AOT-compiled program of a stage, refused before running if it exceeds the budget."""
@@ -187,12 +186,8 @@ class StagePlanner:
 
   def precompile(self, lookahead: Sequence[tuple[Stage, Any, int, int]]) -> None:
     """Compiles a train plan's `lookahead` in the background, after the step's update (so that
-    no compile of its own overlaps the update the run times, `ProfileScheduler.observing`);
-    while a profile measurement waits for a quiet step boundary (`hold_precompiles`), they wait
-    too, and go with the next step's."""
-    self._deferred.update(dict.fromkeys(lookahead))
-    if self.scheduler.hold_precompiles:
-      return
-    for key in self._deferred:
+    no compile of its own overlaps the update the run times, `ProfileScheduler.observing`).
+    While a profile measurement waits for a quiet step boundary, they wait in the queue
+    (`Executables.hold`)."""
+    for key in lookahead:
       self.executables.precompile(self.executables.key(*key), tree=self.placement.state)
-    self._deferred.clear()

@@ -59,11 +59,11 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     assert exe.busy()
     assert run_profile.between_steps(sel, stats) == 0.0
     assert not any(c.measured for c in sel.profile(Stage.ROLLOUT).cells.values())
-    assert run_profile.hold_precompiles  # the run's next precompiles wait for a quiet boundary
+    assert run_profile.holding  # the run's queued precompiles wait for a quiet boundary
     exe.wait()
     assert not exe.busy()
     assert run_profile.between_steps(sel, stats) > 0
-    assert not run_profile.hold_precompiles
+    assert not run_profile.holding
     cells = sel.profile(Stage.ROLLOUT).cells
     assert all(cells[(Stage.ROLLOUT, 64, 8, n)].measured for _, _, n in wanted)
     d = sel.decide(Stage.ROLLOUT, stats)
@@ -199,7 +199,8 @@ def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
 class _Wanting:
   """A selector as `ProfileScheduler.order_wanted` reads it: what each stage wants, ahead, its
   profile (experience has 1 layout measured at 256 by the run's own calls at another load,
-  rollout and train none), and its decisions (train runs dp8.tp1 at 256)."""
+  rollout and train none), and its decisions (rollout on the model, +-100%; train runs dp8.tp1
+  at 256, +-10%; experience not decided yet)."""
 
   config = dataclasses.make_dataclass('C', ['profile'])(
     dataclasses.make_dataclass('P', ['stages'])((Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN))
@@ -211,9 +212,11 @@ class _Wanting:
   }
   history = (
     types.SimpleNamespace(
-      stage=Stage.ROLLOUT, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
+      stage=Stage.ROLLOUT, run_bucket=256, rows=64, config=ParallelConfig(dp=8), uncertainty=1.0
     ),
-    types.SimpleNamespace(stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)),
+    types.SimpleNamespace(
+      stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8), uncertainty=0.1
+    ),
   )
 
   def wanted(self, stage, stats, *, ahead=False):
@@ -244,7 +247,8 @@ class _Wanting:
 def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   """The rollout, measured nowhere yet, leads with its cheapest cell (train, measured nowhere
   too, is measured by its own calls, and its layout running at 256 is not wanted); then every
-  cell by the cost of its compile and calls, whichever the stage; the next bucket up last."""
+  cell by the cost of its compile and calls per unit of its stage's doubt (experience, not
+  decided yet, 5; rollout 1; train 0.1); the next bucket up last."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
     (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
@@ -258,12 +262,12 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
   assert order == [
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'),
-    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),  # 1 s / 5
     (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'),
-    (Stage.TRAIN, 256, 64, 'dp4.tp2'),
-    (Stage.ROLLOUT, 256, 64, 'fsdp8'),
-    (Stage.TRAIN, 256, 64, 'fsdp8'),
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'),  # 20 s / 1
     (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'),  # 10 s / 0.1
+    (Stage.TRAIN, 256, 64, 'fsdp8'),
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
   ]
 

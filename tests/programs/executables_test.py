@@ -133,3 +133,31 @@ def test_background_compiles_run_below_the_step_priority():
   finally:
     pool.shutdown()
   assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+def test_held_precompiles_wait_until_released_or_needed():
+  """`hold`: queued precompiles do not start (the host is quiet: not `busy`) until released, or
+  until the step needs one of them (`get`), which lets them go on."""
+  with Executables(CFG, spec=SPEC) as exe:
+    exe.hold(True)
+    first = exe.key(Stage.EXPERIENCE, DP8, 32, 8)
+    second = exe.key(Stage.EXPERIENCE, DP2TP4, 32, 8)
+    futures_ = [exe.precompile(first), exe.precompile(second)]
+    assert not exe.busy()  # queued, held: nothing compiles
+    assert not any(f.done() for f in futures_) and exe.compiles == 0
+    exe.hold(False)
+    assert exe.busy()
+    futures_[1].result()
+    assert exe.compiles == 2 and not exe.busy()
+    # Held again, a program the step needs is built: the queue goes on, nothing deadlocks.
+    exe.hold(True)
+    third = exe.key(Stage.EXPERIENCE, DP8, 64, 8)
+    exe.precompile(third)
+    assert not exe.busy()
+    entry = exe.get(third)
+    assert entry.background and exe.compiles == 3  # built by the queue, which `get` let go
+    # `wait` lets a held queue go on too.
+    exe.hold(True)
+    exe.precompile(exe.key(Stage.EXPERIENCE, DP2TP4, 64, 8))
+    exe.wait()
+    assert exe.compiles == 4 and not exe.busy()

@@ -210,8 +210,12 @@ def test_budget_too_small_names_the_smallest_need():
 def test_lookahead_names_the_neighbouring_buckets_best():
   sel = _selector(budget_mib=1000)
   d = sel.decide(Stage.ROLLOUT, _stats(1500))
-  # The next bucket's fastest (tp8), and the current layout there in case hysteresis keeps it;
-  # the bucket below, whose fastest is the current layout.
+  # 1500 is not near the next bucket up yet (not 3/4 of the way from 1024 to 2048): only the
+  # bucket below, whose fastest is the current layout.
+  assert sel.lookahead(d) == [(Stage.ROLLOUT, DP8, 2048, 16), (Stage.ROLLOUT, DP8, 1024, 16)]
+  d = sel.decide(Stage.ROLLOUT, _stats(1800))
+  # Near it: the next bucket's fastest (tp8), and the current layout there in case hysteresis
+  # keeps it; the bucket below.
   assert sel.lookahead(d) == [
     (Stage.ROLLOUT, DP8, 2048, 16),
     (Stage.ROLLOUT, TP8, 4096, 16),
@@ -549,30 +553,68 @@ def test_a_decision_with_no_measured_cell_runs_on_the_model_and_says_so():
   }
 
 
+# A rollout profile of dp8 and dp2.tp4 at buckets 128 and 256, and a cell of it timed 3 times.
+_TWO_LAYOUTS = {
+  'stages': ['rollout'],
+  'candidates': {'rollout': [DP8.name, DP2TP4.name]},
+  'buckets': [128, 256],
+  'rows': [16],
+}
+
+
+def _timed_cell(config: ParallelConfig, bucket: int, tgs: float, **kw) -> Cell:
+  return Cell(
+    stage=Stage.ROLLOUT,
+    config=config.name,
+    bucket=bucket,
+    rows=16,
+    peak_bytes=MiB,
+    oom=False,
+    throughput=tgs,
+    times_ms=(1.0, 1.0, 1.0),
+    **kw,
+  )
+
+
+def test_the_current_layout_is_weighed_at_its_figure_where_the_model_fitted_it():
+  """At 256, dp2.tp4 runs on the model fitted to its own cell at 128 (uncertain: a figure F with
+  a wide lower bound). A measurement of dp8 there beats that lower bound but not F by the switch
+  threshold: dp2.tp4 is kept (a layout is not left on the model's caution alone); one that beats
+  F by more wins."""
+  cfg = ModelConfig.preset('small-kv')
+  table, key, cell = BucketConfig(lengths=(128, 256)), _TWO_LAYOUTS, _timed_cell
+  at128 = {
+    (Stage.ROLLOUT, 128, 16, c.name): cell(c, 128, t) for c, t in ((DP8, 100.0), (DP2TP4, 300.0))
+  }
+  settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=2.0)
+  sel = Selector(
+    SelectorConfig(profile=settings, switch_threshold=0.1),
+    buckets=table,
+    rows=16,
+    profile=Profile(key=key, cells=at128),
+    model=cfg,
+  )
+  assert sel.decide(Stage.ROLLOUT, _stats(100)).config == DP2TP4
+  d = sel.decide(Stage.ROLLOUT, _stats(200))
+  assert d.config == DP2TP4 and d.basis == 'dp2.tp4@128' and d.uncertainty > 0.2
+  figure = d.throughput
+  lower = figure * np.exp(-2.0 * d.uncertainty)
+  for dp8, kept in ((1.05 * figure, True), (2.0 * figure, False)):
+    assert dp8 > lower
+    cells = {**at128, (Stage.ROLLOUT, 256, 16, DP8.name): cell(DP8, 256, dp8)}
+    sel.use_profile(Profile(key=key, cells=cells))
+    decision, _ = sel.propose(Stage.ROLLOUT, _stats(200))
+    assert (decision.config == DP2TP4) == kept, decision.reason
+    held = next(o for o in decision.options if o.config == DP2TP4.name)
+    assert not held.measured and held.score < dp8  # its lower bound alone would have switched
+  assert 'faster than dp2.tp4' in decision.reason and '(lower bound)' not in decision.reason
+
+
 def test_no_switch_to_a_layout_the_model_alone_rates_within_its_uncertainty():
   """Held on dp2.tp4 (measured: 100), the model rates dp8, measured nowhere, at 120 +-50%: its
   lower bound (120 / e) does not beat 100, so the selector keeps dp2.tp4; measured at 150, dp8
   wins and the selector switches. With `confidence` 0 the model's figure alone would switch."""
-  table = BucketConfig(lengths=(128, 256))
-  key = {
-    'stages': ['rollout'],
-    'candidates': {'rollout': [DP8.name, DP2TP4.name]},
-    'buckets': list(table.lengths),
-    'rows': [16],
-  }
-
-  def cell(config, bucket, tgs, **kw):
-    return Cell(
-      stage=Stage.ROLLOUT,
-      config=config.name,
-      bucket=bucket,
-      rows=16,
-      peak_bytes=MiB,
-      oom=False,
-      throughput=tgs,
-      times_ms=(1.0, 1.0, 1.0),
-      **kw,
-    )
+  table, key, cell = BucketConfig(lengths=(128, 256)), _TWO_LAYOUTS, _timed_cell
 
   def profile(dp8: Cell) -> Profile:
     cells = {}

@@ -1,5 +1,5 @@
-"""The stage planner's precompiles of a train plan's neighbours (`StagePlanner.precompile`): after
-the update, and held back while a profile measurement waits for a quiet step boundary."""
+"""The stage planner's precompiles of a train plan's neighbours (`StagePlanner.precompile`): each
+key once, with the train state as it is laid out now (so that its move is compiled too)."""
 
 import types
 
@@ -22,25 +22,14 @@ class _Executables:
     self.started.append((key, tree))
 
 
-def test_lookahead_waits_while_a_measurement_holds_precompiles():
-  scheduler = types.SimpleNamespace(hold_precompiles=False)
+def test_lookahead_is_precompiled_with_the_train_state():
   exe = _Executables()
   placement = types.SimpleNamespace(state='train state')
   with unchecked():  # stand-ins for the run's parts
-    planner = StagePlanner(None, None, scheduler, exe, placement, log=print)
+    planner = StagePlanner(None, None, None, exe, placement, log=print)
   dp8, fsdp8 = ParallelConfig(dp=8), ParallelConfig(fsdp=8)
-  up, down = (Stage.TRAIN, dp8, 512, 64), (Stage.TRAIN, fsdp8, 256, 64)
-  planner.precompile([up])
-  assert exe.started == [((Stage.TRAIN, 'dp8.tp1', 512, 64), 'train state')]
-  exe.started.clear()
-  scheduler.hold_precompiles = True  # a compiled cell waits for a quiet boundary
-  planner.precompile([up, down])
-  assert exe.started == []
-  scheduler.hold_precompiles = False  # measured: the held ones go with the next step's
-  planner.precompile([down])
-  assert [k for k, _ in exe.started] == [
-    (Stage.TRAIN, 'dp8.tp1', 512, 64),
-    (Stage.TRAIN, 'dp1.fsdp8.tp1', 256, 64),
+  planner.precompile([(Stage.TRAIN, dp8, 512, 64), (Stage.TRAIN, fsdp8, 256, 64)])
+  assert exe.started == [
+    ((Stage.TRAIN, 'dp8.tp1', 512, 64), 'train state'),
+    ((Stage.TRAIN, 'dp1.fsdp8.tp1', 256, 64), 'train state'),
   ]
-  planner.precompile([])
-  assert len(exe.started) == 2  # each once
