@@ -8,11 +8,12 @@ completes it as the run goes (`ProfileSettings`):
 - `lazy` with `prior` (the default): no decision waits. The selector decides on the cost model
   (`cost_model`) where a cell is not measured yet. The cells its coming decisions would rank by
   (`Selector.wanted`: those the model cannot rule out, and every layout at the longest bucket
-  reached) and those of the next bucket up are compiled in the background as soon as they are
+  reached), those of the next bucket up, and a second bucket for each layout measured at one
+  only (the shortest the stage has decided at) are compiled in the background as soon as they are
   wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first), and timed at
   the start of a later step, while the devices are idle, once compiled on every process
   (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
-  next one up; there, a stage measured nowhere yet leads with its cheapest cell (so that every
+  next one up, and that before the second buckets; within each, a stage measured nowhere yet leads with its cheapest cell (so that every
   stage, train included, is measured before its decisions rest on the analytic prior alone),
   then the cheapest cells go first, their compile and calls counted, per unit of how uncertain
   their stage's latest decision is (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
@@ -58,6 +59,10 @@ from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings
 from earl_jax.programs import Executable, Executables, StageSpec
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
+
+# What `Selector.wanted` is asked for, most wanted first: the cells the coming decisions rank and
+# run at, the next bucket up's, and a second bucket for each layout measured at one only.
+_KINDS = ({}, {'ahead': True}, {'second': True})
 
 # The stages the run's own calls measure (`ProfileScheduler.observing`): a call each per step, or a
 # few; the rollout engine makes many a step, between the environment's turns.
@@ -191,8 +196,8 @@ class ProfileScheduler:
     profile lacks for it (handing them to `selector`); with it, only queues the cells
     `selector` wants measured for compiling. Returns the seconds the decision waited."""
     if self._background:
-      for ahead in (False, True):
-        for cell in selector.wanted(stage, stats, ahead=ahead):
+      for kind in _KINDS:
+        for cell in selector.wanted(stage, stats, **kind):
           self._queue.setdefault((stage, *cell), self._cell_s(selector, (stage, *cell)))
       self._pump()
       return 0.0
@@ -399,7 +404,8 @@ class ProfileScheduler:
   @staticmethod
   def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
     """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
-    calls time them), the needed buckets' before the next one up; among them, the cheapest
+    calls time them), the needed buckets' before the next one up's, and those before the second
+    buckets' (`Selector.wanted`); among each, the cheapest
     cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
     by their own calls), then by `cost` (the seconds of their compile and calls) per unit of
     their stage's doubt (`_doubt`: how uncertain its latest decision is). Within the share, a
@@ -411,11 +417,11 @@ class ProfileScheduler:
     out: list[CellKey] = []
     running = ProfileScheduler._running(selector)
     weight = ProfileScheduler._doubt(selector)
-    for ahead in (False, True):
+    for kind in _KINDS:
       cells = [
         (stage, *cell)
         for stage in selector.config.profile.stages
-        for cell in selector.wanted(stage, stats, ahead=ahead)
+        for cell in selector.wanted(stage, stats, **kind)
       ]
       cells = [c for c in cells if c not in running and c not in out]
       by_cost = sorted(cells, key=lambda c: cost(c) / weight[c[0]])
@@ -429,12 +435,14 @@ class ProfileScheduler:
 
   @staticmethod
   def _doubt(selector) -> dict[Stage, float]:
-    """Per profiled stage, how uncertain its latest decision is: the relative standard deviation
-    of the chosen layout's figure (`Decision.uncertainty`), at least a measurement's
-    (`cost_model.MIN_NOISE`); a stage not decided yet is as uncertain as the model gets."""
+    """Per profiled stage, how uncertain its latest decision is: the largest relative standard
+    deviation of the figures it weighed (`Decision.options` that fit: the chosen layout's and
+    the alternatives'), at least a measurement's (`cost_model.MIN_NOISE`); a stage not decided
+    yet is as uncertain as the model gets."""
     doubt = dict.fromkeys(selector.config.profile.stages, cost_model.MAX_UNCERTAINTY)
     for d in selector.history:
-      doubt[d.stage] = min(max(d.uncertainty, cost_model.MIN_NOISE), cost_model.MAX_UNCERTAINTY)
+      weighed = [o.uncertainty for o in d.options if o.feasible] or [d.uncertainty]
+      doubt[d.stage] = min(max(*weighed, cost_model.MIN_NOISE), cost_model.MAX_UNCERTAINTY)
     return doubt
 
   @staticmethod

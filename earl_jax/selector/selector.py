@@ -669,15 +669,17 @@ class Selector:
     return [b for b in buckets if not profile.covers(stage, b, reading.rows)]
 
   def wanted(
-    self, stage: Stage, stats: StepStats | None, *, ahead: bool = False
+    self, stage: Stage, stats: StepStats | None, *, ahead: bool = False, second: bool = False
   ) -> list[tuple[int, int, str]]:
     """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
     the most promising first (`cost_model.to_measure`): at the buckets a decision would rank and
     run at, or (`ahead`) at the next bucket up once the longest context nears it
     (`ProfileSettings.ahead`). At the longest run bucket the stage has reached, once it has
     stayed there `ProfileSettings.settle` decisions, every layout that fits is wanted, pruned or
-    not: crossovers happen at long contexts. [] for a stage
-    ranked by the analytic model, and without the prior (see `missing`). Pure: the same on
+    not: crossovers happen at long contexts. `second`: for each layout measured at one bucket
+    only, a cell at the shortest bucket the stage has decided at (at the load read now), so that
+    its curve rests on two buckets (one cannot tell its fixed cost from its compute). [] for a
+    stage ranked by the analytic model, and without the prior (see `missing`). Pure: the same on
     every process that holds the same profile."""
     stage = Stage.parse(stage)
     settings = self.config.profile
@@ -686,6 +688,8 @@ class Selector:
     profile = self.profile(stage)
     state = self.state(stage)
     reading = self._read(stage, stats or self._initial_stats(), state, profile)
+    if second:
+      return self._second_buckets(stage, profile, reading.rows)
     buckets = [reading.bucket, reading.run_bucket]
     if ahead:
       lengths = self.buckets.lengths
@@ -711,6 +715,33 @@ class Selector:
         every=longest and bucket == reading.run_bucket,
       )
       out += [(bucket, reading.rows, name) for name in names]
+    return out
+
+  def _second_buckets(
+    self, stage: Stage, profile: Profile, rows: int
+  ) -> list[tuple[int, int, str]]:
+    """`wanted(second=True)`: each layout measured at one bucket only, at the shortest bucket
+    the stage has decided at, where it fits and is not refused."""
+    decided = [d.bucket for d in self.history if d.stage == stage]
+    if not decided:
+      return []
+    shortest = min(decided)
+    buckets: dict[str, set[int]] = {}
+    for (s, bucket, _, name), cell in profile.cells.items():
+      if s == stage and cell.measured and cell.throughput and not cell.oom:
+        buckets.setdefault(name, set()).add(bucket)
+    refused = self._refused.get(stage, set())
+    out = []
+    for config in profile.candidates(stage):
+      measured = buckets.get(config.name, set())
+      cell = profile.cell(stage, shortest, rows, config.name)
+      if (
+        len(measured) == 1
+        and shortest not in measured
+        and self._fits(cell.peak_bytes, self.budget_bytes)
+        and (config.name, shortest, rows) not in refused
+      ):
+        out.append((shortest, rows, config.name))
     return out
 
   def propose(self, stage: Stage, stats: StepStats | None) -> tuple[Decision, StageState]:

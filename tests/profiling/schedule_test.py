@@ -199,8 +199,9 @@ def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
 class _Wanting:
   """A selector as `ProfileScheduler.order_wanted` reads it: what each stage wants, ahead, its
   profile (experience has 1 layout measured at 256 by the run's own calls at another load,
-  rollout and train none), and its decisions (rollout on the model, +-100%; train runs dp8.tp1
-  at 256, +-10%; experience not decided yet)."""
+  rollout and train none), and its decisions (rollout runs a measured layout, an alternative on
+  the model at +-100%; train runs dp8.tp1 at 256, every figure within +-10%; experience not
+  decided yet)."""
 
   config = dataclasses.make_dataclass('C', ['profile'])(
     dataclasses.make_dataclass('P', ['stages'])((Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN))
@@ -212,16 +213,30 @@ class _Wanting:
   }
   history = (
     types.SimpleNamespace(
-      stage=Stage.ROLLOUT, run_bucket=256, rows=64, config=ParallelConfig(dp=8), uncertainty=1.0
+      stage=Stage.ROLLOUT,
+      run_bucket=256,
+      rows=64,
+      config=ParallelConfig(dp=8),
+      options=(
+        types.SimpleNamespace(feasible=True, uncertainty=0.05),
+        types.SimpleNamespace(feasible=True, uncertainty=1.0),
+        types.SimpleNamespace(feasible=False, uncertainty=5.0),  # does not fit: not weighed
+      ),
     ),
     types.SimpleNamespace(
-      stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8), uncertainty=0.1
+      stage=Stage.TRAIN,
+      run_bucket=256,
+      rows=64,
+      config=ParallelConfig(dp=8),
+      options=(types.SimpleNamespace(feasible=True, uncertainty=0.1),),
     ),
   )
 
-  def wanted(self, stage, stats, *, ahead=False):
+  def wanted(self, stage, stats, *, ahead=False, second=False):
     if ahead:
       return [(512, 64, 'dp8.tp1')] if stage == Stage.TRAIN else []
+    if second:
+      return [(128, 64, 'dp4.tp2')] if stage == Stage.TRAIN else []
     per_stage = {
       Stage.ROLLOUT: ['dp8.tp1', 'fsdp8', 'dp1.tp8'],
       Stage.EXPERIENCE: ['dp2.tp4', 'dp8.tp1'],
@@ -248,7 +263,8 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   """The rollout, measured nowhere yet, leads with its cheapest cell (train, measured nowhere
   too, is measured by its own calls, and its layout running at 256 is not wanted); then every
   cell by the cost of its compile and calls per unit of its stage's doubt (experience, not
-  decided yet, 5; rollout 1; train 0.1); the next bucket up last."""
+  decided yet, 5; rollout 1; train 0.1); the next bucket up after them, and the second buckets
+  last."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
     (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
@@ -258,6 +274,7 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 256, 64, 'fsdp8'): 20.0,
     (Stage.TRAIN, 256, 64, 'dp4.tp2'): 10.0,
     (Stage.TRAIN, 512, 64, 'dp8.tp1'): 0.0,
+    (Stage.TRAIN, 128, 64, 'dp4.tp2'): 0.0,
   }
   order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
   assert order == [
@@ -269,6 +286,7 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 256, 64, 'dp4.tp2'),  # 10 s / 0.1
     (Stage.TRAIN, 256, 64, 'fsdp8'),
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
+    (Stage.TRAIN, 128, 64, 'dp4.tp2'),  # a second bucket: last
   ]
 
 

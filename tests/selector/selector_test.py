@@ -610,6 +610,34 @@ def test_the_current_layout_is_weighed_at_its_figure_where_the_model_fitted_it()
   assert 'faster than dp2.tp4' in decision.reason and '(lower bound)' not in decision.reason
 
 
+def test_a_layout_measured_at_one_bucket_is_wanted_at_a_second():
+  """`wanted(second=True)`: a layout measured at one bucket only is wanted at the shortest
+  bucket the stage has decided at; one measured at two, or at that bucket, is not."""
+  cfg = ModelConfig.preset('small-kv')
+  cells = {
+    (Stage.ROLLOUT, 256, 16, DP8.name): _timed_cell(DP8, 256, 100.0),
+    (Stage.ROLLOUT, 128, 16, DP8.name): _timed_cell(DP8, 128, 150.0),
+    (Stage.ROLLOUT, 256, 16, DP2TP4.name): _timed_cell(DP2TP4, 256, 90.0),
+  }
+  settings = ProfileSettings(stages=('rollout',), lazy=True)
+  sel = Selector(
+    SelectorConfig(profile=settings),
+    buckets=BucketConfig(lengths=(128, 256)),
+    rows=16,
+    profile=Profile(key=_TWO_LAYOUTS, cells=cells),
+    model=cfg,
+  )
+  assert sel.wanted(Stage.ROLLOUT, None, second=True) == []  # nothing decided yet
+  sel.decide(Stage.ROLLOUT, _stats(200))
+  assert sel.wanted(Stage.ROLLOUT, _stats(200), second=True) == []  # 256 is all it decided at
+  sel.decide(Stage.ROLLOUT, _stats(100))
+  sel.decide(Stage.ROLLOUT, _stats(100))  # the bucket moves down after 2 lower readings
+  assert sel.wanted(Stage.ROLLOUT, _stats(100), second=True) == [(128, 16, DP2TP4.name)]
+  measured = {**cells, (Stage.ROLLOUT, 128, 16, DP2TP4.name): _timed_cell(DP2TP4, 128, 120.0)}
+  sel.use_profile(Profile(key=_TWO_LAYOUTS, cells=measured))
+  assert sel.wanted(Stage.ROLLOUT, _stats(100), second=True) == []
+
+
 def test_no_switch_to_a_layout_the_model_alone_rates_within_its_uncertainty():
   """Held on dp2.tp4 (measured: 100), the model rates dp8, measured nowhere, at 120 +-50%: its
   lower bound (120 / e) does not beat 100, so the selector keeps dp2.tp4; measured at 150, dp8
