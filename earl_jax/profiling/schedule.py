@@ -15,8 +15,8 @@ completes it as the run goes (`ProfileSettings`):
   (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
   next one up, and that before the second buckets; within each, a stage measured nowhere yet leads with its cheapest cell (so that every
   stage, train included, is measured before its decisions rest on the analytic prior alone),
-  then the cheapest cells go first, their compile and calls counted, per unit of how uncertain
-  their stage's latest decision is (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
+  then the cheapest cells go first, their compile and calls counted, whatever their stage
+  (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
   passed by those behind it that fit (the share it needs accrues meanwhile). While a compiled
   cell that fits waits for a step boundary with no compile under way, the run's own speculative
   precompiles that have not started yet wait (`Executables.hold`, agreed by every process), so
@@ -344,17 +344,6 @@ class ProfileScheduler:
     wanted = [c for c in self._queue if c not in self._failed]
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
-    import sys as _s
-
-    _now = time.perf_counter() - self._share.start
-    print(
-      f'DBG t={_now:.0f} spent={self._share.spent:.1f} allow={self._share.max_share * _now:.1f} '
-      f'quiet={quiet} pbusy={self._profiler.busy()} st={self._profiler.executables._started} open={self._profiler.executables._open.is_set()} comp={sum(not f.done() for f in self._compiling.values())} '
-      f'ready={[(c[0].value[:2], c[1], c[2], c[3][:7]) for c in ready][:4]} '
-      f'q={[(c[0].value[:2], c[1], c[2], c[3][:7], round(v, 1)) for c, v in list(self._queue.items())[:6]]} '
-      f'calls={ {k[0].value[:2] + str(k[1]) + "/" + str(k[2]): len(v) for k, v in self._calls.items()} }',
-      file=_s.stderr,
-    )
     if not ready:
       return 0.0, False
     if not quiet:
@@ -407,16 +396,13 @@ class ProfileScheduler:
     calls time them), the needed buckets' before the next one up's, and those before the second
     buckets' (`Selector.wanted`); among each, the cheapest
     cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
-    by their own calls), then by `cost` (the seconds of their compile and calls) per unit of
-    their stage's doubt (`_doubt`: how uncertain its latest decision is). Within the share, a
-    cell that costs little is not held back by one that costs much, a stage whose decision
-    rests on the model alone is measured before one whose decision is measured, and a stage
-    whose programs are slow to compile and call, usually train, is measured as the share
-    accrues. `selector`: a `Selector`, or what reads as one (`config.profile.stages`, `wanted`,
-    `profile`, `history`)."""
+    by their own calls), then the cheapest cells first (by `cost`, the seconds of their compile
+    and calls: within the share, a cell that costs little is not held back by one that costs
+    much, and a stage whose programs are slow to compile and call, usually train, is measured
+    as the share accrues). `selector`: a `Selector`, or what reads as one
+    (`config.profile.stages`, `wanted`, `profile`, `history`)."""
     out: list[CellKey] = []
     running = ProfileScheduler._running(selector)
-    weight = ProfileScheduler._doubt(selector)
     for kind in _KINDS:
       cells = [
         (stage, *cell)
@@ -424,7 +410,7 @@ class ProfileScheduler:
         for cell in selector.wanted(stage, stats, **kind)
       ]
       cells = [c for c in cells if c not in running and c not in out]
-      by_cost = sorted(cells, key=lambda c: cost(c) / weight[c[0]])
+      by_cost = sorted(cells, key=cost)
       lead = [
         next(c for c in by_cost if c[0] == stage)
         for stage in dict.fromkeys(c[0] for c in by_cost)
@@ -432,18 +418,6 @@ class ProfileScheduler:
       ]
       out += lead + [c for c in by_cost if c not in lead]
     return out
-
-  @staticmethod
-  def _doubt(selector) -> dict[Stage, float]:
-    """Per profiled stage, how uncertain its latest decision is: the largest relative standard
-    deviation of the figures it weighed (`Decision.options` that fit: the chosen layout's and
-    the alternatives'), at least a measurement's (`cost_model.MIN_NOISE`); a stage not decided
-    yet is as uncertain as the model gets."""
-    doubt = dict.fromkeys(selector.config.profile.stages, cost_model.MAX_UNCERTAINTY)
-    for d in selector.history:
-      weighed = [o.uncertainty for o in d.options if o.feasible] or [d.uncertainty]
-      doubt[d.stage] = min(max(*weighed, cost_model.MIN_NOISE), cost_model.MAX_UNCERTAINTY)
-    return doubt
 
   @staticmethod
   def _running(selector) -> set[CellKey]:

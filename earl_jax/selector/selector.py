@@ -473,9 +473,10 @@ def _unit_of(figure: Cell | Option) -> str:
   return '(analytic)' if figure.prior == cost_model.ANALYTIC else '(preference)'
 
 
-def _bound(option: Option) -> str:
-  """' (lower bound)' where an option ranks by the cost model's lower bound, not its figure."""
-  return '' if option.score == option.throughput else ' (lower bound)'
+def _bound(value: float | None, option: Option) -> str:
+  """' (lower bound)' where `value`, what an option is weighed at, is the cost model's lower
+  bound, not its figure."""
+  return '' if value == option.throughput else ' (lower bound)'
 
 
 def _held_at(option: Option) -> float | None:
@@ -815,7 +816,7 @@ class Selector:
     ranked = any(o.option.measured for o in feasible)
     best = max(feasible, key=lambda o: o.option.score if ranked else o.option.throughput)
     unit = _unit_of(profile.cell(stage, reading.bucket, reading.rows, best.config))
-    choice = self._choose(stage, stats, options, best, state, reading, unit)
+    choice = self._choose(stage, stats, options, best, state, reading, unit, ranked)
     chosen = choice.chosen
     infeasible = [o.config.name for o in options if not o.option.feasible]
     reason = (
@@ -942,14 +943,16 @@ class Selector:
     rows = profile.rows_bin(stats.rows_of(stage))
     return _Reading(value, longest, bucket, run_bucket, rows, budget, tuple(notes), lower_readings)
 
-  def _gate(self, stage, stats, state, prev: _Candidate, best: _Candidate, reading: _Reading):
-    """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, or None when
-    the time per step is not known (no throughputs, or no token count for the stage)."""
+  def _gate(self, stage, stats, state, weighed, prev: _Candidate, best: _Candidate, reading):
+    """The switch-cost gate: (gain ms, cost ms) of moving from `prev` to `best`, weighed at
+    `weighed` (their throughputs as `_choose` compares them), or None when the time per step is
+    not known (no throughputs, or no token count for the stage)."""
+    now, top = weighed
     work = stats.stage_tokens.get(str(stage))
-    if not work or not _held_at(prev.option) or not best.option.score:
+    if not work or not now or not top:
       return None
     per_step = work / self.num_devices  # tokens per device per step
-    saved_s = per_step / _held_at(prev.option) - per_step / best.option.score
+    saved_s = per_step / now - per_step / top
     gain = 1e3 * saved_s * state.expected_steps(self.config.patience)
     cost = 0.0
     if self._switch_cost is not None:
@@ -958,8 +961,12 @@ class Selector:
       )
     return gain, cost
 
-  def _choose(self, stage, stats, options, best: _Candidate, state, reading, unit) -> _Choice:
-    """Step 4: the layout to run, why, and the switch gate's numbers when it was weighed."""
+  def _choose(
+    self, stage, stats, options, best: _Candidate, state, reading, unit, ranked: bool
+  ) -> _Choice:
+    """Step 4: the layout to run, why, and the switch gate's numbers when it was weighed.
+    `ranked`: the best was ranked by score (some layout is measured here); else by figure, and
+    the current layout is weighed at its figure too."""
     cfg = self.config
     prev = state.config
     current = next((o for o in options if o.config == prev), None)
@@ -976,9 +983,13 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    now, top = _held_at(current.option), best.option.score
-    held = '' if now == current.option.throughput else ' (lower bound)'
-    figures = f'{top:.1f}{_bound(best.option)} vs {now:.1f}{held} {unit}'
+    if ranked:
+      now, top = _held_at(current.option), best.option.score
+    else:
+      now, top = current.option.throughput, best.option.throughput
+    figures = (
+      f'{top:.1f}{_bound(top, best.option)} vs {now:.1f}{_bound(now, current.option)} {unit}'
+    )
     if now >= (1.0 - cfg.switch_threshold) * top:
       return _Choice(
         current,
@@ -987,7 +998,7 @@ class Selector:
       )
     faster = f'{best.config.name} is {top / now - 1:.0%} faster than {prev.name} ({figures})'
     timed = unit == TIMED and _unit_of(current.option) == TIMED
-    gate = self._gate(stage, stats, state, current, best, reading) if timed else None
+    gate = self._gate(stage, stats, state, (now, top), current, best, reading) if timed else None
     if gate is None:
       return _Choice(best, faster)
     gain, cost = gate

@@ -42,7 +42,7 @@ def _run_parts(tmp_path, rollout=None, stages=('rollout',), **settings):
 
 
 def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
-  config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0)
+  config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0, compile_share=1.0)
   with exe:
     # Before the first step: nothing measured, nothing waited for; the wanted cells queued.
     assert run_profile.before_decision(sel, Stage.ROLLOUT, None) == 0.0
@@ -64,7 +64,17 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     assert not exe.busy()
     assert run_profile.between_steps(sel, stats) > 0
     assert not run_profile.holding
+    # One profile compile at a time: the second cell compiles once the first is timed (and the
+    # run's time allows the compile: `compile_share` of it).
     cells = sel.profile(Stage.ROLLOUT).cells
+    assert cells[(Stage.ROLLOUT, 64, 8, 'dp8.tp1')].measured
+    for _ in range(40):
+      if cells[(Stage.ROLLOUT, 64, 8, 'dp4.tp2')].measured:
+        break
+      time.sleep(0.25)  # the run's time passes: the compile budget accrues
+      run_profile.wait_compiles()
+      run_profile.between_steps(sel, stats)
+      cells = sel.profile(Stage.ROLLOUT).cells
     assert all(cells[(Stage.ROLLOUT, 64, 8, n)].measured for _, _, n in wanted)
     d = sel.decide(Stage.ROLLOUT, stats)
     assert d.measured and 'measured: dp8.tp1, dp4.tp2' in d.reason
@@ -199,9 +209,7 @@ def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
 class _Wanting:
   """A selector as `ProfileScheduler.order_wanted` reads it: what each stage wants, ahead, its
   profile (experience has 1 layout measured at 256 by the run's own calls at another load,
-  rollout and train none), and its decisions (rollout runs a measured layout, an alternative on
-  the model at +-100%; train runs dp8.tp1 at 256, every figure within +-10%; experience not
-  decided yet)."""
+  rollout and train none), and its decisions (train runs dp8.tp1 at 256)."""
 
   config = dataclasses.make_dataclass('C', ['profile'])(
     dataclasses.make_dataclass('P', ['stages'])((Stage.ROLLOUT, Stage.EXPERIENCE, Stage.TRAIN))
@@ -213,23 +221,9 @@ class _Wanting:
   }
   history = (
     types.SimpleNamespace(
-      stage=Stage.ROLLOUT,
-      run_bucket=256,
-      rows=64,
-      config=ParallelConfig(dp=8),
-      options=(
-        types.SimpleNamespace(feasible=True, uncertainty=0.05),
-        types.SimpleNamespace(feasible=True, uncertainty=1.0),
-        types.SimpleNamespace(feasible=False, uncertainty=5.0),  # does not fit: not weighed
-      ),
+      stage=Stage.ROLLOUT, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
     ),
-    types.SimpleNamespace(
-      stage=Stage.TRAIN,
-      run_bucket=256,
-      rows=64,
-      config=ParallelConfig(dp=8),
-      options=(types.SimpleNamespace(feasible=True, uncertainty=0.1),),
-    ),
+    types.SimpleNamespace(stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)),
   )
 
   def wanted(self, stage, stats, *, ahead=False, second=False):
@@ -262,9 +256,8 @@ class _Wanting:
 def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   """The rollout, measured nowhere yet, leads with its cheapest cell (train, measured nowhere
   too, is measured by its own calls, and its layout running at 256 is not wanted); then every
-  cell by the cost of its compile and calls per unit of its stage's doubt (experience, not
-  decided yet, 5; rollout 1; train 0.1); the next bucket up after them, and the second buckets
-  last."""
+  cell by the cost of its compile and calls, whichever the stage; the next bucket up after them,
+  and the second buckets last."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
     (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
@@ -279,12 +272,12 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
   assert order == [
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'),
-    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),  # 1 s / 5
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
     (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'),
-    (Stage.ROLLOUT, 256, 64, 'fsdp8'),  # 20 s / 1
-    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
-    (Stage.TRAIN, 256, 64, 'dp4.tp2'),  # 10 s / 0.1
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'),
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'),
     (Stage.TRAIN, 256, 64, 'fsdp8'),
+    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
     (Stage.TRAIN, 128, 64, 'dp4.tp2'),  # a second bucket: last
   ]
@@ -360,7 +353,8 @@ class _Compiler:
 
 def test_background_compiles_keep_within_the_share(monkeypatch):
   """The profile's compiles take at most `compile_share` of the run's time, each counted at the
-  median of those done so far: 60 s into a run at 10%, two 5 s compiles use the 6 s and more."""
+  median of those done so far: 60 s into a run at 10%, one 5 s compile, and a second would take
+  10 s of the 6 s."""
   now = [0.0]
   monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
   compiler = _Compiler()
@@ -370,12 +364,18 @@ def test_background_compiles_keep_within_the_share(monkeypatch):
   cells = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2', 'dp2.tp4')]
   scheduler._queue = dict.fromkeys(cells, 0.0)
   now[0] = 60.0
-  scheduler._pump()  # nothing known of a compile's cost yet: IN_FLIGHT of them start
+  scheduler._pump()  # nothing known of a compile's cost yet: IN_FLIGHT (1) of them start
+  assert compiler.started == cells[:1]
+  scheduler._pump()  # done, 5 s spent of the 6 s allowed: a second would make 10
+  assert compiler.started == cells[:1]
+  now[0] = 100.0  # 10 s allowed: 5 + 5 fits (the first timed meanwhile)
+  scheduler._queue = dict.fromkeys(cells[1:], 0.0)
+  scheduler._pump()
   assert compiler.started == cells[:2]
-  scheduler._pump()  # both done, 10 s spent of the 6 s allowed: no third
+  scheduler._pump()  # 10 s spent: a third waits for 150 s
   assert compiler.started == cells[:2]
-  now[0] = 150.0  # 15 s allowed: 10 + 5 fits (the first two timed meanwhile)
-  scheduler._queue = dict.fromkeys(cells[2:], 0.0)
+  now[0] = 150.0
+  scheduler._queue = dict.fromkeys(cells[2:], 0.0)  # the second timed meanwhile
   scheduler._pump()
   assert compiler.started == cells
 

@@ -610,6 +610,36 @@ def test_the_current_layout_is_weighed_at_its_figure_where_the_model_fitted_it()
   assert 'faster than dp2.tp4' in decision.reason and '(lower bound)' not in decision.reason
 
 
+def test_where_nothing_is_measured_the_current_layout_and_the_best_are_weighed_alike():
+  """At a bucket with no measured cell the layouts rank by the model's figures, and the current
+  one is weighed against the best at those figures too, not the best at its lower bound: dp2.tp4,
+  30% faster by the model at 256, replaces dp8 there."""
+  cfg = ModelConfig.preset('small-kv')
+
+  def modelled(config, tgs):
+    cell = _timed_cell(config, 256, tgs, uncertainty=0.3, prior=f'{config.name}@128')
+    return dataclasses.replace(cell, measured=False, times_ms=())
+
+  cells = {
+    (Stage.ROLLOUT, 128, 16, DP8.name): _timed_cell(DP8, 128, 300.0),
+    (Stage.ROLLOUT, 128, 16, DP2TP4.name): _timed_cell(DP2TP4, 128, 290.0),
+    (Stage.ROLLOUT, 256, 16, DP8.name): modelled(DP8, 100.0),
+    (Stage.ROLLOUT, 256, 16, DP2TP4.name): modelled(DP2TP4, 130.0),
+  }
+  sel = Selector(
+    SelectorConfig(profile=ProfileSettings(stages=('rollout',), lazy=True), switch_threshold=0.03),
+    buckets=BucketConfig(lengths=(128, 256)),
+    rows=16,
+    profile=Profile(key=_TWO_LAYOUTS, cells=cells),
+    model=cfg,
+  )
+  assert sel.decide(Stage.ROLLOUT, _stats(100)).config == DP8
+  d, _ = sel.propose(Stage.ROLLOUT, _stats(200))
+  assert not any(o.measured for o in d.options)
+  assert d.config == DP2TP4, d.reason
+  assert 'dp2.tp4 is 30% faster than dp8.tp1 (130.0 vs 100.0 tok/s/dev)' in d.reason
+
+
 def test_a_layout_measured_at_one_bucket_is_wanted_at_a_second():
   """`wanted(second=True)`: a layout measured at one bucket only is wanted at the shortest
   bucket the stage has decided at; one measured at two, or at that bucket, is not."""
