@@ -155,11 +155,15 @@ class ExperimentConfig:
       )
     _check_split(self.env, self.eval_env)
     adv = self.advantages
-    if adv.estimator == 'grpo' and adv.credit == 'episode' and self.rollout.group_size == 1:
+    if (
+      adv.estimator in advantages_lib.GROUPED
+      and adv.credit == 'episode'
+      and self.rollout.group_size == 1
+    ):
       raise ConfigError(
-        "advantages.estimator='grpo' with rollout.group_size=1: each episode is its group's mean, "
-        'so every advantage is 0 and nothing trains; expected rollout.group_size >= 2, or the '
-        "'reinforce' or 'reinforce_pp' estimator."
+        f'advantages.estimator={adv.estimator!r} with rollout.group_size=1: each episode is '
+        "its group's only member, so every advantage is 0 and nothing trains; expected "
+        "rollout.group_size >= 2, or the 'reinforce' or 'reinforce_pp' estimator."
       )
     if self.pack and self.loss.aggregation != 'token':
       raise ConfigError(

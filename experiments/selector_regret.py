@@ -84,6 +84,8 @@ def main(argv):
   measured = Profile.from_json(summary['profile']) if summary.get('profile') else None
   within = regret.reach(rows)
   errors = regret.model_error(measured, truth, within) if measured is not None else {}
+  speed = regret.drift(measured, truth) if measured is not None else None
+  drifted = regret.model_error(measured, truth, within, scale=speed) if speed else {}
   result = {
     'run': os.path.abspath(_RUN.value),
     'profile': os.path.abspath(_PROFILE.value),
@@ -91,6 +93,8 @@ def main(argv):
     'wall_s': summary.get('wall_s'),
     'stages': stages,
     'model_error': errors,
+    'drift': speed,
+    'model_error_drift': drifted,
     'agreement': regret.agreement(measured, truth) if measured is not None else {},
     'profile_b': os.path.abspath(_PROFILE_B.value) if _PROFILE_B.value else None,
     'crossovers': regret.crossovers(truth, other, rows),
@@ -111,21 +115,28 @@ def _table(result: dict) -> str:
   lines = [
     f'{"stage":>10} {"steps":>5} {"mean":>7} {"max":>7} '
     + (f'{"beyond noise":>14} ' if two else '')
-    + f'{"off best":>8} {"model only":>10} {"model err (median, cells)":>26}'
+    + f'{"off best":>8} {"model only":>10} {"model err (median, cells)":>26} {"x drift":>8}'
   ]
   for stage, s in result['stages'].items():
     err = result['model_error'].get(stage)
     err_text = f'{err["median"]:.1%} ({err["cells"]})' if err else '-'
+    drifted = result['model_error_drift'].get(stage)
+    drift_text = f'{drifted["median"]:.1%}' if drifted else '-'
     agreed = f'{_fmt(s["beyond_noise_mean"])} / {_fmt(s["beyond_noise_max"])}'
     lines.append(
       f'{stage:>10} {s["steps"]:>5} {_fmt(s["mean"]):>7} {_fmt(s["max"]):>7} '
       + (f'{agreed:>14} ' if two else '')
-      + f'{s["off_best"]:>8} {s["model_only"]:>10} {err_text:>26}'
+      + f'{s["off_best"]:>8} {s["model_only"]:>10} {err_text:>26} {drift_text:>8}'
     )
   for stage, a in result['agreement'].items():
     lines.append(
       f"{stage}: the run timed {a['cells']} cells at {a['ratio']:.2f}x the profile's throughput "
       f'(median; |run/profile - 1| median {a["median"]:.1%}, max {a["max"]:.1%})'
+    )
+  if result['drift']:
+    lines.append(
+      f'drift: the run timed the cells both measured at {result["drift"]:.2f}x the profile '
+      f"(median over every stage); 'x drift': the model error against the profile x that"
     )
   if result['profile_share'] is not None:
     lines.append(f'profile share of the run: {result["profile_share"]:.1%}')

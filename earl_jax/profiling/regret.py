@@ -131,11 +131,17 @@ def reach(rows: Sequence[StepRegret]) -> dict[str, tuple[set[int], int]]:
 
 
 def model_error(
-  measured: Profile, truth: Profile, within: Mapping[str, tuple[set[int], int]] | None = None
+  measured: Profile,
+  truth: Profile,
+  within: Mapping[str, tuple[set[int], int]] | None = None,
+  *,
+  scale: float = 1.0,
 ) -> dict[str, dict[str, Any]]:
   """Per stage: the cost model fitted to `measured`'s cells against `truth` on every cell
   `measured` lacks (`within`: only at a stage's loads and up to its longest bucket, `reach`):
-  the median and p90 of |model / truth - 1|, and how many cells."""
+  the median and p90 of |model / (scale x truth) - 1|, and how many cells. `scale`: how much
+  faster the machine ran for the run than for the truth (`drift`): the model predicts the run's
+  speeds."""
   model, shapes = _shapes(truth)
   fitted = cost_model.CostModel.fit(measured, model=model, shapes=shapes)
   errors: dict[str, list[float]] = {}
@@ -149,7 +155,7 @@ def model_error(
       if rows not in loads or bucket > top:
         continue
     est = fitted.cell(stage, bucket, rows, name)
-    errors.setdefault(str(stage), []).append(abs(est.throughput / cell.throughput - 1))
+    errors.setdefault(str(stage), []).append(abs(est.throughput / (scale * cell.throughput) - 1))
   out = {}
   for stage, errs in errors.items():
     errs = sorted(errs)
@@ -159,6 +165,21 @@ def model_error(
       'p90': errs[min(len(errs) - 1, int(0.9 * len(errs)))],
     }
   return out
+
+
+def drift(measured: Profile, truth: Profile) -> float | None:
+  """The median of run / truth throughput over every cell both timed, whatever the stage: how
+  much faster the machine ran (above 1) for the run than for the truth, e.g. on another day
+  (None: no cell in common)."""
+  ratios = [
+    cell.throughput / other.throughput
+    for key, cell in measured.cells.items()
+    if cell.measured
+    and cell.throughput
+    and (other := truth.cells.get(key)) is not None
+    and other.throughput
+  ]
+  return statistics.median(ratios) if ratios else None
 
 
 def agreement(measured: Profile, truth: Profile) -> dict[str, dict[str, Any]]:

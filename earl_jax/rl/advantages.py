@@ -12,6 +12,13 @@ Estimators, applied to those values (statistics over valid rows, or over generat
   'reinforce_pp'  A = (R - mean) / (std + eps) over the batch     (REINFORCE++ normalisation)
   'grpo'          A = (R - mean_g) / (std_g + eps) over the row's group g (episodes that share
                   their start and opponent randomness; see RolloutConfig.group_size)
+  'dr_grpo'       A = R - mean_g: Dr. GRPO (Liu et al., 2025), GRPO without the division by the
+                  group's std, which weights groups whose rewards barely differ the most (its
+                  other half, no length normalisation, is the loss's 'token' aggregation: every
+                  generated token of the batch counts once, whatever its episode's length)
+  'rloo'          A = R - (sum_g - R) / (n_g - 1): REINFORCE leave-one-out (Ahmadian et al.,
+                  2024), each episode's baseline the mean of the others in its group (0 for an
+                  episode alone in its group); episode credit only
 """
 
 import dataclasses
@@ -28,10 +35,11 @@ from earl_jax.errors import ConfigError
 from earl_jax.rl.batch import Batch
 from earl_jax.sharding import rules
 
-Estimator = Literal['reinforce', 'reinforce_pp', 'grpo']
+Estimator = Literal['reinforce', 'reinforce_pp', 'grpo', 'dr_grpo', 'rloo']
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 Credit = Literal['episode', 'turn']
 CREDITS: tuple[str, ...] = get_args(Credit)
+GROUPED = ('grpo', 'dr_grpo', 'rloo')  # the estimators whose statistics run per group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +47,8 @@ class AdvantageConfig:
   """How advantages are formed.
 
   Attributes:
-    estimator: 'reinforce', 'reinforce_pp' or 'grpo' (see the module docstring).
+    estimator: 'reinforce', 'reinforce_pp', 'grpo', 'dr_grpo' or 'rloo' (see the module
+      docstring).
     credit: 'episode' (every token gets its episode's return) or 'turn' (its turn's
       discounted reward-to-go).
     gamma: the discount of the reward-to-go over turns (credit='turn').
@@ -59,6 +68,11 @@ class AdvantageConfig:
     if self.credit not in CREDITS:
       raise ConfigError(
         f'AdvantageConfig.credit={self.credit!r} is unknown; known: {list(CREDITS)}.'
+      )
+    if self.estimator == 'rloo' and self.credit != 'episode':
+      raise ConfigError(
+        f"AdvantageConfig.estimator='rloo' leaves one episode out of its group's baseline: it "
+        f"needs credit='episode', got credit={self.credit!r}."
       )
     if not 0 < self.gamma <= 1:
       raise ConfigError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
@@ -82,10 +96,12 @@ def _normalise(
 
   E is B (one value per row) or B x T (one per token, rows leading so the sharding is kept).
   """
-  mean, std, _ = group_stats(values, groups, valid, num_groups=num_groups, mesh=mesh)
+  mean, std, count = group_stats(values, groups, valid, num_groups=num_groups, mesh=mesh)
   adv = values - mean
-  if config.estimator != 'reinforce':
+  if config.estimator in ('reinforce_pp', 'grpo'):
     adv = adv / (std + config.eps)
+  elif config.estimator == 'rloo':  # R - (n mean - R) / (n - 1) = n / (n - 1) (R - mean)
+    adv = jnp.where(count > 1, adv * count / jnp.maximum(count - 1, 1), 0.0)
   return jnp.where(valid, adv, 0.0)
 
 
@@ -93,14 +109,14 @@ def row_advantages(
   batch: Batch, *, mesh: Mesh, num_groups: int, config: AdvantageConfig
 ) -> Float[Array, ' B']:
   """Per-row advantages from the episode returns (0 for invalid rows)."""
-  grpo = config.estimator == 'grpo'
-  groups = batch.group_ids if grpo else jnp.zeros_like(batch.group_ids)
+  grouped = config.estimator in GROUPED
+  groups = batch.group_ids if grouped else jnp.zeros_like(batch.group_ids)
   return _normalise(
     batch.rewards,
     groups,
     batch.valid,
     mesh=mesh,
-    num_groups=num_groups if grpo else 1,
+    num_groups=num_groups if grouped else 1,
     config=config,
   )
 
@@ -115,14 +131,14 @@ def token_advantages(
   dimension keeps the rows' sharding.
   """
   B, T = batch.returns.shape
-  grpo = config.estimator == 'grpo'
-  groups = batch.group_ids if grpo else jnp.zeros_like(batch.group_ids)
+  grouped = config.estimator in GROUPED
+  groups = batch.group_ids if grouped else jnp.zeros_like(batch.group_ids)
   flat = _normalise(
     batch.returns.reshape(B * T),
     jnp.repeat(groups, T),
     (batch.loss_mask & batch.valid[:, None]).reshape(B * T),
     mesh=mesh,
-    num_groups=num_groups if grpo else 1,
+    num_groups=num_groups if grouped else 1,
     config=config,
   )
   return flat.reshape(B, T)

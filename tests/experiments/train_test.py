@@ -75,7 +75,7 @@ BAD_INPUTS = [
   (
     'grpo with groups of one',
     ['--config.advantages.estimator=grpo', '--config.rollout.group_size=1'],
-    "estimator='grpo' with rollout.group_size=1: each episode is its group's mean",
+    "estimator='grpo' with rollout.group_size=1: each episode is its group's only member",
   ),
   ('infinite advantage eps', ['--config.advantages.eps=inf'], 'eps must be in (0, 1]'),
   (

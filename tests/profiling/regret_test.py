@@ -1,6 +1,8 @@
 """The regret of a run's decisions against an offline profile, the cost model's error on the cells
 the run did not measure, crossovers, and the noise between two profiles."""
 
+import dataclasses
+
 import pytest
 
 from earl_jax.profiling import regret
@@ -119,6 +121,17 @@ def test_the_model_error_on_the_cells_the_run_did_not_measure():
   assert regret.model_error(measured, TRUTH, within) == {
     'rollout': {**regret.model_error(measured, TRUTH)['rollout']}
   }
+  # A machine twice as fast for the run: its model is scored against the truth x 2.
+  faster = Profile(
+    key=TRUTH.key,
+    cells={
+      k: dataclasses.replace(c, throughput=2 * c.throughput) for k, c in measured.cells.items()
+    },
+  )
+  assert regret.drift(faster, TRUTH) == pytest.approx(2.0)
+  for stage, e in regret.model_error(faster, TRUTH, scale=2.0).items():
+    assert e['median'] == pytest.approx(errors[stage]['median'], rel=1e-4)
+  assert all(e['median'] > 0.5 for e in regret.model_error(faster, TRUTH).values())
 
 
 def test_the_runs_timings_against_the_truths():
@@ -131,6 +144,7 @@ def test_the_runs_timings_against_the_truths():
     }
   )
   found = regret.agreement(run, TRUTH)
+  assert regret.drift(run, TRUTH) == pytest.approx(1.1)  # the median of 4 x 1.2 and 4 x 1.0
   assert found['rollout']['cells'] == 4 and found['rollout']['ratio'] == pytest.approx(1.2)
   assert found['rollout']['median'] == pytest.approx(0.2)
   assert found['train'] == {'cells': 4, 'ratio': 1.0, 'median': 0.0, 'max': 0.0}

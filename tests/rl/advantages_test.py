@@ -11,6 +11,8 @@ from earl_jax.testing.typecheck import unchecked
 
 
 def _batch(rows=16, T=8, G=4, seed=0):
+  """Rows in G groups of rows / G, the last three padding (so the last group has one valid
+  row: alone in its group)."""
   rng = np.random.RandomState(seed)
   b = Batch.zeros(rows, T)
   valid = np.arange(rows) < rows - 3  # three padding rows
@@ -25,13 +27,21 @@ def _batch(rows=16, T=8, G=4, seed=0):
 
 
 def _reference(b, estimator, eps):
+  """Each estimator from its definition, row by row (rloo: the mean of the group's others)."""
   r, g, v = b.rewards, b.group_ids, b.valid
   out = np.zeros_like(r)
-  keys = g if estimator == 'grpo' else np.zeros_like(g)
-  for k in np.unique(keys[v]):
-    sel = v & (keys == k)
-    mean, std = r[sel].mean(), r[sel].std()
-    out[sel] = r[sel] - mean if estimator == 'reinforce' else (r[sel] - mean) / (std + eps)
+  keys = g if estimator in ('grpo', 'dr_grpo', 'rloo') else np.zeros_like(g)
+  for i in np.flatnonzero(v):
+    group = v & (keys == keys[i])
+    mean, std = r[group].mean(), r[group].std()
+    others = group & (np.arange(len(r)) != i)
+    out[i] = {
+      'reinforce': r[i] - mean,
+      'reinforce_pp': (r[i] - mean) / (std + eps),
+      'grpo': (r[i] - mean) / (std + eps),
+      'dr_grpo': r[i] - mean,
+      'rloo': r[i] - r[others].mean() if others.any() else 0.0,
+    }[estimator]
   return out
 
 
@@ -66,12 +76,14 @@ def test_grpo_advantages_have_zero_mean_per_group():
   assert (adv[~host.valid] == 0).all()
 
 
-def test_unknown_estimator():
+def test_unknown_estimator_and_rloo_without_episode_credit():
   with unchecked(), pytest.raises(ValueError, match=r"estimator='ppo' is unknown"):
     advantages.AdvantageConfig(estimator='ppo')
+  with pytest.raises(ValueError, match=r"'rloo' .* needs credit='episode', got credit='turn'"):
+    advantages.AdvantageConfig(estimator='rloo', credit='turn')
 
 
-@pytest.mark.parametrize('estimator', advantages.ESTIMATORS)
+@pytest.mark.parametrize('estimator', [e for e in advantages.ESTIMATORS if e != 'rloo'])
 def test_turn_credit_matches_dense_reference_over_tokens(estimator):
   mesh = small_mesh(dp=4, tp=2)
   host = _batch(seed=2)
@@ -82,10 +94,12 @@ def test_turn_credit_matches_dense_reference_over_tokens(estimator):
   with jax.set_mesh(mesh):
     out = np.asarray(advantages.advantage_fn(mesh, 4, config)(batch).advantages)
   m = host.loss_mask & host.valid[:, None]
-  keys = np.repeat(host.group_ids if estimator == 'grpo' else np.zeros(16, int), 8).reshape(16, 8)
+  grouped = estimator in advantages.GROUPED
+  keys = np.repeat(host.group_ids if grouped else np.zeros(16, int), 8).reshape(16, 8)
   expected = np.zeros((16, 8), np.float32)
   for k in np.unique(keys[m]):
     sel = m & (keys == k)
     v = host.returns[sel]
-    expected[sel] = v - v.mean() if estimator == 'reinforce' else (v - v.mean()) / (v.std() + 1e-6)
+    centred = estimator in ('reinforce', 'dr_grpo')
+    expected[sel] = v - v.mean() if centred else (v - v.mean()) / (v.std() + 1e-6)
   np.testing.assert_allclose(out, expected, atol=1e-5)
