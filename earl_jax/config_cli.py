@@ -112,15 +112,32 @@ def apply_override(config: Any, path: str, text: str) -> Any:
 
 
 def apply_overrides(config: Any, overrides: Sequence[tuple[str, str]], *, flag: str) -> Any:
-  """`config` with the `--flag.path=text` overrides applied in order; an error one causes (a value
-  that does not parse, or that the config refuses) names that override's flag first."""
-  for path, text in overrides:
-    try:
-      config = apply_override(config, path, text)
-    except UserError as e:
-      e.args = (f'--{flag}.{path}={text}: {e}',)  # its type kept, the flag named first
-      raise
+  """`config` with the `--flag.path=text` overrides applied (a path given twice: its last value).
+  Their order does not matter: one the config refuses as it stands (a combination of fields,
+  e.g. an estimator that needs a group size set by a later override) is tried again once the
+  others are applied. An error (a value that does not parse, or that the config refuses
+  whatever the order) names that override's flag first."""
+  pending = list(dict(overrides).items())  # in order, each path once, with its last value
+  while pending:
+    refused: list[tuple[tuple[str, str], UserError]] = []
+    for path, text in pending:
+      try:
+        config = apply_override(config, path, text)
+      except ConfigOverrideError as e:  # names no field, or does not parse: in any order
+        raise _named(e, flag, path, text) from None
+      except UserError as e:
+        refused.append(((path, text), e))
+    if len(refused) == len(pending):  # no progress: the first refusal stands
+      (path, text), e = refused[0]
+      raise _named(e, flag, path, text) from None
+    pending = [override for override, _ in refused]
   return config
+
+
+def _named(error: UserError, flag: str, path: str, text: str) -> UserError:
+  """`error` with the override's flag named first (its type kept)."""
+  error.args = (f'--{flag}.{path}={text}: {error}',)
+  return error
 
 
 class ConfigFlag:

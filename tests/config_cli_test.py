@@ -79,6 +79,24 @@ def test_split_overrides_from_argv():
     config_cli.apply_overrides(Outer(), [('buckets.lengths', '128,64')], flag='cfgtest')
 
 
+def test_overrides_apply_in_any_order_and_the_last_of_a_path_wins():
+  """A combination the config refuses half-way (rloo needs groups of two or more) is tried again
+  once the other overrides are applied; a path given twice takes its last value."""
+  base = train_presets.PRESETS['smoke']()
+  assert base.rollout.group_size == 1
+  for order in (
+    [('advantages.estimator', 'rloo'), ('rollout.group_size', '2')],
+    [('rollout.group_size', '2'), ('advantages.estimator', 'rloo')],
+  ):
+    config = config_cli.apply_overrides(base, order, flag='config')
+    assert config.advantages.estimator == 'rloo' and config.rollout.group_size == 2
+  twice = [('steps', '5'), ('advantages.estimator', 'rloo'), ('steps', '7')]
+  with pytest.raises(ValueError, match=r'^--config.advantages.estimator=rloo: .*group_size=1'):
+    config_cli.apply_overrides(base, twice, flag='config')  # refused whatever the order
+  twice[1] = ('rollout.group_size', '2')
+  assert config_cli.apply_overrides(base, twice, flag='config').steps == 7
+
+
 def _leaves(config, prefix=''):
   for f in dataclasses.fields(config):
     value = getattr(config, f.name)

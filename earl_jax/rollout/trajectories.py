@@ -189,6 +189,7 @@ class EpisodeStats:
     outcomes: its outcome (one of OUTCOMES).
     thoughts: its turns that thought instead of moving.
     env_stats: what its environment reported of it (`Trajectories.env_stats`).
+    groups: its group (`Trajectories.group_ids`: episodes that share their start), where known.
   """
 
   lengths: Int32[np.ndarray, ' B']
@@ -198,6 +199,7 @@ class EpisodeStats:
   outcomes: list[str]
   thoughts: Int32[np.ndarray, ' B'] | None = None
   env_stats: dict[str, Float[np.ndarray, ' B']] = dataclasses.field(default_factory=dict)
+  groups: Int32[np.ndarray, ' B'] | None = None
 
   @classmethod
   def gather(cls, traj: Trajectories) -> 'EpisodeStats':
@@ -213,6 +215,7 @@ class EpisodeStats:
       traj.loss_mask.sum(axis=1),
       [OUTCOMES.index(o) for o in traj.outcomes],
       traj.thoughts,
+      traj.group_ids,
       *(traj.env_stats[name] for name in names),
     ]
     table = np.zeros((B, len(columns)), np.float64)
@@ -225,7 +228,8 @@ class EpisodeStats:
       generated=table[:, 3].astype(np.int32),
       outcomes=[OUTCOMES[int(i)] for i in table[:, 4]],
       thoughts=table[:, 5].astype(np.int32),
-      env_stats={name: table[:, 6 + k] for k, name in enumerate(names)},
+      groups=table[:, 6].astype(np.int32),
+      env_stats={name: table[:, 7 + k] for k, name in enumerate(names)},
     )
 
   @property
@@ -248,6 +252,19 @@ class EpisodeStats:
 
   def context_stats(self) -> dict[str, float]:
     return context_stats(self.lengths, self.turns, self.thoughts)
+
+  def group_stats(self) -> dict[str, float]:
+    """How many groups of two or more episodes the batch holds, and the fraction of them whose
+    episodes all returned the same: a group-relative advantage ('grpo', 'dr_grpo', 'rloo') is
+    0 on each of their tokens, so they teach nothing. {} without groups of two or more."""
+    if self.groups is None:
+      return {}
+    sizes = np.bincount(self.groups)
+    multi = np.flatnonzero(sizes >= 2)
+    if not len(multi):
+      return {}
+    flat = [np.ptp(self.returns[self.groups == g]) == 0 for g in multi]
+    return {'count': float(len(multi)), 'flat_rate': float(np.mean(flat))}
 
 
 def context_stats(

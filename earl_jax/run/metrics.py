@@ -308,6 +308,7 @@ def step_record(
     # Episodes that would have outgrown the largest bucket (the context cap): truncated there.
     'overflow_rate': rates.get('overflow', 0.0),
     **{f'ctx/{k}': v for k, v in episodes.context_stats().items()},
+    **{f'groups/{k}': v for k, v in episodes.group_stats().items()},
     **env_record(episodes, step_s=step_s, processes=processes),
     'bucket': bucket,
     'tokens': episodes.tokens,
@@ -452,6 +453,8 @@ def format_line(record: Mapping[str, Any]) -> str:
     f'win {r.get("win_rate", float("nan")):.3f}',
     f'ret {r.get("return_mean", float("nan")):+.3f}',
   ]
+  if 'groups/flat_rate' in r:  # groups whose episodes all returned the same (zero advantage)
+    parts.append(f'flat {r["groups/flat_rate"]:.2f}')
   if 'eval/win_rate' in r:
     parts.append(f'eval {r["eval/win_rate"]:.3f}')
   if 'env/pass_final_rate' in r:

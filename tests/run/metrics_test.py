@@ -175,6 +175,38 @@ def test_the_step_record_keys_in_order():
   assert list(record)[-5:] == tail and record['host/rss_mib'] == 3.0
 
 
+def test_groups_whose_episodes_all_returned_the_same_are_counted_and_shown():
+  """Three groups of two or more (a lone episode is no group): one flat at 1.0, one flat at
+  0.0, one that differs; the record and the step line say 2 of 3 teach nothing."""
+  episodes = EpisodeStats(
+    lengths=np.full(7, 100, np.int32),
+    returns=np.array([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, -1.0], np.float32),
+    turns=np.full(7, 2, np.int32),
+    generated=np.full(7, 10, np.int32),
+    outcomes=['win'] * 7,
+    groups=np.array([0, 0, 1, 1, 2, 2, 3], np.int32),
+  )
+  assert episodes.group_stats() == {'count': 3.0, 'flat_rate': 2 / 3}
+  assert dataclasses.replace(episodes, groups=np.arange(7, dtype=np.int32)).group_stats() == {}
+  assert dataclasses.replace(episodes, groups=None).group_stats() == {}
+  record = metrics.step_record(
+    episodes=episodes,
+    bucket=128,
+    train_metrics={},
+    skipped_steps=0,
+    moves={},
+    kernels=0,
+    switch_ms=0.0,
+    plans={Stage.ROLLOUT: 'dp8.tp1@128', Stage.EXPERIENCE: 'dp8.tp1@128', Stage.TRAIN: 'a@1'},
+    times={'rollout': 0.5},
+    step_s=1.0,
+    rss_bytes=None,
+    programs=0,
+  )
+  assert record['groups/count'] == 3.0 and record['groups/flat_rate'] == 2 / 3
+  assert '| ret +0.286 | flat 0.67 | ctx' in metrics.format_line({**record, 'step': 1})
+
+
 def _code_episodes() -> EpisodeStats:
   """Four code episodes as `EpisodeStats.gather` hands them on, with their environment's
   reports (`CodeEnv.episode_stats`)."""
