@@ -175,6 +175,25 @@ def test_the_step_record_keys_in_order():
   assert list(record)[-5:] == tail and record['host/rss_mib'] == 3.0
 
 
+def _bare_record(episodes: EpisodeStats, *, step_s: float, processes: int = 1) -> dict:
+  """The record of a step of `episodes` with no update, move or timing but a 2 s rollout."""
+  return metrics.step_record(
+    episodes=episodes,
+    bucket=512,
+    train_metrics={},
+    skipped_steps=0,
+    moves={},
+    kernels=0,
+    switch_ms=0.0,
+    plans={Stage.ROLLOUT: 'a@1', Stage.EXPERIENCE: 'a@1', Stage.TRAIN: 'a@1'},
+    times={'rollout': 2.0},
+    step_s=step_s,
+    rss_bytes=None,
+    programs=1,
+    processes=processes,
+  )
+
+
 def test_groups_whose_episodes_all_returned_the_same_are_counted_and_shown():
   """Three groups of two or more (a lone episode is no group): one flat at 1.0, one flat at
   0.0, one that differs; the record and the step line say 2 of 3 teach nothing."""
@@ -189,20 +208,7 @@ def test_groups_whose_episodes_all_returned_the_same_are_counted_and_shown():
   assert episodes.group_stats() == {'count': 3.0, 'flat_rate': 2 / 3}
   assert dataclasses.replace(episodes, groups=np.arange(7, dtype=np.int32)).group_stats() == {}
   assert dataclasses.replace(episodes, groups=None).group_stats() == {}
-  record = metrics.step_record(
-    episodes=episodes,
-    bucket=128,
-    train_metrics={},
-    skipped_steps=0,
-    moves={},
-    kernels=0,
-    switch_ms=0.0,
-    plans={Stage.ROLLOUT: 'dp8.tp1@128', Stage.EXPERIENCE: 'dp8.tp1@128', Stage.TRAIN: 'a@1'},
-    times={'rollout': 0.5},
-    step_s=1.0,
-    rss_bytes=None,
-    programs=0,
-  )
+  record = _bare_record(episodes, step_s=1.0)
   assert record['groups/count'] == 3.0 and record['groups/flat_rate'] == 2 / 3
   assert '| ret +0.286 | flat 0.67 | ctx' in metrics.format_line({**record, 'step': 1})
 
@@ -229,21 +235,7 @@ def _code_episodes() -> EpisodeStats:
 
 def test_environment_reports_in_the_record_the_line_and_the_evaluation():
   episodes = _code_episodes()
-  record = metrics.step_record(
-    episodes=episodes,
-    bucket=512,
-    train_metrics={},
-    skipped_steps=0,
-    moves={},
-    kernels=0,
-    switch_ms=0.0,
-    plans={Stage.ROLLOUT: 'a@1', Stage.EXPERIENCE: 'a@1', Stage.TRAIN: 'a@1'},
-    times={'rollout': 2.0},
-    step_s=2.0,
-    rss_bytes=None,
-    programs=1,
-    processes=2,
-  )
+  record = _bare_record(episodes, step_s=2.0, processes=2)
   # '_rate': the mean over the episodes; else the sum; seconds also as their share of the step
   # per process.
   assert record['env/pass_first_rate'] == 0.25 and record['env/pass_final_rate'] == 0.75
