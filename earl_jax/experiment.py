@@ -18,6 +18,7 @@ from earl_jax.config import (
   BucketConfig,
   DType,
   ModelConfig,
+  check_float32,
   check_positive,
   check_seed,
   check_steps,
@@ -78,6 +79,13 @@ class ExperimentConfig:
       but add nothing to the loss or to the advantage baseline. Off (the default), they are
       trained on like any other episode, with the forfeit's reward (`env.invalid_penalty`) on
       their last turn, which teaches the policy to stay under the cap.
+    overlong_buffer, overlong_penalty: DAPO's soft overlong punishment, on an episode's context
+      length L against the context cap C (the largest bucket): an episode longer than
+      C - overlong_buffer gets -overlong_penalty x (L - (C - overlong_buffer)) / overlong_buffer
+      added to its return and to its last turn's reward (so -overlong_penalty at the cap; an
+      episode cut there also has its forfeit). The policy learns to finish before the cap
+      rather than at it. The logged return and win rate are the environment's, without it.
+      overlong_buffer 0 (the default): off.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every: save an Orbax checkpoint every this many steps (0: never).
     keep_checkpoints: the newest checkpoints kept (>= 1).
@@ -115,6 +123,8 @@ class ExperimentConfig:
   pack: bool = True
   balance: bool = True
   overlong_filter: bool = False
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
@@ -133,6 +143,18 @@ class ExperimentConfig:
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f'ExperimentConfig.{field} must be an int >= 0, got {value!r}.')
     check_seed(self, 'seed', 'init_seed', 'eval_seed')
+    cap = self.buckets.max_length
+    buffer = self.overlong_buffer
+    if not isinstance(buffer, int) or isinstance(buffer, bool) or not 0 <= buffer < cap:
+      raise ConfigError(
+        f'ExperimentConfig.overlong_buffer={buffer!r}: expected an int in [0, {cap}) (tokens '
+        f'below the context cap of {cap}, the largest bucket; 0: off).'
+      )
+    check_float32(self, 'overlong_penalty')
+    if not self.overlong_penalty >= 0:
+      raise ConfigError(
+        f'ExperimentConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}.'
+      )
     for field in ('env', 'eval_env'):
       if not isinstance(getattr(self, field), envs.EnvConfig | envs.CodeEnvConfig):
         raise ConfigError(

@@ -109,6 +109,11 @@ def test_what_refuses_a_resume_is_named_field_by_field():
     ({'micro_batches': 3}, 'micro_batches=3 must divide rollout.num_episodes=8'),
     ({'model': 'huge'}, "Unknown model preset 'huge'"),
     ({'buckets': BucketConfig(lengths=(8,))}, 'does not fit the largest context bucket 8'),
+    (
+      {'overlong_buffer': 128},
+      r'overlong_buffer=128: expected an int in \[0, 128\) \(tokens below the context cap',
+    ),
+    ({'overlong_penalty': -1.0}, 'ExperimentConfig.overlong_penalty must be >= 0, got -1.0'),
   ],
 )
 def test_bad_values_are_refused_where_they_are_written(changes, match):

@@ -109,13 +109,18 @@ class Trajectories:
   def context_stats(self) -> dict[str, float]:
     return context_stats(self.lengths, [len(t) for t in self.turn_tokens], self.thoughts)
 
-  def token_returns(self, gamma: float) -> Float32[np.ndarray, 'B T']:
+  def token_returns(
+    self, gamma: float, bonus: Float32[np.ndarray, ' B'] | None = None
+  ) -> Float32[np.ndarray, 'B T']:
     """On every generated token, the discounted reward-to-go from its turn on.
 
     G_t = sum_k gamma^(k - t) r_k over the episode's turns k >= t; 0 on template tokens.
+    `bonus`: per episode, added to its last turn's reward (a shaping of the whole episode).
     """
     out = np.zeros(self.tokens.shape, np.float32)
     for i, rewards in enumerate(self.turn_rewards):
+      if bonus is not None and rewards:
+        rewards = [*rewards[:-1], rewards[-1] + float(bonus[i])]
       reward_to_go, returns = 0.0, [0.0] * len(rewards)
       for turn in range(len(rewards) - 1, -1, -1):
         reward_to_go = rewards[turn] + gamma * reward_to_go
@@ -127,11 +132,18 @@ class Trajectories:
     return out
 
   def to_batch(
-    self, *, bucket: int, rows: int, gamma: float = 1.0, exclude: tuple[str, ...] = ()
+    self,
+    *,
+    bucket: int,
+    rows: int,
+    gamma: float = 1.0,
+    exclude: tuple[str, ...] = (),
+    bonus: Float32[np.ndarray, ' B'] | None = None,
   ) -> Batch:
     """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
 
-    `gamma` discounts the per-token reward-to-go (`Batch.returns`). `exclude`: outcomes whose
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`). `bonus`: per episode, a
+    reward added to its return and to its last turn's (e.g. `overlong_penalties`). `exclude`: outcomes whose
     episodes stay out of the update (e.g. ('overflow',), overlong filtering): their rows keep
     their tokens but are invalid with an all-False loss mask, like padding rows, so they add
     nothing to the loss or to the advantages' statistics. The episodes' rows: this is the whole
@@ -152,24 +164,34 @@ class Trajectories:
       tokens=pad(self.tokens).astype(np.int32),
       loss_mask=pad(self.loss_mask & kept[:, None], False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
-      returns=pad(self.token_returns(gamma)),
+      returns=pad(self.token_returns(gamma, bonus)),
       segment_ids=(
         np.arange(bucket)[None, :] < np.pad(self.lengths, (0, rows - B))[:, None]
       ).astype(np.int32),
-      rewards=np.pad(self.returns, (0, rows - B)).astype(np.float32),
+      rewards=np.pad(self.returns + (0 if bonus is None else bonus), (0, rows - B)).astype(
+        np.float32
+      ),
       lengths=np.pad(self.lengths, (0, rows - B)).astype(np.int32),
       group_ids=np.pad(self.group_ids, (0, rows - B)).astype(np.int32),
       valid=np.pad(kept, (0, rows - B)),
     )
 
   def to_device_batch(
-    self, *, bucket: int, shardings: Batch, gamma: float = 1.0, exclude: tuple[str, ...] = ()
+    self,
+    *,
+    bucket: int,
+    shardings: Batch,
+    gamma: float = 1.0,
+    exclude: tuple[str, ...] = (),
+    bonus: Float32[np.ndarray, ' B'] | None = None,
   ) -> Batch:
     """The whole batch (`batch_rows` rows, tokens padded to `bucket`) as device arrays on
     `shardings`, built from this process's episodes: every process calls it with its own, and
-    each puts only the rows its devices hold (which must be among them). `exclude` as in
-    `to_batch`."""
-    host = self.to_batch(bucket=bucket, rows=self.num_episodes, gamma=gamma, exclude=exclude)
+    each puts only the rows its devices hold (which must be among them). `exclude` and `bonus`
+    as in `to_batch`."""
+    host = self.to_batch(
+      bucket=bucket, rows=self.num_episodes, gamma=gamma, exclude=exclude, bonus=bonus
+    )
     return jax.tree.map(
       lambda x, sh: mesh_lib.put_rows(x, self.row_ids, (self.batch_rows, *x.shape[1:]), sh),
       host,
@@ -265,6 +287,17 @@ class EpisodeStats:
       return {}
     flat = [np.ptp(self.returns[self.groups == g]) == 0 for g in multi]
     return {'count': float(len(multi)), 'flat_rate': float(np.mean(flat))}
+
+
+def overlong_penalties(
+  lengths: Int32[np.ndarray, ' B'], *, cap: int, buffer: int, penalty: float
+) -> Float32[np.ndarray, ' B']:
+  """DAPO's soft overlong punishment on the episodes' context lengths: 0 up to cap - buffer,
+  then falling linearly to -penalty at the cap (and beyond it); 0 everywhere when buffer is 0."""
+  if buffer <= 0:
+    return np.zeros(len(lengths), np.float32)
+  over = np.clip((np.asarray(lengths) - (cap - buffer)) / buffer, 0.0, 1.0)
+  return (-penalty * over).astype(np.float32)
 
 
 def context_stats(

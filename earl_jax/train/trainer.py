@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from earl_jax import dispatch as dispatch_lib
@@ -55,6 +56,7 @@ from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
+from earl_jax.rollout import trajectories
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
 from earl_jax.run import loop, metrics
 from earl_jax.run.loop import NonFiniteError
@@ -261,6 +263,18 @@ class Trainer:
     )
     return _Rollout(traj=traj, episodes=episodes, stats=stats, decision=decision)
 
+  def _overlong(self, lengths) -> np.ndarray | None:
+    """Per episode, its overlong penalty (`ExperimentConfig.overlong_buffer`; None: off)."""
+    cfg = self.config
+    if not cfg.overlong_buffer:
+      return None
+    return trajectories.overlong_penalties(
+      lengths,
+      cap=cfg.buckets.max_length,
+      buffer=cfg.overlong_buffer,
+      penalty=cfg.overlong_penalty,
+    )
+
   def _move(self, name: str, batch: Batch, src, dst, timer: StageTimer, moves: dict, perm=None):
     """One stage-to-stage move through the Data Dispatcher, timed and accounted."""
     t0 = time.perf_counter()
@@ -288,6 +302,7 @@ class Trainer:
       shardings=roll_layout.shardings(),
       gamma=cfg.advantages.gamma,
       exclude=('overflow',) if cfg.overlong_filter else (),
+      bonus=self._overlong(rollout.traj.lengths),
     )
     layout = self.placement.layout(decision.config)
     batch = self._move('rollout_experience', batch, roll_layout, layout, timer, moves, plan.perm)
@@ -393,6 +408,14 @@ class Trainer:
     )
     if packed is not None:
       record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
+    penalties = self._overlong(rollout.episodes.lengths)  # every process's episodes
+    if penalties is not None:
+      record.update(
+        {
+          'overlong/penalty_mean': float(np.mean(penalties)),
+          'overlong/rate': float(np.mean(penalties < 0)),
+        }
+      )
     return record
 
   # ----------------------------------------------------------------------------------------------

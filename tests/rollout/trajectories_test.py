@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from earl_jax.rollout.trajectories import Trajectories
+from earl_jax.rollout.trajectories import Trajectories, overlong_penalties
 
 
 def _trajectories():
@@ -45,6 +45,23 @@ def test_to_batch_pads_rows_and_tokens_and_marks_padding_invalid():
     traj.to_batch(bucket=4, rows=4)
   with pytest.raises(ValueError, match='rows=1 is fewer than the 2 episodes'):
     traj.to_batch(bucket=8, rows=1)
+
+
+def test_overlong_penalties_shape_the_return_and_the_last_turn():
+  """DAPO's soft punishment: 0 up to cap - buffer, then linear to -penalty at the cap and
+  beyond; added to the episode's return and to its last turn's reward."""
+  lengths = np.array([5, 3, 8, 9], np.int32)
+  np.testing.assert_allclose(
+    overlong_penalties(lengths, cap=8, buffer=4, penalty=2.0), [-0.5, 0.0, -2.0, -2.0]
+  )
+  assert not overlong_penalties(lengths, cap=8, buffer=0, penalty=2.0).any()
+  traj = _trajectories()  # lengths 5 and 3
+  bonus = overlong_penalties(traj.lengths, cap=8, buffer=4, penalty=1.0)
+  batch = traj.to_batch(bucket=8, rows=4, gamma=0.5, bonus=bonus)
+  assert batch.rewards.tolist() == [1.25, -1.0, 0.0, 0.0]
+  # Turn rewards [0.5, 1.0 - 0.25]: the second turn 0.75, the first 0.5 + 0.5 x 0.75.
+  np.testing.assert_allclose(batch.returns[0, :5], [0, 0, 0.875, 0, 0.75])
+  np.testing.assert_allclose(batch.returns[1, :3], [0, 0, -1.0])
 
 
 def test_excluded_outcomes_stay_out_of_the_update():

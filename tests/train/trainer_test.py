@@ -76,28 +76,45 @@ def test_update_epochs_reuse_each_batch(tmp_path):
     smoke_experiment(update_epochs=0)
 
 
+def _tic_tac_toe_step(workdir, cap: int, **changes) -> dict:
+  """The metrics row of one smoke step of Tic-Tac-Toe whose context is capped at `cap` tokens
+  (the one bucket; replies are one digit), with `changes` to the config."""
+  base = smoke_experiment()
+  config = smoke_experiment(
+    steps=1,
+    eval_every=0,
+    checkpoint_every=0,
+    buckets=BucketConfig(lengths=(cap,)),
+    rollout=dataclasses.replace(base.rollout, reply_tokens=tuple('123456789')),
+    **changes,
+  )
+  trainer.Trainer(config, workdir=str(workdir), log_fn=lambda _: None).run(progress=False)
+  (row,) = metrics.read_jsonl(os.path.join(str(workdir), 'metrics.jsonl'))
+  return row
+
+
 def test_overlong_filter_keeps_truncated_episodes_out_of_the_update(tmp_path):
   """A 32-token cap truncates some Tic-Tac-Toe episodes at their third turn. With the same seed
   both runs roll out the same episodes; the filtered update leaves out the truncated ones, so its
   loss terms differ (they are the same when the flag is not passed through)."""
-  base = smoke_experiment()
-  rows = {}
-  for flag in (False, True):
-    config = smoke_experiment(
-      steps=1,
-      eval_every=0,
-      checkpoint_every=0,
-      buckets=BucketConfig(lengths=(32,)),
-      rollout=dataclasses.replace(base.rollout, reply_tokens=tuple('123456789')),
-      overlong_filter=flag,
-    )
-    workdir = str(tmp_path / str(flag))
-    trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None).run(progress=False)
-    (rows[flag],) = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  rows = {f: _tic_tac_toe_step(tmp_path / str(f), 32, overlong_filter=f) for f in (False, True)}
   assert 0 < rows[True]['overflow_rate'] == rows[False]['overflow_rate'] < 1
   assert rows[True]['tokens'] == rows[False]['tokens']
   for key in ('loss/entropy_proxy', 'loss/grad_norm'):
     assert rows[True][key] != pytest.approx(rows[False][key], rel=1e-3), key
+  assert 'overlong/rate' not in rows[False]
+
+
+def test_overlong_shaping_penalises_episodes_near_the_cap(tmp_path):
+  """A 64-token cap with a 56-token buffer: every episode past 8 tokens gets a penalty that
+  grows with its length (logged); the logged return stays the environment's, and the update
+  differs (a penalty the same for every episode would cancel against the baseline)."""
+  rows = {b: _tic_tac_toe_step(tmp_path / str(b), 64, overlong_buffer=b) for b in (0, 56)}
+  assert 'overlong/rate' not in rows[0]
+  assert rows[56]['overlong/rate'] == 1.0 and -1 < rows[56]['overlong/penalty_mean'] < 0
+  assert rows[0]['ctx/episode_len_mean'] < rows[0]['ctx/episode_len_max']  # lengths differ
+  assert rows[56]['return_mean'] == rows[0]['return_mean']
+  assert rows[56]['loss/grad_norm'] != pytest.approx(rows[0]['loss/grad_norm'], rel=1e-3)
 
 
 def _params(t):
