@@ -62,6 +62,10 @@ STAGE = 'stage'  # the layout has no measured cell: the stage's pooled weights
 # default's offline profile, `docs/results/tried.md`: 1 gave a median error of 73% on experience
 # cells from two measured buckets, 30 gave 9%).
 DEVICE_SPREAD = 30.0
+# Prior standard deviation of a stage's compute weights relative to the other stages' (fitted
+# over the default's and think's runs against their offline profiles, docs/results/tried.md:
+# 1 gave train 9-10% and think's experience 22%, 2 gave 11-16% and 15%, 10 gave train 54-56%).
+STAGE_SPREAD = 2.0
 LAYOUT_SPREAD = 1.0  # prior standard deviation of a layout's weights, relative to the stage's
 MAX_UNCERTAINTY = 5.0  # beyond a factor e^5 either way a figure is unknown: reported as this
 MIN_NOISE = 0.05  # a measured median's least relative error (run-to-run noise on a quiet CPU)
@@ -216,18 +220,44 @@ class CostModel:
     rel = np.array([noise(c) for c in cells])
     return x, y, rel
 
+  def _others(self, stage: Stage) -> _Posterior | None:
+    """Level 1, per stage: the device's compute weights (matmul, attention, memory, comm) fitted
+    to the other stages' timed cells, each of those stages with a fixed cost of its own, on
+    (s, s, s, s) +- `DEVICE_SPREAD` x s (None: no other stage is timed)."""
+    others = sorted({c.stage for c in self._timed if c.stage != stage}, key=str)
+    if not others:
+      return None
+    cells = [c for c in self._timed if c.stage in others]
+    x, y, rel = self._data(cells)
+    terms = len(FEATURES) - 1
+    which = np.array([[float(c.stage == o) for o in others] for c in cells])
+    fixed = [statistics.median(self._seconds[id(c)] for c in cells if c.stage == o) for o in others]
+    s = self.scale
+    prior = _Posterior(
+      np.array([s] * terms + [0.0] * len(others)),
+      np.diag(np.square([DEVICE_SPREAD * s] * terms + fixed)),
+    )
+    weights = _fit(np.concatenate([x[:, :terms], which], axis=1), y, rel, prior)
+    return _Posterior(weights.mean[:terms], weights.cov[:terms, :terms])
+
   def _stage(self, stage: Stage) -> _Posterior:
-    """Level 2: the stage's pooled weights, on the device's scale."""
+    """Level 2: the stage's pooled weights, on the other stages' compute weights (`_others`)."""
     if stage not in self._stages:
       s = self.scale
       cells = [c for c in self._timed if c.stage == stage]
       fixed = statistics.median(self._seconds[id(c)] for c in cells) if cells else self._typical
-      spread = DEVICE_SPREAD * s
       terms = len(FEATURES) - 1
-      prior = _Posterior(
-        np.array([s] * terms + [0.0]), np.diag(np.square([spread] * terms + [fixed]))
-      )
-      self._stages[stage] = _fit(*self._data(cells), prior)
+      others = self._others(stage)
+      cov = np.zeros((terms + 1, terms + 1))
+      cov[terms, terms] = fixed**2
+      if others is None:
+        mean = np.array([s] * terms + [0.0])
+        cov[:terms, :terms] = np.diag(np.square([DEVICE_SPREAD * s] * terms))
+      else:
+        mean = np.append(others.mean, 0.0)
+        spread = STAGE_SPREAD * np.maximum(others.mean, 0.1 * s)
+        cov[:terms, :terms] = others.cov + np.diag(np.square(spread))
+      self._stages[stage] = _fit(*self._data(cells), _Posterior(mean, cov))
     return self._stages[stage]
 
   def _layout(self, stage: Stage, config: str) -> _Posterior:
