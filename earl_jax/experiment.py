@@ -86,6 +86,13 @@ class ExperimentConfig:
       episode cut there also has its forfeit). The policy learns to finish before the cap
       rather than at it. The logged return and win rate are the environment's, without it.
       overlong_buffer 0 (the default): off.
+    dynamic_sampling_rounds: DAPO's dynamic sampling (`rollout.dynamic_sampling`): while the
+      step's batch holds groups whose episodes all returned the same (a group-relative
+      advantage is 0 on each of their tokens), up to this many more rollouts of the step, with
+      other seeds, replace them by groups that did not; the batch keeps its size, and what is
+      still flat after the last round stays in it. Logged as sampling/rounds, dropped_groups,
+      flat_left, sampled_flat_rate and extra_rollout_s. Needs rollout.group_size >= 2; 0 (the
+      default): off.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every: save an Orbax checkpoint every this many steps (0: never).
     keep_checkpoints: the newest checkpoints kept (>= 1).
@@ -125,6 +132,7 @@ class ExperimentConfig:
   overlong_filter: bool = False
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
+  dynamic_sampling_rounds: int = 0
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
@@ -138,7 +146,12 @@ class ExperimentConfig:
     _check_name(self.name)
     check_positive(self, 'micro_batches', 'update_epochs', 'eval_episodes', 'keep_checkpoints')
     check_steps(self)
-    for field in ('eval_every', 'checkpoint_every', 'max_skipped_in_a_row'):
+    for field in (
+      'eval_every',
+      'checkpoint_every',
+      'max_skipped_in_a_row',
+      'dynamic_sampling_rounds',
+    ):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f'ExperimentConfig.{field} must be an int >= 0, got {value!r}.')
@@ -186,6 +199,12 @@ class ExperimentConfig:
         f'advantages.estimator={adv.estimator!r} with rollout.group_size=1: each episode is '
         "its group's only member, so every advantage is 0 and nothing trains; expected "
         "rollout.group_size >= 2, or the 'reinforce' or 'reinforce_pp' estimator."
+      )
+    if self.dynamic_sampling_rounds and self.rollout.group_size == 1:
+      raise ConfigError(
+        f'dynamic_sampling_rounds={self.dynamic_sampling_rounds} with rollout.group_size=1: '
+        'dynamic sampling replaces groups whose episodes all returned the same, and a group of '
+        'one always does; expected rollout.group_size >= 2, or dynamic_sampling_rounds=0.'
       )
     if self.pack and self.loss.aggregation != 'token':
       raise ConfigError(

@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jaxtyping import Bool, Float, Float32, Int32
+from jaxtyping import Bool, Float, Float32, Int, Int32
 
 from earl_jax import distributed
 from earl_jax.rl.batch import Batch
@@ -130,6 +130,59 @@ class Trajectories:
         lo, hi = starts[turn], starts[turn + 1]
         out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], reward_to_go, 0.0)
     return out
+
+  @classmethod
+  def pick(
+    cls, sources: 'list[Trajectories]', picks: Int[np.ndarray, 'B 2'], *, group_size: int
+  ) -> 'Trajectories':
+    """This process's rows taken from several rollouts of its rows (dynamic sampling): row i is
+    row `picks[i, 1]` (a local index) of `sources[picks[i, 0]]`; each row keeps the position
+    (`row_ids`) of the first source's row i, and its group is its position's (// group_size).
+    The tokens are right-padded with 0 past each episode's length (as `to_batch` pads). The
+    rollout's timings and statistics cover every source: timings and cache buckets in all, the
+    schedule's statistics averaged; `generated_tokens` counts the rows taken."""
+    first = sources[0]
+    if any(not np.array_equal(s.row_ids, first.row_ids) for s in sources):
+      raise ValueError('Trajectories.pick: the sources hold different rows of the batch.')
+    picks = np.asarray(picks)
+    rows = [(sources[k], int(i)) for k, i in picks]
+    lengths = np.array([s.lengths[i] for s, i in rows], np.int32)
+    T = max(1, int(lengths.max(initial=0)))
+    tokens = np.zeros((len(rows), T), np.int32)
+    loss_mask = np.zeros((len(rows), T), bool)
+    logprobs = np.zeros((len(rows), T), np.float32)
+    for j, (s, i) in enumerate(rows):
+      n = int(s.lengths[i])
+      tokens[j, :n], loss_mask[j, :n], logprobs[j, :n] = (
+        s.tokens[i, :n],
+        s.loss_mask[i, :n],
+        s.logprobs[i, :n],
+      )
+    take = lambda name: np.array([getattr(s, name)[i] for s, i in rows])  # noqa: E731
+    stats = {k: float(np.mean([s.rollout_stats[k] for s in sources])) for k in first.rollout_stats}
+    return cls(
+      tokens=tokens,
+      loss_mask=loss_mask,
+      logprobs=logprobs,
+      lengths=lengths,
+      returns=take('returns').astype(np.float32),
+      group_ids=(first.row_ids // group_size).astype(np.int32),
+      turn_rewards=[list(s.turn_rewards[i]) for s, i in rows],
+      turn_starts=[list(s.turn_starts[i]) for s, i in rows],
+      turn_tokens=[list(s.turn_tokens[i]) for s, i in rows],
+      outcomes=[s.outcomes[i] for s, i in rows],
+      generated_tokens=int(loss_mask.sum()),
+      cache_buckets=sorted({b for s in sources for b in s.cache_buckets}),
+      timings={k: float(sum(s.timings.get(k, 0.0) for s in sources)) for k in first.timings},
+      row_ids=first.row_ids.copy(),
+      batch_rows=first.batch_rows,
+      thoughts=take('thoughts').astype(np.int32),
+      episode_seconds=take('episode_seconds').astype(np.float32),
+      rollout_stats=stats,
+      env_stats={
+        name: np.array([s.env_stats[name][i] for s, i in rows]) for name in first.env_stats
+      },
+    )
 
   def to_batch(
     self,

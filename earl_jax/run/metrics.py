@@ -455,6 +455,8 @@ def format_line(record: Mapping[str, Any]) -> str:
   ]
   if 'groups/flat_rate' in r:  # groups whose episodes all returned the same (zero advantage)
     parts.append(f'flat {r["groups/flat_rate"]:.2f}')
+  if 'sampling/rounds' in r:  # dynamic sampling: rounds played, first-round flat groups replaced
+    parts.append(f'ds {r["sampling/rounds"]:.0f}r -{r["sampling/dropped_groups"]:.0f}')
   if 'eval/win_rate' in r:
     parts.append(f'eval {r["eval/win_rate"]:.3f}')
   if 'env/pass_final_rate' in r:

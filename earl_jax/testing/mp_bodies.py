@@ -119,11 +119,15 @@ def rollout_peaks_near_a_budget(
   return out
 
 
-def trainer_run(workdir: str, steps: int, resume: bool, winners: dict[str, str]) -> dict:
+def trainer_run(
+  workdir: str, steps: int, resume: bool, winners: dict[str, str], dynamic_sampling_rounds: int = 0
+) -> dict:
   """The smoke preset on this process group, with the stages on the `winners` layouts; returns
-  its metrics rows and summary (every process returns what it holds)."""
+  its metrics rows and summary (every process returns what it holds). `dynamic_sampling_rounds`:
+  with it, groups of 2 and GRPO advantages, flat groups replaced from up to this many rounds."""
   import dataclasses
 
+  from earl_jax.rl.advantages import AdvantageConfig
   from earl_jax.run import metrics
   from earl_jax.testing import configs
   from earl_jax.train import trainer
@@ -136,6 +140,13 @@ def trainer_run(workdir: str, steps: int, resume: bool, winners: dict[str, str])
     config,
     selector=dataclasses.replace(config.selector, candidates=('dp8', 'dp4.tp2', 'dp2.tp4')),
   )
+  if dynamic_sampling_rounds:
+    config = dataclasses.replace(
+      config,
+      rollout=dataclasses.replace(config.rollout, group_size=2),
+      advantages=AdvantageConfig(estimator='grpo'),
+      dynamic_sampling_rounds=dynamic_sampling_rounds,
+    )
   t = trainer.Trainer(
     config,
     workdir=workdir,

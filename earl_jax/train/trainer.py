@@ -12,7 +12,8 @@ One step (`Trainer.step`), every stage on its own mesh over the same devices (co
   3. rollout    multi-turn episodes with a KV cache that persists across turns, each turn a
                 compiled rollout program of the shared executable cache; every process steps the
                 environments of the rows its devices hold, and the batch is built on the
-                rollout layout from every process's own rows;
+                rollout layout from every process's own rows (with dynamic sampling, groups
+                that all returned the same are replaced from further rounds of the step);
   4. dispatch   rollout layout -> experience layout, through the Data Dispatcher, on devices;
   5. experience old and reference log-probs on the experience layout;
   6. dispatch   experience layout -> train layout (`balance` permutes rows by real tokens
@@ -56,7 +57,7 @@ from earl_jax.programs import memory as memory_lib
 from earl_jax.rl import advantages as advantages_lib
 from earl_jax.rl import packing
 from earl_jax.rl.batch import Batch
-from earl_jax.rollout import trajectories
+from earl_jax.rollout import dynamic_sampling, trajectories
 from earl_jax.rollout.trajectories import EpisodeStats, Trajectories
 from earl_jax.run import loop, metrics
 from earl_jax.run.loop import NonFiniteError
@@ -79,6 +80,7 @@ class _Rollout:
   episodes: EpisodeStats
   stats: selector_lib.StepStats
   decision: selector_lib.Decision
+  sampling: dict[str, float]  # dynamic sampling's `sampling/...` metrics ({}: off)
 
 
 @dataclasses.dataclass
@@ -239,15 +241,30 @@ class Trainer:
     timer.profile_s += plan.profile_s
     decision = plan.decision
     params = timer('reshard', self.placement.params_on, decision.config)
+    mesh = self.placement.mesh(decision.config)
+    step_seed = _step_seed(cfg.seed, self.global_step)
+
+    def play(k: int) -> Trajectories:  # the step's episodes, round k (dynamic sampling)
+      seed = dynamic_sampling.round_seed(step_seed, k)
+      return self.engine.run(params, mesh, seed=seed, capacity=decision.run_bucket)
+
     t0 = time.perf_counter()
-    traj = self.engine.run(
-      params,
-      self.placement.mesh(decision.config),
-      seed=_step_seed(cfg.seed, self.global_step),
-      capacity=decision.run_bucket,
-    )
-    timer.add('rollout', time.perf_counter() - t0)
-    episodes = EpisodeStats.gather(traj)
+    sampling = {}
+    if cfg.dynamic_sampling_rounds:
+      filled = dynamic_sampling.fill(
+        play,
+        rounds=cfg.dynamic_sampling_rounds,
+        group_size=cfg.rollout.group_size,
+        rows=self.placement.layout(decision.config).shardings().valid,
+        shaping=self._overlong,
+      )
+      traj, episodes, sampling = filled.traj, filled.episodes, filled.record()
+      timer.add('rollout', time.perf_counter() - t0 - filled.extra_s)
+      timer.add('resample', filled.extra_s)
+    else:
+      traj = play(0)
+      timer.add('rollout', time.perf_counter() - t0)
+      episodes = EpisodeStats.gather(traj)
     bucket = cfg.buckets.bucket_for(int(episodes.lengths.max()))
     num_rows = cfg.rollout.num_episodes
     stats = selector_lib.StepStats(
@@ -261,7 +278,7 @@ class Trainer:
       },
       stage_rows=assembly.rollout_rows(cfg),
     )
-    return _Rollout(traj=traj, episodes=episodes, stats=stats, decision=decision)
+    return _Rollout(traj=traj, episodes=episodes, stats=stats, decision=decision, sampling=sampling)
 
   def _overlong(self, lengths) -> np.ndarray | None:
     """Per episode, its overlong penalty (`ExperimentConfig.overlong_buffer`; None: off)."""
@@ -406,6 +423,7 @@ class Trainer:
       rollout=rollout.traj.rollout_stats,
       processes=jax.process_count(),
     )
+    record.update(rollout.sampling)
     if packed is not None:
       record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
     penalties = self._overlong(rollout.episodes.lengths)  # every process's episodes

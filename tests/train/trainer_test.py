@@ -345,6 +345,35 @@ def test_two_processes_equal_one_and_resume_there(tmp_path):
   assert moves['wire_bytes'] >= moves['bytes']  # the rounds' padding on top of the minimum
 
 
+@pytest.mark.multiprocess
+def test_dynamic_sampling_on_two_processes_equals_one(tmp_path):
+  """Groups of 2 with dynamic sampling (up to 2 more rounds a step) on 2 processes x 4 devices
+  equal the same seed's run on 8 devices: every process replaces the same flat groups from the
+  same rounds, with the rows it holds. The rounds ran, and the trained batch holds no more flat
+  groups than the first round had."""
+  kwargs = {'steps': 2, 'resume': False, 'winners': WINNERS, 'dynamic_sampling_rounds': 2}
+  ref = mp_bodies.trainer_run(str(tmp_path / 'one'), **kwargs)
+  two = multiprocess.run(
+    'earl_jax.testing.mp_bodies:trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={'workdir': str(tmp_path / 'two'), **kwargs},
+  )
+  rows = two[0]['rows']
+  _compare(rows, ref['rows'])
+  steps = rows[1:]
+  for r, b in zip(steps, ref['rows'][1:]):
+    assert {
+      k: v for k, v in r.items() if k.startswith('sampling/') and k != 'sampling/extra_rollout_s'
+    } == {
+      k: v for k, v in b.items() if k.startswith('sampling/') and k != 'sampling/extra_rollout_s'
+    }
+    assert r['groups/count'] == 4 and r['groups/flat_rate'] * 4 == r['sampling/flat_left']
+    assert r['groups/flat_rate'] <= r['sampling/sampled_flat_rate']
+  assert any(r['sampling/rounds'] > 1 and r['sampling/dropped_groups'] > 0 for r in steps)
+  assert all(r['time/resample_s'] > 0 for r in steps if r['sampling/rounds'] > 1)
+
+
 def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
   """Experience and train on other layouts than the rollout's give the same run as every stage
   on the rollout's layout: the dispatcher moves the batch, and nothing else changes."""
