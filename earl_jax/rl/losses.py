@@ -4,6 +4,14 @@ All inputs are [B, T] token tables aligned with the tokens (see batch.Batch); `m
 the generated positions that carry loss. Aggregation is 'token' (every generated token weighs the
 same: sum over the batch / number of tokens) or 'sequence' (each row's tokens are averaged first,
 then rows are averaged; long replies do not dominate).
+
+The importance ratio PPO clips is per token (`ratio='token'`: PPO, GRPO, DAPO) or per episode
+(`ratio='sequence'`: GSPO, Zheng et al. 2025): s_i = exp(mean over episode i's generated tokens
+of log pi - log pi_old), the same for each of its tokens, in GSPO's token form
+sg(s_i) x pi(y_t) / sg(pi(y_t)), so that a token's gradient is s_i x grad log pi(y_t). With
+token aggregation its gradient is that of -(1/N) sum_i n_i min(s_i A_i, clip(s_i) A_i) (N
+tokens, n_i episode i's). An episode is its segment (`segment_ids`) of a row, so packed rows
+holding several episodes each get per-episode ratios.
 """
 
 import dataclasses
@@ -11,13 +19,15 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from earl_jax.config import check_float32
 from earl_jax.errors import ConfigError
 
 Aggregation = Literal['token', 'sequence']
 AGGREGATIONS = ('token', 'sequence')
+Ratio = Literal['token', 'sequence']
+RATIOS = ('token', 'sequence')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +53,10 @@ class LossConfig:
     entropy_adapt_rate: how fast the coefficient adapts (per nat of entropy error per step).
     entropy_coef_min, entropy_coef_max: the range the adapted coefficient stays in.
     aggregation: 'token' or 'sequence'.
+    ratio: the importance ratio that is clipped: 'token' (each token's) or 'sequence' (GSPO:
+      each episode's, the exp of its mean log-ratio; see the module docstring). GSPO's ratios
+      stay far closer to 1 than a token's: its paper clips at clip_eps=3e-4,
+      clip_eps_high=4e-4.
   """
 
   clip_eps: float = 0.2
@@ -54,6 +68,7 @@ class LossConfig:
   entropy_coef_min: float = 1e-4
   entropy_coef_max: float = 0.5
   aggregation: Aggregation = 'token'
+  ratio: Ratio = 'token'
 
   def __post_init__(self):
     optional = [n for n in ('clip_eps_high', 'entropy_target') if getattr(self, n) is not None]
@@ -93,6 +108,8 @@ class LossConfig:
       raise ConfigError(
         f'LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}.'
       )
+    if self.ratio not in RATIOS:
+      raise ConfigError(f'LossConfig.ratio must be one of {RATIOS}, got {self.ratio!r}.')
 
   @property
   def uses_entropy(self) -> bool:
@@ -122,6 +139,22 @@ def aggregate(
   return jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
+def segment_mean(
+  values: Float[Array, 'B T'], mask: Bool[Array, 'B T'], segments: Int[Array, 'B T']
+) -> Float[Array, 'B T']:
+  """Per token: the mean of `values` over the masked tokens of its segment (the same row and
+  segment id), 0 off the mask. Row by row (a vmap over B), so rows stay where they are."""
+  T = values.shape[1]
+
+  def row(v, m, s):
+    w = m.astype(jnp.float32)
+    sums = jax.ops.segment_sum(v * w, s, num_segments=T + 1)  # ids 0 (padding) .. T at most
+    counts = jax.ops.segment_sum(w, s, num_segments=T + 1)
+    return jnp.where(m, (sums / jnp.maximum(counts, 1.0))[s], 0.0)
+
+  return jax.vmap(row)(values, mask, segments)
+
+
 def kl_k3(logp: Float[Array, 'B T'], ref_logp: Float[Array, 'B T']) -> Float[Array, 'B T']:
   """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - logp."""
   log_ratio = ref_logp - logp
@@ -137,14 +170,23 @@ def ppo_loss(
   config: LossConfig,
   entropy: Float[Array, 'B T'] | None = None,
   entropy_coef: Float[Array, ''] | float | None = None,
+  segments: Int[Array, 'B T'] | None = None,
 ) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
   """The clipped surrogate (to minimise) plus kl_coef * KL minus entropy_coef * entropy.
 
   `entropy` (the policy's next-token entropy per position) is needed when `entropy_coef` > 0.
   `entropy_coef` overrides `config.entropy_coef` (the adapted coefficient of the train state).
+  `segments`: which episode of its row each token is (`Batch.segment_ids`), needed with
+  `config.ratio='sequence'`.
   """
   log_ratio = jnp.where(mask, logp - old_logp, 0.0)
-  ratio = jnp.exp(log_ratio)
+  if config.ratio == 'sequence':
+    if segments is None:
+      raise ValueError("LossConfig.ratio='sequence' needs the tokens' segment ids.")
+    episode = jax.lax.stop_gradient(segment_mean(log_ratio, mask, segments))
+    ratio = jnp.exp(jnp.where(mask, episode + logp - jax.lax.stop_gradient(logp), 0.0))
+  else:
+    ratio = jnp.exp(log_ratio)
   high = config.clip_eps_high if config.clip_eps_high is not None else config.clip_eps
   clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + high)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)

@@ -208,6 +208,7 @@ def loss_fn(
     config,
     entropy=entropy,
     entropy_coef=entropy_coef,
+    segments=batch.segment_ids,
   )
   # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
   # the training forward disagree (numerics, a temperature mismatch, stale weights).

@@ -120,11 +120,17 @@ def rollout_peaks_near_a_budget(
 
 
 def trainer_run(
-  workdir: str, steps: int, resume: bool, winners: dict[str, str], dynamic_sampling_rounds: int = 0
+  workdir: str,
+  steps: int,
+  resume: bool,
+  winners: dict[str, str],
+  dynamic_sampling_rounds: int = 0,
+  ratio: str = 'token',
 ) -> dict:
   """The smoke preset on this process group, with the stages on the `winners` layouts; returns
   its metrics rows and summary (every process returns what it holds). `dynamic_sampling_rounds`:
-  with it, groups of 2 and GRPO advantages, flat groups replaced from up to this many rounds."""
+  with it, groups of 2 and GRPO advantages, flat groups replaced from up to this many rounds.
+  `ratio`: the loss's importance ratio ('sequence': GSPO's)."""
   import dataclasses
 
   from earl_jax.rl.advantages import AdvantageConfig
@@ -147,6 +153,7 @@ def trainer_run(
       advantages=AdvantageConfig(estimator='grpo'),
       dynamic_sampling_rounds=dynamic_sampling_rounds,
     )
+  config = dataclasses.replace(config, loss=dataclasses.replace(config.loss, ratio=ratio))
   t = trainer.Trainer(
     config,
     workdir=workdir,

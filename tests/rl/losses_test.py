@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from earl_jax.rl import losses
+from earl_jax.testing.typecheck import unchecked
 
 
 def _inputs(seed=0):
@@ -111,3 +112,87 @@ def test_unknown_aggregation_is_rejected_by_the_config_itself():
   object.__setattr__(config, 'aggregation', 'per_batch')
   with pytest.raises(ValueError, match=r"aggregation must be one of \('token', 'sequence'\)"):
     config.__post_init__()
+
+
+def _episodes():
+  """Three episodes: A (4 generated tokens) and B (2) packed side by side in row 0, C (3) alone
+  in row 1; each episode's advantage constant over its tokens (as GRPO's and RLOO's are)."""
+  rng = np.random.RandomState(3)
+  segments = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32)
+  mask = np.array(
+    [[0, 1, 1, 1, 1, 0, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0, 0, 0]], bool
+  )  # each episode's first token is its prompt
+  logp = np.where(mask, -rng.rand(2, 9), 0.0).astype(np.float32)
+  old = np.where(mask, logp + 0.05 * rng.randn(2, 9), 0.0).astype(np.float32)
+  adv = np.where(segments == 1, 0.7, -1.3).astype(np.float32)
+  adv[1] = -0.4
+  return logp, old, adv, mask, segments
+
+
+def _gspo_reference(logp, old, adv, mask, segments, low, high):
+  """-(1/N) sum_i n_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_i(logp - old)), episode by
+  episode (a jnp function of logp, so that its gradient can be taken)."""
+  total, n = 0.0, mask.sum()
+  for row in range(mask.shape[0]):
+    for seg in set(segments[row][mask[row]].tolist()):
+      tokens = (segments[row] == seg) & mask[row]
+      s = jnp.exp(jnp.mean((logp[row] - old[row])[tokens]))
+      a = adv[row][tokens][0]
+      total += tokens.sum() * jnp.minimum(s * a, jnp.clip(s, 1 - low, 1 + high) * a)
+  return -total / n
+
+
+@pytest.mark.parametrize('clip', [(0.2, 0.2), (0.004, 0.005)])
+def test_gspo_per_episode_ratio_in_packed_rows_matches_the_reference(clip):
+  """GSPO's loss and its gradient equal the per-episode objective's, with two episodes packed
+  in one row; with tight clips some episodes' ratios are clipped (their tokens' gradient is 0)."""
+  import jax
+
+  logp, old, adv, mask, segments = _episodes()
+  config = losses.LossConfig(ratio='sequence', clip_eps=clip[0], clip_eps_high=clip[1])
+
+  def ours(lp):
+    args = (lp, jnp.asarray(old), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask))
+    return losses.ppo_loss(*args, config, segments=jnp.asarray(segments))
+
+  (loss, metrics), grad = jax.value_and_grad(ours, has_aux=True)(jnp.asarray(logp))
+  ref = lambda lp: _gspo_reference(lp, old, adv, mask, segments, *clip)  # noqa: E731
+  np.testing.assert_allclose(loss, ref(jnp.asarray(logp)), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad, jax.grad(ref)(jnp.asarray(logp)), rtol=1e-5, atol=1e-7)
+  clipped = float(metrics['clip_frac'])
+  assert (clipped > 0) == (clip[0] < 0.01), clipped
+  # Token ratios give another loss: the ratio is the episode's, not the token's.
+  token, _ = losses.ppo_loss(
+    jnp.asarray(logp), jnp.asarray(old), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
+    losses.LossConfig(clip_eps=clip[0], clip_eps_high=clip[1]),
+  )  # fmt: skip
+  assert abs(float(token) - float(loss)) > 1e-6
+
+
+def test_gspo_packed_equals_unpacked_and_needs_segments():
+  """The same three episodes one per row (unpacked) give the packed rows' loss and gradients."""
+  import jax
+
+  logp, old, adv, mask, segments = _episodes()
+  rows = []  # (row, segment) of each episode -> its own row of 9 tokens
+  for row, seg in ((0, 1), (0, 2), (1, 1)):
+    keep = segments[row] == seg
+    rows.append([np.where(keep, x[row], 0) for x in (logp, old, adv, mask)])
+  u_logp, u_old, u_adv, u_mask = (np.stack([r[i] for r in rows]) for i in range(4))
+  u_mask = u_mask.astype(bool)
+  u_segments = np.ones_like(u_mask, np.int32)
+  config = losses.LossConfig(ratio='sequence')
+
+  def loss(lp, o, a, m, s):
+    return losses.ppo_loss(lp, o, o, a, m, config, segments=s)[0]
+
+  packed = jax.value_and_grad(loss)(*map(jnp.asarray, (logp, old, adv, mask, segments)))
+  unpacked = jax.value_and_grad(loss)(*map(jnp.asarray, (u_logp, u_old, u_adv, u_mask, u_segments)))
+  np.testing.assert_allclose(packed[0], unpacked[0], rtol=1e-6)
+  for i, (row, seg) in enumerate(((0, 1), (0, 2), (1, 1))):
+    keep = segments[row] == seg
+    np.testing.assert_allclose(packed[1][row][keep], unpacked[1][i][keep], rtol=1e-6)
+  with pytest.raises(ValueError, match="ratio='sequence' needs the tokens' segment ids"):
+    losses.ppo_loss(*map(jnp.asarray, (logp, old, old, adv, mask)), config)
+  with unchecked(), pytest.raises(ValueError, match=r"ratio must be one of \('token', 'seq"):
+    losses.LossConfig(ratio='episode')
