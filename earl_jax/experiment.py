@@ -24,6 +24,7 @@ from earl_jax.config import (
   check_steps,
 )
 from earl_jax.envs import base as envs
+from earl_jax.envs.curriculum import CurriculumConfig
 from earl_jax.errors import ConfigError
 from earl_jax.models.tokenizer import Tokenizer
 from earl_jax.rl import advantages as advantages_lib
@@ -93,6 +94,10 @@ class ExperimentConfig:
       still flat after the last round stays in it. Logged as sampling/rounds, dropped_groups,
       flat_left, sampled_flat_rate and extra_rollout_s. Needs rollout.group_size >= 2; 0 (the
       default): off.
+    curriculum: the online task curriculum of the code tasks (`envs.curriculum`): each step's
+      tasks drawn by their recent pass rate, the tasks the policy sometimes solves the most
+      (`--config.curriculum.enabled=true`); logged as curriculum/tasks_seen, solved_share,
+      unsolved_share and effective_tasks.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
     checkpoint_every: save an Orbax checkpoint every this many steps (0: never).
     keep_checkpoints: the newest checkpoints kept (>= 1).
@@ -133,6 +138,7 @@ class ExperimentConfig:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   dynamic_sampling_rounds: int = 0
+  curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
@@ -205,6 +211,17 @@ class ExperimentConfig:
         f'dynamic_sampling_rounds={self.dynamic_sampling_rounds} with rollout.group_size=1: '
         'dynamic sampling replaces groups whose episodes all returned the same, and a group of '
         'one always does; expected rollout.group_size >= 2, or dynamic_sampling_rounds=0.'
+      )
+    if not isinstance(self.curriculum, CurriculumConfig):
+      raise ConfigError(
+        f'ExperimentConfig.curriculum must be a CurriculumConfig, got '
+        f'{type(self.curriculum).__name__}.'
+      )
+    task = getattr(self.env, 'task', None)
+    if self.curriculum.enabled and task not in ('functions', 'humaneval'):
+      raise ConfigError(
+        f'curriculum.enabled draws code tasks by their pass rate; env {task or "game"!r} has '
+        "none: expected a CodeEnvConfig with task 'functions' or 'humaneval'."
       )
     if self.pack and self.loss.aggregation != 'token':
       raise ConfigError(

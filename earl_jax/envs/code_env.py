@@ -152,17 +152,40 @@ def load_tasks(task: str, split: str, split_seed: int, heldout_fraction: float) 
 
 
 def assign(
-  num_tasks: int, n: int, seed: int, group_size: int, rows: Sequence[int] | None
+  num_tasks: int,
+  n: int,
+  seed: int,
+  group_size: int,
+  rows: Sequence[int] | None,
+  weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """(played rows, the task index of each) for `reset(n, seed, group_size, rows)`.
+  """(played rows, the task index of each) for `reset(n, seed, group_size, rows)`. With
+  `weights` (one per task, >= 0, some > 0: a curriculum's), the groups' tasks are drawn from
+  the seed in proportion to them, without replacement while there are tasks of weight > 0 left.
 
   Raises:
-    ValueError: bad n, seed, group_size or rows, each named.
+    ValueError: bad n, seed, group_size, rows or weights, each named.
   """
   played = base.check_reset_args(n, seed, group_size, rows)
-  order = np.random.default_rng(seed).permutation(num_tasks)
   groups = np.arange(n) // group_size
-  return played, order[groups % num_tasks][played]
+  rng = np.random.default_rng(seed)
+  if weights is None:
+    order = rng.permutation(num_tasks)
+    return played, order[groups % num_tasks][played]
+  weights = np.asarray(weights, np.float64)
+  if weights.shape != (num_tasks,) or not (weights >= 0).all() or not weights.sum() > 0:
+    raise ValueError(
+      f'task_weights: expected {num_tasks} weights >= 0 with a positive sum, got shape '
+      f'{weights.shape}, sum {weights.sum()}.'
+    )
+  num_groups = int(groups[-1]) + 1
+  drawn = rng.choice(
+    num_tasks,
+    size=num_groups,
+    replace=num_groups > np.count_nonzero(weights),
+    p=weights / weights.sum(),
+  )
+  return played, drawn[groups][played]
 
 
 class CodeEpisodes(base.TextEnv):
@@ -305,20 +328,34 @@ class CodeEnv(CodeEpisodes):
     if not self.tasks:
       raise ValueError(f'CodeEnv for {config.task!r} has no tasks.')
     self._first_pass = np.zeros(0, bool)  # per episode: its first attempt passed every test
+    self._task_ids = np.zeros(0, np.int64)  # per episode: its task's index among `tasks`
 
   def reset(
-    self, n: int, seed: int, *, group_size: int = 1, rows: Sequence[int] | None = None
+    self,
+    n: int,
+    seed: int,
+    *,
+    group_size: int = 1,
+    rows: Sequence[int] | None = None,
+    task_weights: np.ndarray | None = None,
   ) -> list[str]:
-    """Starts n episodes (or the subset `rows`); see `base.TextEnv.reset`."""
-    _, task_index = assign(len(self.tasks), n, seed, group_size, rows)
+    """Starts n episodes (or the subset `rows`); see `base.TextEnv.reset`. `task_weights`: a
+    curriculum's weight per task (`assign`); None: the seed's shuffle."""
+    _, task_index = assign(len(self.tasks), n, seed, group_size, rows, task_weights)
+    self._task_ids = task_index.astype(np.int64)
     self._start([self.tasks[i] for i in task_index.tolist()])
     self._first_pass = np.zeros(len(self._episode_tasks), bool)
     return [printable(task.prompt) for task in self._episode_tasks]
 
   def episode_stats(self) -> dict[str, np.ndarray]:
-    """`CodeEpisodes.episode_stats` and `pass_first_rate`: 1 when the episode's first attempt
-    passed every hidden test (what a single-turn episode would have scored)."""
-    return {'pass_first_rate': self._first_pass.astype(float), **super().episode_stats()}
+    """`CodeEpisodes.episode_stats`, `pass_first_rate` (1 when the episode's first attempt
+    passed every hidden test: what a single-turn episode would have scored), and `task_id` (its
+    task's index among `tasks`: an identifier for the curriculum, not a metric)."""
+    return {
+      'pass_first_rate': self._first_pass.astype(float),
+      'task_id': self._task_ids.astype(float),
+      **super().episode_stats(),
+    }
 
   def step(self, actions: Sequence[str]) -> base.StepResult:
     """Judges one reply per episode; see the module docstring.

@@ -230,9 +230,12 @@ def env_record(
   """What the environment reported per episode (`TextEnv.episode_stats`), over the batch:
   `env/<name>`, the mean over the episodes of a name ending in '_rate', else the sum (a count,
   or seconds when it ends in '_s'); with `step_s`, seconds also as `env/<name>_share`, their
-  share of the step per process (the sum over `processes` x `step_s`)."""
+  share of the step per process (the sum over `processes` x `step_s`). A name ending in '_id'
+  is an identifier (a code task's index), not a metric: left out."""
   out = {}
   for name, values in episodes.env_stats.items():
+    if name.endswith('_id'):
+      continue
     rate = name.endswith('_rate')
     out[f'env/{name}'] = float(np.mean(values) if rate else np.sum(values))
     if step_s and name.endswith('_s'):

@@ -205,10 +205,13 @@ def agreement_and_rows() -> dict:
   return out
 
 
-def code_trainer_run(workdir: str, steps: int) -> dict:
+def code_trainer_run(
+  workdir: str, steps: int, curriculum: bool = False, resume: bool = False, checkpoint_every=0
+) -> dict:
   """A smoke-sized run of the code environment on this process group: the tiny model from
   scratch with the code tokenizer, the 'functions' tasks in up to two attempts, every program
-  judged by this process's sandbox.
+  judged by this process's sandbox. `curriculum`: groups of 2, their tasks drawn by the online
+  curriculum. `resume`, `checkpoint_every`: as the trainer's.
 
   Returns:
     rows: the metrics rows (process 0; None elsewhere).
@@ -216,9 +219,12 @@ def code_trainer_run(workdir: str, steps: int) -> dict:
       each ran ({row: programs}).
     programs_run: the programs this process's sandbox judged during the run.
   """
+  import dataclasses
+
   from earl_jax.config import BucketConfig
   from earl_jax.envs import code_env
   from earl_jax.envs.base import CodeEnvConfig
+  from earl_jax.envs.curriculum import CurriculumConfig
   from earl_jax.rollout.engine import RolloutConfig
   from earl_jax.rollout.sampler import SamplingConfig
   from earl_jax.run import metrics
@@ -250,10 +256,16 @@ def code_trainer_run(workdir: str, steps: int) -> dict:
     buckets=BucketConfig(lengths=(512,)),
     steps=steps,
     eval_every=0,
-    checkpoint_every=0,
+    checkpoint_every=checkpoint_every,
     seed=1,
   )
-  t = trainer.Trainer(config, workdir=workdir, log_fn=lambda _: None)
+  if curriculum:
+    config = dataclasses.replace(
+      config,
+      rollout=dataclasses.replace(config.rollout, group_size=2),
+      curriculum=CurriculumConfig(enabled=True, memory=0.5),
+    )
+  t = trainer.Trainer(config, workdir=workdir, resume=resume, log_fn=lambda _: None)
   played: list[dict[str, float]] = []
   roll_out = t.engine.run
 

@@ -7,12 +7,14 @@ composition root; nothing here runs a step).
   scheduler = start_profile(config, model=model, spec=spec, executables=executables)
   selector = make_selector(config, model, spec, scheduler.profile, num_devices, switch_cost)
   train_engine, eval_engine = make_engines(config, model, tok, executables)
+  curriculum = make_curriculum(config)                     # code tasks by pass rate, or None
 """
 
 import dataclasses
 import math
 
 from earl_jax.config import ModelConfig
+from earl_jax.envs.curriculum import Curriculum
 from earl_jax.errors import ConfigError
 from earl_jax.experiment import ExperimentConfig
 from earl_jax.models import hf_import, tokenizer
@@ -154,3 +156,14 @@ def start_profile(
     base=base,
     given=given,
   )
+
+
+def make_curriculum(config: ExperimentConfig) -> Curriculum | None:
+  """The online task curriculum over `config.env`'s tasks (None: `curriculum.enabled` off)."""
+  if not config.curriculum.enabled:
+    return None
+  from earl_jax.envs import code_env  # the tasks, only where a curriculum draws them
+
+  env = config.env
+  tasks = code_env.load_tasks(env.task, env.split, env.split_seed, env.heldout_fraction)
+  return Curriculum(config.curriculum, num_tasks=len(tasks))

@@ -169,6 +169,7 @@ class Trainer:
         config, self.selector, self.scheduler, self.executables, self.placement, log=self.log
       )
       self.dispatcher = dispatch_lib.Dispatcher(config.dispatch)
+      self.curriculum = assembly.make_curriculum(config)  # None: the seed's shuffle of tasks
 
       self.global_step = 0
       self.prev_stats: selector_lib.StepStats | None = None
@@ -216,6 +217,8 @@ class Trainer:
     self.placement.restore(restored.state, ParallelConfig.parse(meta['train_config']))
     self.global_step = restored.step
     self.selector.load_state_dict(meta['selector'])
+    if self.curriculum is not None and meta.get('curriculum') is not None:
+      self.curriculum.load_state_dict(meta['curriculum'])
     prev_stats = meta['prev_stats']
     self.prev_stats = None if prev_stats is None else selector_lib.StepStats(**prev_stats)
     self.history = [metrics.summary_fields(r) for r in restored.rows]
@@ -243,10 +246,13 @@ class Trainer:
     params = timer('reshard', self.placement.params_on, decision.config)
     mesh = self.placement.mesh(decision.config)
     step_seed = _step_seed(cfg.seed, self.global_step)
+    weights = None if self.curriculum is None else self.curriculum.weights()
 
     def play(k: int) -> Trajectories:  # the step's episodes, round k (dynamic sampling)
       seed = dynamic_sampling.round_seed(step_seed, k)
-      return self.engine.run(params, mesh, seed=seed, capacity=decision.run_bucket)
+      return self.engine.run(
+        params, mesh, seed=seed, capacity=decision.run_bucket, task_weights=weights
+      )
 
     t0 = time.perf_counter()
     sampling = {}
@@ -387,6 +393,11 @@ class Trainer:
     timer = StageTimer()
     moves: dict[str, dict] = {}
     rollout = self._roll_out(timer)
+    if self.curriculum is not None:  # the next step's draw knows this one's episodes
+      episodes = rollout.episodes
+      self.curriculum.update(
+        episodes.env_stats['task_id'].astype(int), np.array(episodes.outcomes) == 'win'
+      )
     exp, packed = self._experience(rollout, timer, moves)
     rows = None if packed is None else packed.rows
     train_decision, update, switch_ms, lookahead = self._train_program(
@@ -424,6 +435,8 @@ class Trainer:
       processes=jax.process_count(),
     )
     record.update(rollout.sampling)
+    if self.curriculum is not None:
+      record.update(self.curriculum.record())
     if packed is not None:
       record.update({'pack/rows': packed.rows, 'pack/fill': packed.fill})
     penalties = self._overlong(rollout.episodes.lengths)  # every process's episodes
@@ -454,8 +467,9 @@ class Trainer:
 
   def save(self) -> None:
     """Checkpoints the train state with what a resume needs to decide as this run would: the
-    selector's state, the train layout, the statistics the next rollout decision reads, and the
-    profile the selector decides on (so that a resume does, whatever the cache file holds)."""
+    selector's state, the train layout, the statistics the next rollout decision reads, the
+    profile the selector decides on (so that a resume does, whatever the cache file holds),
+    and the curriculum's counts (the next step's draw)."""
     if self.run_dir.checkpointer is None:
       return
     stages = self.config.selector.profile.stages
@@ -464,6 +478,7 @@ class Trainer:
       'train_config': self.placement.train_config.name,
       'prev_stats': None if self.prev_stats is None else dataclasses.asdict(self.prev_stats),
       'profile': self.selector.profile(stages[0]).to_json() if stages else None,
+      'curriculum': None if self.curriculum is None else self.curriculum.state_dict(),
     }
     self.run_dir.save(self.global_step, self.placement.state, meta)
 

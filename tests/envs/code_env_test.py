@@ -131,8 +131,10 @@ def test_episode_stats_count_what_the_sandbox_ran_and_judged():
     assert env.outcomes == ['win', 'win', 'loss', 'win', 'invalid']
     stats = env.episode_stats()
     assert list(stats) == [
-      'pass_first_rate', 'pass_final_rate', 'programs', 'timeouts', 'crashes', 'sandbox_s'
+      'pass_first_rate', 'task_id', 'pass_final_rate', 'programs', 'timeouts', 'crashes',
+      'sandbox_s',
     ]  # fmt: skip
+    assert [env.tasks[int(i)] for i in stats['task_id']] == task
     np.testing.assert_array_equal(stats['pass_first_rate'], [1, 0, 0, 0, 0])
     np.testing.assert_array_equal(stats['pass_final_rate'], [1, 1, 0, 1, 0])
     np.testing.assert_array_equal(stats['programs'], [1, 2, 2, 2, 0])
@@ -179,6 +181,30 @@ def test_groups_share_tasks_and_rows_play_the_full_batch_tasks(sandbox):
   every = _env(sandbox, split='heldout')
   every.reset(128, seed=0)
   assert len({t.task_id for t in every.episode_tasks}) == 128  # n >= T plays every task
+
+
+def test_task_weights_draw_the_groups_tasks():
+  """With a curriculum's weights the groups' tasks are drawn in proportion to them, from the
+  seed (a subset of rows plays the full batch's tasks), without replacement while tasks of
+  weight > 0 last; a task of weight 0 is never drawn; bad weights are refused by name."""
+  weights = np.zeros(10)
+  weights[[2, 5, 7]] = (1.0, 2.0, 1.0)
+  played, tasks = code_env.assign(10, 12, 3, 4, None, weights)
+  assert played.tolist() == list(range(12)) and sorted(set(tasks.tolist())) == [2, 5, 7]
+  assert [len(set(tasks[g * 4 : g * 4 + 4].tolist())) for g in range(3)] == [1, 1, 1]
+  _, part = code_env.assign(10, 12, 3, 4, [9, 0, 5], weights)
+  assert part.tolist() == tasks[[9, 0, 5]].tolist()
+  _, again = code_env.assign(10, 12, 3, 4, None, weights)
+  assert again.tolist() == tasks.tolist()  # reproducible by seed
+  # Many groups on two tasks of weights 1 and 3: about a quarter and three quarters.
+  two = np.zeros(10)
+  two[[1, 8]] = (1.0, 3.0)
+  _, drawn = code_env.assign(10, 4000, 0, 1, None, two)
+  assert abs(np.mean(drawn == 8) - 0.75) < 0.03 and set(drawn.tolist()) == {1, 8}
+  with pytest.raises(ValueError, match=r'task_weights: expected 10 weights >= 0'):
+    code_env.assign(10, 4, 0, 1, None, np.zeros(10))
+  with pytest.raises(ValueError, match=r'task_weights: expected 10 weights >= 0'):
+    code_env.assign(10, 4, 0, 1, None, np.ones(3))
 
 
 def test_a_sandbox_failure_propagates():

@@ -110,3 +110,34 @@ def test_code_on_two_processes_equals_one_and_each_runs_its_own_programs(tmp_pat
   total = sum(r['env/programs'] for r in ref['rows'])
   assert ref['programs_run'] == total == sum(p['programs_run'] for p in two)
   assert all(0 < p['programs_run'] < total for p in two)
+
+
+@pytest.mark.multiprocess
+def test_the_curriculum_on_two_processes_equals_one_and_resumes(tmp_path):
+  """Groups of 2 whose tasks the curriculum draws: 2 processes x 4 devices play the same tasks
+  to the same metrics as one process (every process draws from the same counts), and a run
+  resumed from step 2's checkpoint continues as the uninterrupted one (the counts are saved)."""
+  ref = mp_bodies.code_trainer_run(str(tmp_path / 'one'), steps=3, curriculum=True)
+  rows = [r for r in ref['rows'] if 'loss/loss' in r]
+  seen = [r['curriculum/tasks_seen'] for r in rows]
+  # 4 groups a step, each on a task drawn by weight: tasks not played yet weigh the most.
+  assert len(seen) == 3 and seen[0] <= 4 and seen[0] < seen[1] < seen[2] <= 12, seen
+  assert all(r['curriculum/effective_tasks'] > 0 for r in rows)
+  kwargs = {'workdir': str(tmp_path / 'two'), 'steps': 2, 'curriculum': True, 'checkpoint_every': 1}
+  multiprocess.run(
+    'earl_jax.testing.mp_bodies:code_trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs=kwargs,
+  )
+  two = multiprocess.run(
+    'earl_jax.testing.mp_bodies:code_trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={**kwargs, 'steps': 3, 'resume': True},
+  )
+  _compare(two[0]['rows'], ref['rows'])
+  for a, b in zip(two[0]['rows'], ref['rows']):
+    assert {k: v for k, v in a.items() if k.startswith('curriculum/')} == {
+      k: v for k, v in b.items() if k.startswith('curriculum/')
+    }
