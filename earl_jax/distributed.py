@@ -514,3 +514,31 @@ def gather_rows(values: Any, held: Any) -> Any:
     raise ValueError(f'gather_rows: rows {missing} are held by no process.')
   first = np.argmax(all_held, axis=0)  # [B]
   return all_values[first, np.arange(values.shape[0])]
+
+
+def allgather_bytes(data: bytes) -> list[bytes]:
+  """Every process's `data`, in process order (each process passes its own, any length)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return [data]
+  size = np.array([len(data)], np.int64)
+  sizes = np.asarray(multihost_utils.process_allgather(size)).reshape(-1)
+  buf = np.zeros(max(int(sizes.max()), 1), np.uint8)
+  buf[: len(data)] = np.frombuffer(data, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+  return [every[p, : int(n)].tobytes() for p, n in enumerate(sizes)]
+
+
+def row_holders(held: Any) -> Any:
+  """bool [P, B]: which processes hold each row of a batch (`held`: bool [B], this process's)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  held = np.asarray(held, bool)
+  if jax.process_count() == 1:
+    return held[None]
+  return np.asarray(multihost_utils.process_allgather(held)).reshape(-1, held.shape[0])

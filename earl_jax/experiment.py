@@ -92,8 +92,8 @@ class ExperimentConfig:
       advantage is 0 on each of their tokens), up to this many more rollouts of the step, with
       other seeds, replace them by groups that did not; the batch keeps its size, and what is
       still flat after the last round stays in it. Logged as sampling/rounds, dropped_groups,
-      flat_left, sampled_flat_rate and extra_rollout_s. Needs rollout.group_size >= 2; 0 (the
-      default): off.
+      flat_left, sampled_flat_rate, extra_rollout_s and moved_episodes (those a process received
+      from another). Needs rollout.group_size >= 2; 0 (the default): off.
     curriculum: the online task curriculum of the code tasks (`envs.curriculum`): each step's
       tasks drawn by their recent pass rate, the tasks the policy sometimes solves the most
       (`--config.curriculum.enabled=true`); logged as curriculum/tasks_seen, solved_share,

@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jaxtyping import Bool, Float, Float32, Int, Int32
+from jaxtyping import Bool, Float, Float32, Int32
 
 from earl_jax import distributed
 from earl_jax.rl.batch import Batch
@@ -131,56 +131,69 @@ class Trajectories:
         out[i, lo:hi] = np.where(self.loss_mask[i, lo:hi], reward_to_go, 0.0)
     return out
 
+  def episode(self, i: int) -> dict:
+    """Row `i`'s episode, on its own (its tokens cut at its length): what `assemble` takes, and
+    what one process hands another (`rollout.dynamic_sampling`)."""
+    n = int(self.lengths[i])
+    return {
+      'tokens': self.tokens[i, :n].copy(),
+      'loss_mask': self.loss_mask[i, :n].copy(),
+      'logprobs': self.logprobs[i, :n].copy(),
+      'return': float(self.returns[i]),
+      'turn_rewards': list(self.turn_rewards[i]),
+      'turn_starts': list(self.turn_starts[i]),
+      'turn_tokens': list(self.turn_tokens[i]),
+      'outcome': self.outcomes[i],
+      'thoughts': int(self.thoughts[i]),
+      'episode_seconds': float(self.episode_seconds[i]),
+      'env_stats': {name: float(values[i]) for name, values in self.env_stats.items()},
+    }
+
   @classmethod
-  def pick(
-    cls, sources: 'list[Trajectories]', picks: Int[np.ndarray, 'B 2'], *, group_size: int
+  def assemble(
+    cls, episodes: list[dict], sources: 'list[Trajectories]', *, group_size: int
   ) -> 'Trajectories':
-    """This process's rows taken from several rollouts of its rows (dynamic sampling): row i is
-    row `picks[i, 1]` (a local index) of `sources[picks[i, 0]]`; each row keeps the position
-    (`row_ids`) of the first source's row i, and its group is its position's (// group_size).
-    The tokens are right-padded with 0 past each episode's length (as `to_batch` pads). The
-    rollout's timings and statistics cover every source: timings and cache buckets in all, the
-    schedule's statistics averaged; `generated_tokens` counts the rows taken."""
+    """This process's rows from `episodes` (`episode` records, one per row of `sources[0]`, in
+    its order), e.g. taken from several rollouts of the step (dynamic sampling): each keeps the
+    position (`row_ids`) of `sources[0]`'s row, and its group is its position's
+    (// group_size). The tokens are right-padded with 0 past each episode's length (as
+    `to_batch` pads). The rollout's timings and statistics cover every source: timings and cache
+    buckets in all, the schedule's statistics averaged; `generated_tokens` counts the rows."""
     first = sources[0]
-    if any(not np.array_equal(s.row_ids, first.row_ids) for s in sources):
-      raise ValueError('Trajectories.pick: the sources hold different rows of the batch.')
-    picks = np.asarray(picks)
-    rows = [(sources[k], int(i)) for k, i in picks]
-    lengths = np.array([s.lengths[i] for s, i in rows], np.int32)
-    T = max(1, int(lengths.max(initial=0)))
-    tokens = np.zeros((len(rows), T), np.int32)
-    loss_mask = np.zeros((len(rows), T), bool)
-    logprobs = np.zeros((len(rows), T), np.float32)
-    for j, (s, i) in enumerate(rows):
-      n = int(s.lengths[i])
-      tokens[j, :n], loss_mask[j, :n], logprobs[j, :n] = (
-        s.tokens[i, :n],
-        s.loss_mask[i, :n],
-        s.logprobs[i, :n],
+    if len(episodes) != first.num_episodes:
+      raise ValueError(
+        f'Trajectories.assemble: {len(episodes)} episodes for {first.num_episodes} rows.'
       )
-    take = lambda name: np.array([getattr(s, name)[i] for s, i in rows])  # noqa: E731
+    lengths = np.array([len(e['tokens']) for e in episodes], np.int32)
+    T = max(1, int(lengths.max(initial=0)))
+    tokens = np.zeros((len(episodes), T), np.int32)
+    loss_mask = np.zeros((len(episodes), T), bool)
+    logprobs = np.zeros((len(episodes), T), np.float32)
+    for j, e in enumerate(episodes):
+      n = lengths[j]
+      tokens[j, :n], loss_mask[j, :n], logprobs[j, :n] = e['tokens'], e['loss_mask'], e['logprobs']
     stats = {k: float(np.mean([s.rollout_stats[k] for s in sources])) for k in first.rollout_stats}
     return cls(
       tokens=tokens,
       loss_mask=loss_mask,
       logprobs=logprobs,
       lengths=lengths,
-      returns=take('returns').astype(np.float32),
+      returns=np.array([e['return'] for e in episodes], np.float32),
       group_ids=(first.row_ids // group_size).astype(np.int32),
-      turn_rewards=[list(s.turn_rewards[i]) for s, i in rows],
-      turn_starts=[list(s.turn_starts[i]) for s, i in rows],
-      turn_tokens=[list(s.turn_tokens[i]) for s, i in rows],
-      outcomes=[s.outcomes[i] for s, i in rows],
+      turn_rewards=[e['turn_rewards'] for e in episodes],
+      turn_starts=[e['turn_starts'] for e in episodes],
+      turn_tokens=[e['turn_tokens'] for e in episodes],
+      outcomes=[e['outcome'] for e in episodes],
       generated_tokens=int(loss_mask.sum()),
       cache_buckets=sorted({b for s in sources for b in s.cache_buckets}),
       timings={k: float(sum(s.timings.get(k, 0.0) for s in sources)) for k in first.timings},
       row_ids=first.row_ids.copy(),
       batch_rows=first.batch_rows,
-      thoughts=take('thoughts').astype(np.int32),
-      episode_seconds=take('episode_seconds').astype(np.float32),
+      thoughts=np.array([e['thoughts'] for e in episodes], np.int32),
+      episode_seconds=np.array([e['episode_seconds'] for e in episodes], np.float32),
       rollout_stats=stats,
       env_stats={
-        name: np.array([s.env_stats[name][i] for s, i in rows]) for name in first.env_stats
+        name: np.array([e['env_stats'][name] for e in episodes]) for name in first.env_stats
       },
     )
 

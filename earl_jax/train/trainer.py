@@ -261,7 +261,6 @@ class Trainer:
         play,
         rounds=cfg.dynamic_sampling_rounds,
         group_size=cfg.rollout.group_size,
-        rows=self.placement.layout(decision.config).shardings().valid,
         shaping=self._overlong,
       )
       traj, episodes, sampling = filled.traj, filled.episodes, filled.record()

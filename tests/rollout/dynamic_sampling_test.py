@@ -1,16 +1,10 @@
 """Dynamic sampling: which groups are flat, which rows replace them, the batch that results."""
 
-import jax
 import numpy as np
 import pytest
 
 from earl_jax.rollout import dynamic_sampling
 from earl_jax.rollout.trajectories import Trajectories
-
-# Every row on one device: every group can take any other's place.
-_ONE_DEVICE = jax.sharding.NamedSharding(
-  jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',)), jax.sharding.PartitionSpec()
-)
 
 
 def _round(returns, *, seed: int, group_size: int = 2, env_stats: bool = True) -> Trajectories:
@@ -43,50 +37,27 @@ def _round(returns, *, seed: int, group_size: int = 2, env_stats: bool = True) -
   )
 
 
-def test_flat_groups_signatures_and_assign():
+def test_flat_groups_assign_and_sources():
   assert dynamic_sampling.flat_groups(np.array([1, 1, 0, 1, 0.5, 0.5]), 2).tolist() == [
     True,
     False,
     True,
   ]
-  # Device 0 holds rows 0-3, device 1 rows 4-7 and row 3 too: group 1 is held differently.
-  holders = np.zeros((2, 8), bool)
-  holders[0, :4] = holders[1, 4:] = holders[1, 3] = True
-  sigs = dynamic_sampling.signatures(holders, 2)
-  assert sigs[2] == sigs[3] != sigs[0] != sigs[1]
-  # Slots 0, 2 and 3 are flat; the new round's groups 0 and 3 are informative: slot 0 takes
-  # group 0 (the only one with its signature), slot 2 takes group 3, slot 3 stays open.
-  filled, left = dynamic_sampling.assign([0, 2, 3], np.array([False, False, True, False]), sigs)
-  assert filled == {0: 0, 2: 3} and left == [3]
-  # Group 1 of the new round is not flat, but nothing open has its signature.
-  assert dynamic_sampling.assign([1], np.array([True, False, True, True]), sigs) == ({1: 1}, [])
+  # Slots 0, 2 and 3 are flat; the new round's groups 1 and 3 are not: slot 0 takes group 1,
+  # slot 2 group 3, slot 3 stays open.
+  filled, left = dynamic_sampling.assign([0, 2, 3], np.array([True, False, True, False]))
+  assert filled == {0: 1, 2: 3} and left == [3]
+  assert dynamic_sampling.assign([1], np.array([True, True])) == ({}, [1])
+  # Rows 4-7 (slots 2 and 3, groups of 2): slot 2 takes round 1's group 0.
+  plan = np.array([[0, 0], [0, 1], [1, 0], [0, 3]])
+  assert dynamic_sampling.sources(plan, [4, 5, 6, 7], 2) == [(1, 0), (1, 1), (0, 6), (0, 7)]
 
 
-def test_row_devices_on_a_layout():
-  """16 rows on dp4.tp2: each dp rank's 4 rows on its 2 tensor devices; groups of 2 in the same
-  rank share a signature, and only those."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  from earl_jax.config import ParallelConfig
-  from earl_jax.rl.batch import Batch
-  from earl_jax.sharding import mesh as mesh_lib
-
-  mesh = mesh_lib.make_mesh(ParallelConfig.parse('dp4.tp2'))
-  rows = Batch.shardings(mesh).valid
-  holders = dynamic_sampling.row_devices(rows, 16)
-  assert holders.shape == (8, 16) and holders.sum(axis=0).tolist() == [2] * 16
-  sigs = dynamic_sampling.signatures(holders, 2)
-  assert [sigs.index(s) for s in sigs] == [0, 0, 2, 2, 4, 4, 6, 6]
-  replicated = dynamic_sampling.row_devices(NamedSharding(mesh, P()), 16)
-  assert replicated.all()
-
-
-def test_pick_takes_rows_from_several_rounds_in_place():
+def test_assemble_takes_episodes_from_several_rounds_in_place():
   first, second = _round([1, 1, 0, 1], seed=0), _round([0, 1, 1, 1], seed=1)
-  # Row 0 and 1 (group 0, flat) from the second round's rows 0 and 1; rows 2, 3 kept.
-  picks = np.array([[1, 0], [1, 1], [0, 2], [0, 3]])
-  out = Trajectories.pick([first, second], picks, group_size=2)
+  # Rows 0 and 1 (group 0, flat) from the second round's rows 0 and 1; rows 2, 3 kept.
+  taken = [second.episode(0), second.episode(1), first.episode(2), first.episode(3)]
+  out = Trajectories.assemble(taken, [first, second], group_size=2)
   assert out.lengths.tolist() == [3, 4, 4, 2]
   assert out.tokens.shape == (4, 4)
   assert out.tokens[0].tolist() == [100, 100, 100, 0] and out.tokens[2].tolist() == [2] * 4
@@ -100,9 +71,8 @@ def test_pick_takes_rows_from_several_rounds_in_place():
   assert out.generated_tokens == 4 and out.cache_buckets == [8, 16]
   assert out.timings == {'generate_s': 2.0, 'env_s': 1.0, 'host_s': 0.0}
   assert out.rollout_stats == {'slot_occupancy': pytest.approx(0.55)}
-  other = _round([0, 1], seed=1)
-  with pytest.raises(ValueError, match='different rows'):
-    Trajectories.pick([first, other], picks[:2], group_size=2)
+  with pytest.raises(ValueError, match='3 episodes for 4 rows'):
+    Trajectories.assemble(taken[:3], [first, second], group_size=2)
 
 
 def test_fill_replaces_flat_groups_until_the_rounds_run_out():
@@ -115,7 +85,7 @@ def test_fill_replaces_flat_groups_until_the_rounds_run_out():
     played.append(k)
     return _round(rounds[k], seed=k)
 
-  filled = dynamic_sampling.fill(play, rounds=3, group_size=2, rows=_ONE_DEVICE)
+  filled = dynamic_sampling.fill(play, rounds=3, group_size=2)
   assert played == [0, 1, 2]  # no fourth round: nothing is flat after the third
   traj = filled.traj
   assert traj.returns.tolist() == [0, 1, 0, 1, 0, 1, 1, 0]
@@ -128,15 +98,13 @@ def test_fill_replaces_flat_groups_until_the_rounds_run_out():
 
   # One extra round allowed: slot 2 stays flat in the batch.
   played.clear()
-  filled = dynamic_sampling.fill(play, rounds=1, group_size=2, rows=_ONE_DEVICE)
+  filled = dynamic_sampling.fill(play, rounds=1, group_size=2)
   assert played == [0, 1] and (filled.dropped, filled.flat_left) == (1, 1)
   assert filled.episodes.group_stats()['flat_rate'] == 0.25
 
   # Nothing flat: one round, the rollout's own trajectories.
   played.clear()
-  only = dynamic_sampling.fill(
-    lambda k: _round([0, 1, 1, 0], seed=k), rounds=3, group_size=2, rows=_ONE_DEVICE
-  )
+  only = dynamic_sampling.fill(lambda k: _round([0, 1, 1, 0], seed=k), rounds=3, group_size=2)
   assert only.rounds == 1 and only.dropped == only.flat_left == 0
 
 
@@ -147,7 +115,6 @@ def test_shaping_decides_flatness():
     lambda k: first,
     rounds=2,
     group_size=2,
-    rows=_ONE_DEVICE,
     shaping=lambda lengths: -0.1 * lengths,
   )
   assert filled.rounds == 1 and filled.sampled_flat == 0

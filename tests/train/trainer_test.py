@@ -349,8 +349,9 @@ def test_two_processes_equal_one_and_resume_there(tmp_path):
 def test_dynamic_sampling_and_gspo_on_two_processes_equal_one(tmp_path):
   """Groups of 2 with dynamic sampling (up to 2 more rounds a step) and GSPO's per-episode
   ratio on packed rows, on 2 processes x 4 devices, equal the same seed's run on 8 devices:
-  every process replaces the same flat groups from the same rounds, with the rows it holds. The
-  rounds ran, and the trained batch holds no more flat groups than the first round had."""
+  every process replaces the same flat groups from the same rounds, and receives the episodes
+  of a group another process played. The rounds ran, and the trained batch holds no more flat
+  groups than the first round had."""
   kwargs = {
     'steps': 2,
     'resume': False,
@@ -368,15 +369,17 @@ def test_dynamic_sampling_and_gspo_on_two_processes_equal_one(tmp_path):
   rows = two[0]['rows']
   _compare(rows, ref['rows'])
   steps = rows[1:]
+  local = ('sampling/extra_rollout_s', 'sampling/moved_episodes')
   for r, b in zip(steps, ref['rows'][1:]):
-    assert {
-      k: v for k, v in r.items() if k.startswith('sampling/') and k != 'sampling/extra_rollout_s'
-    } == {
-      k: v for k, v in b.items() if k.startswith('sampling/') and k != 'sampling/extra_rollout_s'
+    assert {k: v for k, v in r.items() if k.startswith('sampling/') and k not in local} == {
+      k: v for k, v in b.items() if k.startswith('sampling/') and k not in local
     }
+    assert b['sampling/moved_episodes'] == 0  # one process holds every row
     assert r['groups/count'] == 4 and r['groups/flat_rate'] * 4 == r['sampling/flat_left']
     assert r['groups/flat_rate'] <= r['sampling/sampled_flat_rate']
   assert any(r['sampling/rounds'] > 1 and r['sampling/dropped_groups'] > 0 for r in steps)
+  # A flat group's rows on one process took a group the other played: its episodes moved.
+  assert any(r['sampling/moved_episodes'] > 0 for r in steps)
   assert all(r['time/resample_s'] > 0 for r in steps if r['sampling/rounds'] > 1)
 
 
