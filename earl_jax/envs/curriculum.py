@@ -2,9 +2,11 @@
 were, so that the batch goes to the tasks the policy sometimes solves.
 
 A group-relative advantage teaches nothing on a task whose episodes all pass or all fail (the
-warm start's memorised tasks, the tasks out of its reach). Per task, the curriculum keeps
-exponentially decayed counts of its episodes and of those that passed (outcome 'win'), and its
-pass rate p = (passes + prior) / (episodes + 2 prior) (a task never played reads 1/2). A task is
+warm start's memorised tasks, the tasks out of its reach). Per task, the curriculum keeps counts
+of its episodes and of those that passed (outcome 'win'), decayed by `memory` each time the task
+is played again (a task comes back after dozens of steps when there are hundreds: a decay per
+step would forget it in between), and its pass rate p = (passes + prior) / (episodes + 2 prior)
+(a task never played reads 1/2). A task is
 drawn with weight floor + (1 - floor) x 4 p (1 - p): the Bernoulli variance of its reward,
 largest at p = 1/2, the online difficulty filtering of PRIME and Polaris made soft, so that a
 task the policy solves every time is still drawn now and then (and re-weighed if it regresses).
@@ -36,15 +38,16 @@ class CurriculumConfig:
   Attributes:
     enabled: draw each step's tasks by their recent pass rate (off: the seed's shuffle plays
       every task in turn).
-    memory: what a step's counts keep of the earlier ones, in (0, 1] (1: every episode alike).
+    memory: what a task's counts keep of its earlier episodes each time it is played again, in
+      (0, 1] (1: every episode alike): the policy moves, so its latest episodes count more.
     prior: the pseudo-episodes that pass, and that fail, of every task (> 0): a task never
-      played reads 1/2.
+      played reads 1/2, one whose 4 episodes all passed 0.9 (with 0.5).
     floor: the least weight of a task, relative to one that passes half the time, in (0, 1].
   """
 
   enabled: bool = False
-  memory: float = 0.9
-  prior: float = 1.0
+  memory: float = 0.5
+  prior: float = 0.5
   floor: float = 0.05
 
   def __post_init__(self):
@@ -80,15 +83,16 @@ class Curriculum:
     return floor + (1 - floor) * 4 * p * (1 - p)
 
   def update(self, task_ids: Int[np.ndarray, ' B'], passed: Bool[np.ndarray, ' B']) -> None:
-    """Decays every task's counts by `memory`, then counts the step's episodes."""
+    """Decays the counts of the tasks the step played by `memory`, then counts its episodes."""
     task_ids = np.asarray(task_ids, np.int64)
     if task_ids.size and not 0 <= task_ids.min() <= task_ids.max() < self.num_tasks:
       raise ValueError(
         f'Curriculum.update: task ids in [{task_ids.min()}, {task_ids.max()}], expected ids '
         f'of the {self.num_tasks} tasks.'
       )
-    self.episodes *= self.config.memory
-    self.passes *= self.config.memory
+    played = np.unique(task_ids)
+    self.episodes[played] *= self.config.memory
+    self.passes[played] *= self.config.memory
     np.add.at(self.episodes, task_ids, 1.0)
     np.add.at(self.passes, task_ids, np.asarray(passed, np.float64))
 
