@@ -1,0 +1,118 @@
+"""A project's tests run in the sandbox, each test's outcome read back, and a bug kept or not by
+what it changes (SWE-bench's FAIL_TO_PASS and PASS_TO_PASS).
+
+The project's files go into the sandbox's fresh directory; pytest runs there with an
+interpreter that has it (a per-project virtualenv outside /tmp: the sandbox empties /tmp), from
+a small runner (`RUNNER`) that records every test's outcome with a pytest plugin and prints
+them last, as one JSON line after a marker, so that the sandbox's capped output (head and tail)
+keeps them.
+
+  run = testrun.run_tests(box, files, python='.earl_cache/swe/venvs/toolz/bin/python',
+                          paths=('toolz/tests',))
+  run.outcomes               # {'toolz/tests/test_x.py::test_y': 'passed', ...}
+  testrun.judge(baseline.outcomes, run.outcomes)   # Judgement(fail_to_pass, pass_to_pass) or None
+"""
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+
+from earl_jax.sandbox import Sandbox
+
+MARKER = '@@earl-test-outcomes@@'
+RUNNER_FILE = '_earl_run_tests.py'
+# Runs pytest on argv[1:] and prints {test id: outcome} last (the call phase's outcome, or the
+# setup's when it did not pass: an error).
+RUNNER = f"""import json, sys
+import pytest
+
+outcomes = {{}}
+
+
+class Record:
+  def pytest_runtest_logreport(self, report):
+    if report.when == 'call' or (report.when == 'setup' and not report.passed):
+      outcome = report.outcome if report.when == 'call' else 'error'
+      if report.when == 'setup' and report.skipped:
+        outcome = 'skipped'
+      outcomes[report.nodeid] = outcome
+
+
+code = pytest.main(['-q', '-p', 'no:cacheprovider', '--no-header', *sys.argv[1:]], plugins=[Record()])
+print()
+print({MARKER!r} + json.dumps(outcomes, sort_keys=True))
+sys.exit(int(code))
+"""
+
+
+class TestRunError(RuntimeError):
+  """The tests could not be run, or their outcomes not read (not a failing test: a broken run)."""
+
+  __test__ = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TestRun:
+  """One run of a project's tests: each test's outcome ('passed', 'failed', 'error',
+  'skipped'), pytest's exit code, and its seconds."""
+
+  __test__ = False
+
+  outcomes: dict[str, str]
+  exit_code: int | None
+  seconds: float
+
+  @property
+  def passed(self) -> set[str]:
+    return {t for t, o in self.outcomes.items() if o == 'passed'}
+
+
+def run_tests(
+  box: Sandbox,
+  files: Mapping[str, str],
+  *,
+  python: str,
+  paths: Sequence[str],
+  timeout_s: float = 300.0,
+) -> TestRun:
+  """Runs pytest on `paths` over `files` in the sandbox with the interpreter `python`.
+
+  Raises:
+    TestRunError: the run timed out, or printed no outcomes (pytest missing, a crash).
+  """
+  result = box.run_command(
+    {**files, RUNNER_FILE: RUNNER}, [python, RUNNER_FILE, *paths], timeout_s=timeout_s
+  )
+  if result.timed_out:
+    raise TestRunError(f'the tests of {list(paths)} ran past {timeout_s:.0f} s')
+  line = next((x for x in reversed(result.output.splitlines()) if x.startswith(MARKER)), None)
+  if line is None:
+    raise TestRunError(
+      f'the tests of {list(paths)} reported no outcomes (exit code {result.exit_code}): '
+      f'{result.output[-300:]!r}'
+    )
+  return TestRun(json.loads(line[len(MARKER) :]), result.exit_code, result.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+  """What a bug does to the tests that passed without it: those that fail with it
+  (FAIL_TO_PASS once it is fixed) and those that still pass (PASS_TO_PASS)."""
+
+  fail_to_pass: tuple[str, ...]
+  pass_to_pass: tuple[str, ...]
+
+
+def judge(baseline: Mapping[str, str], buggy: Mapping[str, str]) -> Judgement | None:
+  """The bug's judgement, or None when it is not kept: no test that passed at baseline fails
+  with it, or one disappears (a broken import hides tests), or a test that did not pass at
+  baseline now does (the bug is entangled with a flaky or broken test)."""
+  passed = {t for t, o in baseline.items() if o == 'passed'}
+  if not passed or not passed <= set(buggy):
+    return None
+  if any(buggy.get(t) == 'passed' for t in baseline if t not in passed):
+    return None
+  broken = tuple(sorted(t for t in passed if buggy[t] != 'passed'))
+  if not broken:
+    return None
+  return Judgement(broken, tuple(sorted(passed - set(broken))))
