@@ -178,7 +178,7 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
   out = []
   for name in ('body', 'orelse', 'finalbody'):
     block = getattr(node, name, None)
-    if block:
+    if isinstance(block, list) and block:  # a lambda's or an if-expression's is an expression
       out.append(block)
   for handler in getattr(node, 'handlers', ()):
     out.append(handler.body)

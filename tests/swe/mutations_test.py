@@ -106,3 +106,11 @@ def test_an_edit_that_changes_nothing_is_not_a_site():
   assert mutations.apply(same, site) == 'def f(x):\n    return x != x\n'
   with pytest.raises(SyntaxError):
     mutations.sites('def f(:\n')
+
+
+def test_lambdas_and_if_expressions_have_no_blocks():
+  """Their `body` is an expression, not a block of statements (found on toolz's itertoolz.py)."""
+  src = 'def f(xs, k):\n    key = lambda x: x[k]\n    return sorted(xs, key=key) if xs else []\n'
+  found = {(s.kind, s.line) for s in mutations.sites(src)}
+  assert ('remove_statement', 2) in found and ('early_return', 3) in found
+  assert all(mutations.apply(src, s) != src for s in mutations.sites(src))
