@@ -102,7 +102,8 @@ class Curriculum:
     exponential of their entropy)."""
     seen = self.episodes > 0
     p = self.pass_rates()
-    w = self.weights() / self.weights().sum()
+    w = self.weights()
+    w = w / w.sum()
     entropy = -float(np.sum(w * np.log(w)))
     n = max(int(seen.sum()), 1)
     return {
