@@ -218,11 +218,19 @@ class ExperimentConfig:
         f'{type(self.curriculum).__name__}.'
       )
     task = getattr(self.env, 'task', None)
-    if self.curriculum.enabled and task not in ('functions', 'humaneval'):
+    if self.curriculum.enabled and task not in ('functions', 'humaneval', 'swe'):
       raise ConfigError(
         f'curriculum.enabled draws code tasks by their pass rate; env {task or "game"!r} has '
-        "none: expected a CodeEnvConfig with task 'functions' or 'humaneval'."
+        "none: expected a CodeEnvConfig with task 'functions', 'humaneval' or 'swe'."
       )
+    for field in ('env', 'eval_env'):
+      env = getattr(self, field)
+      if getattr(env, 'tool_format', 'plain') == 'qwen' and self.model_dir is None:
+        raise ConfigError(
+          f"{field}.tool_format='qwen' writes Qwen2.5's tool calls through its chat template, "
+          f'but model_dir is None (tokenizer {self.tokenizer!r}); expected a Qwen2.5 model '
+          "directory, or tool_format='plain'."
+        )
     if self.pack and self.loss.aggregation != 'token':
       raise ConfigError(
         f"ExperimentConfig.pack needs loss.aggregation='token' (a packed row holds several "

@@ -171,15 +171,18 @@ class EnvConfig:
     return dataclasses.replace(self, **changes)
 
 
-CodeTaskName = Literal['functions', 'humaneval', 'repo_repair']
+CodeTaskName = Literal['functions', 'humaneval', 'repo_repair', 'swe']
+ToolFormat = Literal['plain', 'qwen']
 CodeSplit = Literal['train', 'heldout']
 CodeReward = Literal['fraction', 'all']
 
 CODE_TASKS: tuple[str, ...] = get_args(CodeTaskName)
 CODE_SPLITS: tuple[str, ...] = get_args(CodeSplit)
 CODE_REWARDS: tuple[str, ...] = get_args(CodeReward)
+TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
+SWE_FORMATS = ('earl', 'swebench', 'swesmith')  # earl_jax.swe.instances.FORMATS
 # Agent turns of an episode when `CodeEnvConfig.max_turns` is None.
-DEFAULT_CODE_TURNS = {'functions': 1, 'humaneval': 1, 'repo_repair': 8}
+DEFAULT_CODE_TURNS = {'functions': 1, 'humaneval': 1, 'repo_repair': 8, 'swe': 12}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,8 +194,9 @@ class CodeEnvConfig:
 
   Attributes:
     task: 'functions' (the generated one-line functions of `code_tasks`, for the tiny model),
-      'humaneval' (the 164 HumanEval problems) or 'repo_repair' (fix a planted bug in a small
-      generated repository with text tools; `repo_repair`).
+      'humaneval' (the 164 HumanEval problems), 'repo_repair' (fix a planted bug in a small
+      generated repository with text tools; `repo_repair`) or 'swe' (fix a bug in a real
+      project, from `swe_tasks`, with tools; `swe_env`).
     split: the generated tasks played: 'train' or 'heldout' (disjoint; 'functions' and
       'repo_repair'; HumanEval has one set of 164 and ignores it).
     split_seed: the shuffle that splits the generated tasks; the same seed, the same split.
@@ -212,7 +216,20 @@ class CodeEnvConfig:
     feedback_chars: each feedback line is cut to this many characters.
     output_chars: the characters of a command's output kept ('repo_repair': half from the head,
       half from the tail).
-    sandbox: the limits and workers of the sandbox that runs the programs.
+    sandbox: the limits and workers of the sandbox that runs the programs ('swe' raises each
+      limit to what a project's test suite needs: `swe_env.suite_sandbox`).
+    swe_tasks: 'swe': the instances' JSONL (built by experiments/build_swe_tasks.py; the trees
+      in `repos/` beside it, or `swe_repos`).
+    swe_format: 'swe': the JSONL's format, 'earl' (ours), 'swebench' (SWE-bench, SWE-Gym,
+      R2E-Gym) or 'swesmith' (`earl_jax.swe.instances`); check foreign instances first with
+      experiments/swe_agents.py.
+    swe_repos: 'swe': the directory of the repositories ('' = `repos/` beside `swe_tasks`).
+    swe_python: 'swe': the interpreter that runs the tests ('' = a virtualenv with each
+      instance's requirements, made once under `swe_cache`).
+    swe_cache: 'swe': where those virtualenvs are cached (not under /tmp, which the sandbox
+      hides).
+    tool_format: 'swe': how replies call tools: 'plain' commands or 'qwen' (Qwen2.5's
+      <tool_call> JSON; the tools are declared in the system prompt).
   """
 
   task: CodeTaskName = 'functions'
@@ -227,9 +244,19 @@ class CodeEnvConfig:
   feedback_chars: int = 200
   output_chars: int = 1200
   sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+  swe_tasks: str = 'runs/swe_tasks/instances.jsonl'
+  swe_format: str = 'earl'
+  swe_repos: str = ''
+  swe_python: str = ''
+  swe_cache: str = '.earl_cache/swe/venvs'
+  tool_format: ToolFormat = 'plain'
 
   def __post_init__(self):
-    for field, known in (('task', CODE_TASKS), ('split', CODE_SPLITS), ('reward', CODE_REWARDS)):
+    checks = (
+      ('task', CODE_TASKS), ('split', CODE_SPLITS), ('reward', CODE_REWARDS),
+      ('tool_format', TOOL_FORMATS), ('swe_format', SWE_FORMATS),
+    )  # fmt: skip
+    for field, known in checks:
       value = getattr(self, field)
       if value not in known and not (field == 'reward' and value is None):
         raise ConfigError(
@@ -257,6 +284,11 @@ class CodeEnvConfig:
     if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 < fraction < 1:
       raise ConfigError(f'CodeEnvConfig.heldout_fraction must be in (0, 1), got {fraction!r}.')
     check_float32(self, 'invalid_reward')
+    for field in ('swe_tasks', 'swe_repos', 'swe_python', 'swe_cache'):
+      if not isinstance(getattr(self, field), str):
+        raise ConfigError(f'CodeEnvConfig.{field} must be a str, got {getattr(self, field)!r}.')
+    if self.task == 'swe' and not self.swe_tasks:
+      raise ConfigError('CodeEnvConfig.swe_tasks is empty: expected the instances JSONL.')
     if not isinstance(self.sandbox, SandboxConfig):
       raise ConfigError(f'CodeEnvConfig.sandbox must be a SandboxConfig, got {self.sandbox!r}.')
 

@@ -299,6 +299,22 @@ class CodeEpisodes(base.TextEnv):
     active = np.flatnonzero(~self._done).tolist()
     return np.zeros(n, np.float32), [''] * n, infos, active
 
+  def _end_step(
+    self,
+    active: Sequence[int],
+    observations: list[str],
+    rewards: np.ndarray,
+    infos: list[base.CodeStepInfo],
+  ) -> base.StepResult:
+    """The step's result, once each active episode's facts, turn and end are recorded."""
+    for i in active:
+      self._last[i] = infos[i]
+      self._turns[i] += 1
+      self._done[i] = self._outcomes[i] is not None
+    return base.StepResult(
+      observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
+    )
+
 
 class CodeEnv(CodeEpisodes):
   """B episodes of writing a function (see the module docstring)."""
@@ -388,12 +404,7 @@ class CodeEnv(CodeEpisodes):
     for i in active:
       if self._outcomes[i] == 'invalid':
         infos[i] = self._info(i)
-      self._last[i] = infos[i]
-      self._turns[i] += 1
-      self._done[i] = self._outcomes[i] is not None
-    return base.StepResult(
-      observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
-    )
+    return self._end_step(active, observations, rewards, infos)
 
   def _judge(self, i: int, verdict: Verdict) -> tuple[str, float, base.CodeStepInfo]:
     """The observation, reward and info of episode i's attempt judged by `verdict`."""

@@ -18,6 +18,7 @@ from earl_jax.envs import (
   connect_four,
   opponents,
   repo_repair,
+  swe_env,
   tic_tac_toe,
 )
 from earl_jax.errors import ConfigError
@@ -33,6 +34,7 @@ ENV_CLASSES: dict[str, type[base.TextEnv]] = {
   'functions': code_env.CodeEnv,
   'humaneval': code_env.CodeEnv,
   'repo_repair': repo_repair.RepoRepairEnv,
+  'swe': swe_env.SWEEnv,
 }
 
 

@@ -389,13 +389,7 @@ class RepoRepairEnv(code_env.CodeEpisodes):
       rewards[i] = config.reward_of(passed, total)
       observations[i] = f'passed {passed}/{total} hidden tests\n'
       infos[i] = self._info(i, status=verdict.status, passed=passed, total=total)
-    for i in active:
-      self._last[i] = infos[i]
-      self._turns[i] += 1
-      self._done[i] = self._outcomes[i] is not None
-    return base.StepResult(
-      observations=observations, rewards=rewards, dones=self._done.copy(), infos=infos
-    )
+    return self._end_step(active, observations, rewards, infos)
 
   def _command(self, reply: object) -> tuple | None:
     """A parsed command ('view', file, a, b) / ('replace', file, a, b, lines) / ('run',) /

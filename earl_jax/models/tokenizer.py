@@ -48,6 +48,27 @@ IM_END = '<|im_end|>'
 ENDOFTEXT = '<|endoftext|>'
 # The system message the Qwen2.5-Instruct chat template adds when a conversation has none.
 QWEN_DEFAULT_SYSTEM_PROMPT = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.'
+# What the Qwen2.5 chat template writes around the declared tools (`qwen_tool_system_prompt`).
+_QWEN_TOOLS_HEAD = (
+  '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'
+  'You are provided with function signatures within <tools></tools> XML tags:\n<tools>'
+)
+_QWEN_TOOLS_TAIL = (
+  '\n</tools>\n\nFor each function call, return a json object with function name and '
+  'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+  '<function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def qwen_tool_system_prompt(tools: Sequence[dict], system: str | None = None) -> str:
+  """The system message Qwen2.5's chat template writes when `tools` (OpenAI function schemas)
+  are declared: `system` (None: Qwen's default), then each tool as JSON (transformers'
+  `tojson`: `json.dumps` without ASCII escaping), then how to call one. With it as
+  `HFTokenizer`'s system prompt, a reply `<tool_call>...</tool_call>` and the next observation
+  `<tool_response>\n...\n</tool_response>` render as the template renders an assistant's
+  tool call and a tool message (tests/fixtures/chat_template_golden.json)."""
+  declared = ''.join('\n' + json.dumps(tool, ensure_ascii=False) for tool in tools)
+  return (system or QWEN_DEFAULT_SYSTEM_PROMPT) + _QWEN_TOOLS_HEAD + declared + _QWEN_TOOLS_TAIL
 
 
 class TokenizerError(UserError):

@@ -36,8 +36,8 @@ def make(path: str, before: str, after: str, *, context: int = 3) -> str:
 
 
 def files(diff: str) -> list[str]:
-  """The paths a diff changes (its '+++ b/...' lines), in order."""
-  return [line[6:].rstrip('\n') for line in diff.splitlines() if line.startswith('+++ b/')]
+  """The paths a diff changes (its '+++ ' lines, without a 'b/'), in order."""
+  return [path for path, _ in _file_diffs(diff)]
 
 
 def _file_diffs(diff: str) -> Iterator[tuple[str, list[str]]]:
@@ -78,6 +78,43 @@ def apply_all(texts: dict[str, str], diff: str) -> dict[str, str]:
   for path, body in parts:
     out[path] = _apply_hunks(out.get(path, ''), body)
   return out
+
+
+def reverse(diff: str) -> str:
+  """The diff that undoes `diff` (SWE-smith's bug patch -> the fix): each hunk's sides
+  swapped, removed lines before added ones.
+
+  Raises:
+    PatchError: no file in the diff.
+  """
+  parts = list(_file_diffs(diff))
+  if not parts:
+    raise PatchError('no file in the diff (expected --- a/PATH and +++ b/PATH lines)')
+  out = []
+  for path, body in parts:
+    out += [f'--- a/{path}\n', f'+++ b/{path}\n']
+    block: list[list[str]] = []  # the changed lines since the last context line
+    for line in [*body, None]:
+      changed = line is not None and line[:1] in ('+', '-', '\\') and not _HUNK.match(line)
+      if not changed:
+        out.extend(x for entry in block if entry[0].startswith('-') for x in entry)
+        out.extend(x for entry in block if entry[0].startswith('+') for x in entry)
+        block.clear()
+      if line is None:
+        break
+      match = _HUNK.match(line)
+      if match:
+        a, b, c, d = match.group(1), match.group(2), match.group(3), match.group(4)
+        old = c if d is None else f'{c},{d}'
+        new = a if b is None else f'{a},{b}'
+        out.append(f'@@ -{old} +{new} @@\n')
+      elif line.startswith('\\'):
+        (block[-1] if block else out).append(line)
+      elif line[:1] in '+-':
+        block.append([('-' if line[0] == '+' else '+') + line[1:]])
+      else:
+        out.append(line)
+  return ''.join(out)
 
 
 def _apply_hunks(text: str, body: list[str]) -> str:

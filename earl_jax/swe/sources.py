@@ -19,6 +19,7 @@ import tarfile
 import urllib.request
 
 PYPI = 'https://pypi.org/simple'
+PYTEST = 'pytest==8.3.4'  # of these projects' time (boltons' conftest uses a hook pytest 9 removed)
 _ACCEPT = 'application/vnd.pypi.simple.v1+json'
 
 
@@ -29,17 +30,33 @@ class SourceError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Project:
   """A pinned project: its PyPI name, version, the sdist's sha256, its licence as its PKG-INFO
-  says, and where its tests are (paths relative to the sdist's root)."""
+  says; where its library code and its tests are (paths relative to the sdist's root), the test
+  files left out (`ignore`: they need what the sandbox forbids, e.g. sockets), the directory its
+  code imports from (`pythonpath`: 'src' for a src layout), and what its tests need installed."""
 
   name: str
   version: str
   sha256: str
   licence: str
   tests: tuple[str, ...]
+  library: tuple[str, ...]
+  ignore: tuple[str, ...] = ()
+  pythonpath: str = ''
+  requirements: tuple[str, ...] = (PYTEST,)
 
   @property
   def archive(self) -> str:
     return f'{self.name}-{self.version}.tar.gz'
+
+  @property
+  def base(self) -> str:
+    """The name of its clean tree (the sdist's root directory)."""
+    return f'{self.name}-{self.version}'
+
+  @property
+  def test_args(self) -> tuple[str, ...]:
+    """pytest's arguments for the whole suite."""
+    return (*self.tests, *(f'--ignore={path}' for path in self.ignore))
 
 
 # Checked on 2026-12-05 (sha256 of the sdist on PyPI; licence from its PKG-INFO).
@@ -48,27 +65,28 @@ PROJECTS = {
   for p in (
     Project(
       'toolz', '1.0.0', '2c86e3d9a04798ac556793bced838816296a2f085017664e4995cb40a1047a02',
-      'BSD', ('toolz/tests',),
+      'BSD', tests=('toolz/tests',), library=('toolz',),
     ),
     Project(
       'boltons', '24.1.0', '4a49b7d57ee055b83a458c8682a2a6f199d263a8aa517098bda9bab813554b87',
-      'BSD', ('tests',),
+      'BSD', tests=('tests',), library=('boltons',),
+      ignore=('tests/test_socketutils.py',),  # servers on sockets: the sandbox has no network
     ),
     Project(
       'inflection', '0.5.1', '1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417',
-      'MIT', ('test_inflection.py',),
+      'MIT', tests=('test_inflection.py',), library=('inflection',),
     ),
     Project(
       'tabulate', '0.9.0', '0095b12bf5966de529c0feb1fa08671671b3368eec77d7ef7ab114be2c068b3c',
-      'MIT', ('test',),
+      'MIT', tests=('test',), library=('tabulate',),
     ),
     Project(
       'cachetools', '5.5.0', '2cc24fb4cbe39633fb7badd9db9ca6295d766d9c2995f245725a46715d050f2a',
-      'MIT', ('tests',),
+      'MIT', tests=('tests',), library=('src/cachetools',), pythonpath='src',
     ),
     Project(
       'parse', '1.20.2', 'b41d604d16503c79d81af5165155c0b20f6c8d6c559efa66b4b695c3e5a0a0ce',
-      'MIT', ('tests',),
+      'MIT', tests=('tests',), library=('parse.py',),
     ),
   )
 }  # fmt: skip

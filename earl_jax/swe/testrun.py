@@ -21,12 +21,15 @@ from earl_jax.sandbox import Sandbox
 
 MARKER = '@@earl-test-outcomes@@'
 RUNNER_FILE = '_earl_run_tests.py'
-# Runs pytest on argv[1:] and prints {test id: outcome} last (the call phase's outcome, or the
-# setup's when it did not pass: an error).
-RUNNER = f"""import json, sys
+# Runs pytest on argv[1:] and prints, last, {test id: outcome} (the call phase's outcome, or the
+# setup's when it did not pass: an error) and the exception line of each that did not pass. With
+# '--earl-cover' first, it also records the lines run in the files under its directory (a
+# settrace tracer: slower, for a baseline run only).
+RUNNER = """import json, os, sys, threading
 import pytest
 
-outcomes = {{}}
+outcomes, messages, lines = {}, {}, {}
+root = os.getcwd() + os.sep
 
 
 class Record:
@@ -36,13 +39,41 @@ class Record:
       if report.when == 'setup' and report.skipped:
         outcome = 'skipped'
       outcomes[report.nodeid] = outcome
+      crash = getattr(report.longrepr, 'reprcrash', None)
+      if outcome in ('failed', 'error') and crash is not None:
+        messages[report.nodeid] = str(crash.message)[:2000]
 
 
-code = pytest.main(['-q', '-p', 'no:cacheprovider', '--no-header', *sys.argv[1:]], plugins=[Record()])
+def local(frame, event, arg):
+  if event == 'line':
+    lines[frame.f_code.co_filename].add(frame.f_lineno)
+  return local
+
+
+def tracer(frame, event, arg):
+  name = frame.f_code.co_filename
+  if not name.startswith(root):
+    return None
+  lines.setdefault(name, set()).add(frame.f_lineno)
+  return local
+
+
+argv = sys.argv[1:]
+cover = argv[:1] == ['--earl-cover']
+if cover:
+  argv = argv[1:]
+  threading.settrace(tracer)
+  sys.settrace(tracer)
+code = pytest.main(['-q', '-p', 'no:cacheprovider', '--no-header', '-o', 'addopts=', *argv],
+                   plugins=[Record()])
+sys.settrace(None)
+report = {'outcomes': outcomes, 'messages': messages}
+if cover:
+  report['covered'] = {os.path.relpath(f, root): sorted(v) for f, v in lines.items()}
 print()
-print({MARKER!r} + json.dumps(outcomes, sort_keys=True))
-sys.exit(int(code))
-"""
+print(MARKER + json.dumps(report, sort_keys=True), flush=True)
+os._exit(int(code))  # not sys.exit: a thread or child a test left running would hold it open
+""".replace('MARKER + ', f'{MARKER!r} + ')
 
 
 class TestRunError(RuntimeError):
@@ -61,6 +92,8 @@ class TestRun:
   outcomes: dict[str, str]
   exit_code: int | None
   seconds: float
+  messages: dict[str, str] = dataclasses.field(default_factory=dict)  # test id -> its exception
+  covered: dict[str, frozenset[int]] | None = None  # file -> lines run (`cover=True` only)
 
   @property
   def passed(self) -> set[str]:
@@ -73,15 +106,23 @@ def run_tests(
   *,
   python: str,
   paths: Sequence[str],
+  pythonpath: str = '',
+  cover: bool = False,
   timeout_s: float = 300.0,
 ) -> TestRun:
-  """Runs pytest on `paths` over `files` in the sandbox with the interpreter `python`.
+  """Runs pytest on `paths` (files, directories or test ids) over `files` in the sandbox with
+  the interpreter `python`; `pythonpath` (e.g. 'src') is put first on the import path. The
+  project's own `addopts` are dropped (they name plugins such as pytest-cov). With `cover`, the
+  run also records which lines of which files ran (`TestRun.covered`), several times slower.
 
   Raises:
     TestRunError: the run timed out, or printed no outcomes (pytest missing, a crash).
   """
+  extra = (['--earl-cover'] if cover else []) + (
+    ['-o', f'pythonpath={pythonpath}'] if pythonpath else []
+  )
   result = box.run_command(
-    {**files, RUNNER_FILE: RUNNER}, [python, RUNNER_FILE, *paths], timeout_s=timeout_s
+    {**files, RUNNER_FILE: RUNNER}, [python, RUNNER_FILE, *extra, *paths], timeout_s=timeout_s
   )
   if result.timed_out:
     raise TestRunError(f'the tests of {list(paths)} ran past {timeout_s:.0f} s')
@@ -91,7 +132,11 @@ def run_tests(
       f'the tests of {list(paths)} reported no outcomes (exit code {result.exit_code}): '
       f'{result.output[-300:]!r}'
     )
-  return TestRun(json.loads(line[len(MARKER) :]), result.exit_code, result.seconds)
+  report = json.loads(line[len(MARKER) :])
+  covered = report.get('covered')
+  if covered is not None:
+    covered = {name: frozenset(lines) for name, lines in covered.items()}
+  return TestRun(report['outcomes'], result.exit_code, result.seconds, report['messages'], covered)
 
 
 @dataclasses.dataclass(frozen=True)

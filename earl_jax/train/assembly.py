@@ -27,13 +27,24 @@ from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
 
 
+def system_prompt(config: ExperimentConfig) -> str | None:
+  """The chat's system message: the tools declared as Qwen2.5's template declares them when an
+  environment calls tools in its format ('swe' with tool_format 'qwen'); else None (the
+  tokenizer's default)."""
+  from earl_jax.swe import tools  # only the tool schemas
+
+  if any(getattr(env, 'tool_format', None) == 'qwen' for env in (config.env, config.eval_env)):
+    return tokenizer.qwen_tool_system_prompt(tools.qwen_tools())
+  return None
+
+
 def load_model(config: ExperimentConfig) -> tuple[ModelConfig, tokenizer.Tokenizer]:
   """The model's shapes and the tokenizer: from a HF directory, or a preset."""
   if config.model_dir:
     model = hf_import.load_config(
       config.model_dir, param_dtype=config.param_dtype, dtype=config.param_dtype
     )
-    return model, tokenizer.load_tokenizer(config.model_dir)
+    return model, tokenizer.load_tokenizer(config.model_dir, system_prompt=system_prompt(config))
   model = ModelConfig.preset(config.model).replace(
     param_dtype=config.param_dtype, dtype=config.param_dtype
   )
@@ -162,8 +173,11 @@ def make_curriculum(config: ExperimentConfig) -> Curriculum | None:
   """The online task curriculum over `config.env`'s tasks (None: `curriculum.enabled` off)."""
   if not config.curriculum.enabled:
     return None
-  from earl_jax.envs import code_env  # the tasks, only where a curriculum draws them
+  from earl_jax.envs import code_env, swe_env  # the tasks, only where a curriculum draws them
 
   env = config.env
-  tasks = code_env.load_tasks(env.task, env.split, env.split_seed, env.heldout_fraction)
+  if env.task == 'swe':
+    tasks = swe_env.load_split(env)
+  else:
+    tasks = code_env.load_tasks(env.task, env.split, env.split_seed, env.heldout_fraction)
   return Curriculum(config.curriculum, num_tasks=len(tasks))

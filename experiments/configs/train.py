@@ -24,9 +24,11 @@ humaneval_qwen  a Qwen2.5 (or Qwen2.5-Coder) Instruct checkpoint (--config.model
           signature, a docstring in words, two examples) in up to 3 attempts, each failed one
           answered with its failing public tests; evaluated greedily on HumanEval's 164
           problems (first attempt), which it never trains on. For GPUs.
-swe_qwen  the same model on repository repair (`repo_repair`): view, edit and run a small
-          generated repository's tests in up to 8 commands, rewarded by hidden tests; evaluated
-          on the held-out repositories. For GPUs.
+swe_qwen  the same model fixing bugs in real Python projects (the `swe` task: the instances
+          of experiments/build_swe_tasks.py, in runs/swe_tasks): it lists, views, searches and
+          edits files and runs the tests through Qwen2.5's own tool calls, in up to 12 turns,
+          rewarded when every FAIL_TO_PASS and PASS_TO_PASS test passes; evaluated on the
+          held-out instances. For GPUs.
 """
 
 import dataclasses
@@ -278,17 +280,26 @@ def humaneval_qwen() -> ExperimentConfig:
 
 def swe_qwen() -> ExperimentConfig:
   c = humaneval_qwen()
-  env = CodeEnvConfig(task='repo_repair', split='train', max_turns=8)
+  # Qwen2.5's tokenizer: the declared tools are ~600 tokens, a problem statement up to ~500.
+  env = CodeEnvConfig(
+    task='swe', split='train', max_turns=12, tool_format='qwen', max_reply_chars=8192,
+    output_chars=4000,
+  )  # fmt: skip
   return dataclasses.replace(
     c,
     name='swe_qwen',
     env=env,
     eval_env=env.replace(split='heldout'),
-    buckets=BucketConfig(lengths=(2048, 4096, 8192, 16384)),
+    rollout=dataclasses.replace(
+      c.rollout,
+      sampling=dataclasses.replace(c.rollout.sampling, max_new_tokens=512),
+      prompt_buckets=(1024, 2048),
+    ),
+    buckets=BucketConfig(lengths=(4096, 8192, 16384, 32768)),
     selector=SelectorConfig(
       statistic='p95', profile=ProfileSettings(cache='.earl_cache/profile_swe_qwen.json')
     ),
-    eval_episodes=64,
+    eval_episodes=120,  # the held-out fifth of 6 x 100 instances, a multiple of 8 devices
   )
 
 

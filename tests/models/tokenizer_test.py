@@ -398,3 +398,39 @@ def test_load_tokenizer_rejects_unknown_specs_naming_them(spec):
 def test_load_tokenizer_dir_without_tokenizer_json(tmp_path):
   with pytest.raises(FileNotFoundError, match=r'tokenizer\.json'):
     tok_lib.load_tokenizer(tmp_path)
+
+
+def test_tool_calls_render_as_the_qwen25_template_renders_them():
+  """A `swe` conversation in the 'qwen' tool format (the tools declared in the system prompt,
+  `<tool_call>` replies, `<tool_response>` observations) is, text and ids, what transformers'
+  `apply_chat_template(messages, tools=...)` renders with the real Qwen2.5 template
+  (tests/fixtures/tool_call_golden.json, scripts/make_tool_call_golden.py)."""
+  from earl_jax.swe import tools
+
+  with open(FIXTURES / 'tool_call_golden.json') as f:
+    golden = json.load(f)
+  assert golden['tools'] == tools.qwen_tools()  # the env declares what the golden rendered
+  hf = tok_lib.HFTokenizer.from_dir(
+    MODEL_DIR, system_prompt=tok_lib.qwen_tool_system_prompt(tools.qwen_tools())
+  )
+  messages = golden['messages']
+  observations = [messages[0]['content']] + [
+    f'<tool_response>\n{m["content"]}\n</tool_response>' for m in messages[2::2]
+  ]
+  replies = [f'<tool_call>\n{r}\n</tool_call>' for r in golden['replies']]
+  for reply, message in zip(replies, messages[1::2]):
+    assert tools.parse_qwen(reply).name == {'view_file': 'view', 'replace_lines': 'replace',
+                                            'submit': 'submit'}[message['tool_calls'][0]['function']['name']]  # fmt: skip
+  for case in golden['cases']:
+    turns = (case['messages'] + 1) // 2  # observations shown so far
+    answered = case['messages'] // 2
+    obs, said = observations[:turns], [[*hf.encode(r), hf.eot_id] for r in replies[:answered]]
+    ids, _ = tok_lib.conversation_ids(hf, obs, said)
+    text = ''.join(
+      hf.turn_prompt_text(o, first=k == 0) + (replies[k] + tok_lib.IM_END if k < answered else '')
+      for k, o in enumerate(obs)
+    )
+    expected = case['text'] if case['add_generation_prompt'] else case['text'].removesuffix('\n')
+    assert text == expected, case['name']
+    golden_ids = case['ids'] if case['add_generation_prompt'] else case['ids'][:-1]
+    assert ids == golden_ids, case['name']

@@ -86,7 +86,7 @@ def test_fetch_checks_the_hash_caches_and_unpacks(tmp_path):
   members = {'demo-1.0/PKG-INFO': PKG_INFO, 'demo-1.0/demo/__init__.py': 'X = 1\n',
              'demo-1.0/tests/test_demo.py': 'def test(): pass\n'}  # fmt: skip
   sha = _sdist(served / 'demo-1.0.tar.gz', members)
-  project = sources.Project('demo', '1.0', sha, 'MIT', ('tests',))
+  project = sources.Project('demo', '1.0', sha, 'MIT', tests=('tests',), library=('demo',))
   cache = str(tmp_path / 'cache')
   with _index(served) as index:
     assert sources.find_sdist('demo', '1.0', index=index)[1] == sha
@@ -114,7 +114,11 @@ def test_an_unsafe_archive_is_refused(tmp_path):
   served.mkdir()
   sha = _sdist(served / 'demo-1.0.tar.gz', {'demo-1.0/PKG-INFO': PKG_INFO}, link='/etc/passwd')
   with _index(served) as index, pytest.raises(sources.SourceError, match='unsafe member'):
-    sources.fetch(sources.Project('demo', '1.0', sha, 'MIT', ()), str(tmp_path / 'c'), index=index)
+    sources.fetch(
+      sources.Project('demo', '1.0', sha, 'MIT', tests=(), library=()),
+      str(tmp_path / 'c'),
+      index=index,
+    )
 
 
 def test_the_pinned_projects():

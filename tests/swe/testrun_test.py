@@ -68,3 +68,33 @@ def test_judge_rules_and_a_broken_run(box):
   assert testrun.judge(base, base) is None
   with pytest.raises(testrun.TestRunError, match='reported no outcomes'):
     testrun.run_tests(box, FILES, python='/nonexistent/python', paths=('tests',), timeout_s=30)
+
+
+def test_messages_lines_run_and_a_src_layout(box):
+  files = {
+    'src/calc.py': FILES['calc.py'],
+    'tests/test_calc.py': FILES['tests/test_calc.py'].replace('== 5', '== 6'),
+  }
+  run = testrun.run_tests(
+    box, files, python=sys.executable, paths=('tests',), pythonpath='src', cover=True
+  )
+  assert run.outcomes[IDS[0]] == 'failed' and run.outcomes[IDS[1]] == 'passed'
+  assert run.messages == {IDS[0]: 'assert 5 == 6\n +  where 5 = add(2, 3)'}
+  # add's and clamp's bodies ran; unused's (line 12) did not.
+  assert {2, 6, 7, 8} <= run.covered['src/calc.py'] and 12 not in run.covered['src/calc.py']
+  unfound = testrun.run_tests(box, files, python=sys.executable, paths=('tests',))
+  assert unfound.outcomes == {} and unfound.exit_code == 2  # without src: a collection error
+
+
+def test_a_thread_a_test_leaves_running_does_not_hold_the_run(box):
+  files = {
+    **FILES,
+    'tests/test_thread.py': (
+      'import threading, time\n\n\n'
+      'def test_leaves_a_thread():\n'
+      '    threading.Thread(target=time.sleep, args=(600,)).start()\n'
+    ),
+  }
+  run = testrun.run_tests(box, files, python=sys.executable, paths=('tests',), timeout_s=30)
+  assert run.outcomes['tests/test_thread.py::test_leaves_a_thread'] == 'passed'
+  assert run.seconds < 10

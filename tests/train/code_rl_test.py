@@ -4,6 +4,7 @@ running only its own episodes' programs."""
 
 import dataclasses
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -11,33 +12,33 @@ import pytest
 from earl_jax.config import BucketConfig
 from earl_jax.run import metrics
 from earl_jax.sandbox import SandboxConfig
-from earl_jax.testing import fixture_path, mp_bodies, multiprocess
+from earl_jax.testing import fixture_path, mp_bodies, multiprocess, swe
 from earl_jax.testing.configs import smoke_experiment
 from earl_jax.train import trainer
 from experiments.configs import train as presets
 
 
-def _on_the_fixture(config, max_turns: int):
+def _on_the_fixture(config, max_turns: int, prompt_buckets=(256, 1024), context=1152, **env):
   """`config` on the tiny HF fixture, sized for CPU: 8 episodes in groups of 2, 8-token replies,
   up to `max_turns` turns, one step, an evaluation of 8 episodes before and after it, a
   checkpoint; the smoke's analytic selector instead of a measured profile. The fixture's
   tokenizer makes a HumanEval prompt up to 942 tokens (hence the 1024 prompt bucket) and a
   2-turn 'functions' episode up to ~650: one context bucket holds every episode, so that each
-  program compiles once."""
+  program compiles once. `env`: more settings of both environments."""
   sandbox = SandboxConfig(workers=2)
   return dataclasses.replace(
     config,
     model_dir=fixture_path('qwen2_tiny'),
-    env=config.env.replace(max_turns=max_turns, sandbox=sandbox),
-    eval_env=config.eval_env.replace(sandbox=sandbox),
+    env=config.env.replace(max_turns=max_turns, sandbox=sandbox, **env),
+    eval_env=config.eval_env.replace(sandbox=sandbox, **env),
     rollout=dataclasses.replace(
       config.rollout,
       num_episodes=8,
       group_size=2,
       sampling=dataclasses.replace(config.rollout.sampling, max_new_tokens=8),
-      prompt_buckets=(256, 1024),
+      prompt_buckets=prompt_buckets,
     ),
-    buckets=BucketConfig(lengths=(1152,)),
+    buckets=BucketConfig(lengths=(context,)),
     selector=smoke_experiment().selector,
     steps=1,
     eval_every=1,
@@ -48,9 +49,11 @@ def _on_the_fixture(config, max_turns: int):
 
 @pytest.mark.parametrize(
   'preset, task, eval_task',
-  [('humaneval_qwen', 'functions', 'humaneval'), ('swe_qwen', 'repo_repair', 'repo_repair')],
+  [('humaneval_qwen', 'functions', 'humaneval'), ('swe_qwen', 'swe', 'swe')],
 )
 def test_a_qwen_preset_runs_on_the_tiny_hf_fixture(tmp_path, preset, task, eval_task):
+  """swe_qwen plays the miniature project's instances with Qwen2.5's tool calls: the fixture's
+  small tokenizer makes the declared tools and a problem statement ~2,400 tokens."""
   config = presets.PRESETS[preset]()
   assert (config.env.task, config.eval_env.task, config.param_dtype) == (
     task,
@@ -58,17 +61,27 @@ def test_a_qwen_preset_runs_on_the_tiny_hf_fixture(tmp_path, preset, task, eval_
     'bfloat16',
   )
   assert config.advantages.estimator == 'grpo' and config.rollout.group_size == 8
+  sizes = {}
+  if task == 'swe':
+    assert config.env.tool_format == config.eval_env.tool_format == 'qwen'
+    jsonl = swe.mini_instances(str(tmp_path / 'swe_tasks'))
+    sizes = {'prompt_buckets': (2560,), 'context': 3072, 'swe_tasks': jsonl,
+             'swe_python': sys.executable}  # fmt: skip
+  workdir = tmp_path / 'run'
   t = trainer.Trainer(
-    _on_the_fixture(config, max_turns=2), workdir=str(tmp_path), log_fn=lambda _: None
+    _on_the_fixture(config, max_turns=2, **sizes), workdir=str(workdir), log_fn=lambda _: None
   )
   assert t.model_cfg.vocab_size == 512 and t.tokenizer.eot_id == 499  # the HF import path
+  assert ('# Tools' in t.tokenizer.system_prompt) == (task == 'swe')  # the tools declared
   summary = t.run(progress=False)
-  rows = metrics.read_jsonl(os.path.join(tmp_path, 'metrics.jsonl'))
+  rows = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   step = next(r for r in rows if r['step'] == 1 and 'loss/loss' in r)
   assert np.isfinite(step['loss/loss']) and step['ctx/turn_len_mean'] > 20  # the chat template
   assert 1 <= step['ctx/turns_mean'] <= 2
+  if task == 'swe':  # 8-token replies of a random model: refused calls, one-line answers
+    assert step['env/tool_errors'] > 0 and step['env/programs'] >= 1
   assert summary['eval_win_rate_first'] is not None and summary['eval_win_rate_last'] is not None
-  assert os.listdir(tmp_path / 'checkpoints') == ['1']
+  assert os.listdir(workdir / 'checkpoints') == ['1']
 
 
 # What must match between layouts and process counts (the games' test compares the same).
