@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import statistics
 import time
@@ -49,6 +50,9 @@ _LARGEST_FILE = 1 << 20
 _SHOWN_TESTS = 5
 _MESSAGE_LINES = 4
 _MESSAGE_CHARS = 300
+# What differs between runs of the same failure: object addresses, the sandbox's directory.
+_ADDRESS = re.compile(r'\b0x[0-9a-fA-F]{6,}\b')
+_SANDBOX_DIR = re.compile(r'/tmp/w\d+/[\w-]+/')
 
 
 class BuildError(RuntimeError):
@@ -192,7 +196,7 @@ def problem_statement(
 ) -> str:
   """An issue written from the failing tests' output: which tests fail and how, with no hint of
   where the bug is (a message line that names one of `hidden`, the library's files, is
-  dropped)."""
+  dropped), the same on every run (object addresses and the sandbox's directory scrubbed)."""
   count = len(fail_to_pass)
   lines = [
     f'{count} test{"s" if count > 1 else ""} of {project.name} {project.version} '
@@ -201,9 +205,10 @@ def problem_statement(
   ]
   for test in fail_to_pass[:_SHOWN_TESTS]:
     lines.append(f'  {test}')
+    text = _SANDBOX_DIR.sub('', _ADDRESS.sub('0x...', messages.get(test, '')))
     message = [
       x[:_MESSAGE_CHARS]
-      for x in messages.get(test, '').splitlines()
+      for x in text.splitlines()
       if x.strip() and not any(path in x for path in hidden)
     ]
     lines.extend(f'      {x}' for x in message[:_MESSAGE_LINES])

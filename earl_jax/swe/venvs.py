@@ -9,6 +9,7 @@ place, and marked complete last: a cut install is made again, never used.
   python = venvs.ensure('.earl_cache/swe/venvs', project.requirements)   # .../bin/python
 """
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -49,8 +50,17 @@ def ensure(
   interpreter = os.path.join(root, 'bin', 'python')
   if os.path.exists(os.path.join(root, _COMPLETE)):
     return interpreter
-  shutil.rmtree(root, ignore_errors=True)
   os.makedirs(os.path.dirname(root), exist_ok=True)
+  with open(root + '.lock', 'w') as lock:  # processes of one host make it once, in turn
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(os.path.join(root, _COMPLETE)):
+      _make(root, requirements, python, index_url)
+  return interpreter
+
+
+def _make(root: str, requirements: Sequence[str], python: str, index_url: str | None) -> None:
+  interpreter = os.path.join(root, 'bin', 'python')
+  shutil.rmtree(root, ignore_errors=True)
   pip = [interpreter, '-m', 'pip', 'install', '--quiet', '--disable-pip-version-check']
   if index_url:
     pip += ['--index-url', index_url]
@@ -63,4 +73,3 @@ def ensure(
       raise VenvError(f'{" ".join(argv[:4])} ... failed: {" | ".join(tail)}')
   with open(os.path.join(root, _COMPLETE), 'w') as f:
     f.write('\n'.join(requirements) + '\n')
-  return interpreter

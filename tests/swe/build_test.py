@@ -122,12 +122,13 @@ def test_candidates_take_the_kinds_in_turn_on_run_lines_and_depend_on_the_seed()
 
 def test_the_problem_statement_shows_failures_but_not_where_the_bug_is():
   messages = {
-    'tests/test_x.py::test_a': 'AssertionError: assert 3 == 4\n  where 3 = f()',
+    'tests/test_x.py::test_a': 'AssertionError: assert 3 == 4\n  where 3 = <f at 0x7f3d4f07b7e0>()',
     'tests/test_x.py::test_b': 'File "pkg/core.py", line 9\nValueError: bad',
   }
   text = build.problem_statement(MINICALC, sorted(messages), messages, 40, hidden=['pkg/core.py'])
   assert text.startswith('2 tests of minicalc 0.1 fail (40 in its suite):')
   assert 'AssertionError: assert 3 == 4' in text and 'ValueError: bad' in text
+  assert 'where 3 = <f at 0x...>()' in text  # the same text on every run
   assert 'pkg/core.py' not in text
   many = [f't{i}' for i in range(8)]
   assert '... and 3 more.' in build.problem_statement(MINICALC, many, {}, 8)
