@@ -46,6 +46,7 @@ from earl_jax.swe.sources import Project
 
 _SKIPPED_DIRS = ('.git', '.tox', '__pycache__', 'docs', 'doc')
 _LARGEST_FILE = 1 << 20
+SLACK_S = 2.0  # added to a bug's time limit (`BuildConfig.timeout_factor`)
 # What the problem statement shows of the failing tests.
 _SHOWN_TESTS = 5
 _MESSAGE_LINES = 4
@@ -68,15 +69,17 @@ class BuildConfig:
     seed: the candidates' order.
     runs: runs of the baseline, and of each kept bug, that must agree.
     workers: test runs at once (sandbox workers); 0 = the CPUs this process may use.
-    timeout_factor: a bug's run may take this many times the baseline's seconds (plus 5 s)
-      before it counts as a hang and the bug is rejected.
+    timeout_factor: a bug's run may take this many times the baseline's seconds (plus
+      `SLACK_S`); a longer one is stopped and the bug rejected as 'slow or hung' (a task whose
+      tests take many times the suite's time makes slow episodes; and a wide margin keeps the
+      decision from depending on the machine's load).
   """
 
   per_project: int = 100
   seed: int = 0
   runs: int = 2
   workers: int = 0
-  timeout_factor: float = 5.0
+  timeout_factor: float = 3.0
 
   def __post_init__(self):
     for name, minimum in (('per_project', 1), ('runs', 1), ('workers', 0), ('seed', 0)):
@@ -298,13 +301,13 @@ class _ProjectBuild:
 
   def _decide(self, baseline: _Baseline, candidate: Candidate, buggy: str) -> dict:
     files = {**self.files, candidate.file: buggy}
-    timeout = baseline.seconds * self.config.timeout_factor + 5.0
+    timeout = baseline.seconds * self.config.timeout_factor + SLACK_S
     runs = []
     for _ in range(self.config.runs):
       try:
         runs.append(self._run(files, timeout_s=timeout))
       except testrun.TestRunError as e:
-        why = 'hang' if 'ran past' in str(e) else 'broken run'
+        why = 'slow or hung' if 'ran past' in str(e) else 'broken run'
         return {'key': candidate.key, 'kept': False, 'why': why, 'seconds': []}
       if testrun.judge(baseline.outcomes, runs[-1].outcomes) is None:
         break  # nothing to confirm

@@ -24,8 +24,13 @@ RUNNER_FILE = '_earl_run_tests.py'
 # Runs pytest on argv[1:] and prints, last, {test id: outcome} (the call phase's outcome, or the
 # setup's when it did not pass: an error) and the exception line of each that did not pass. With
 # '--earl-cover' first, it also records the lines run in the files under its directory (a
-# settrace tracer: slower, for a baseline run only).
+# settrace tracer: slower, for a baseline run only). It runs with PYTHONHASHSEED=0, so that the
+# order of sets in test output is the same on every run.
 RUNNER = """import json, os, sys, threading
+
+if os.environ.get('PYTHONHASHSEED') != '0':  # set and dict reprs in messages alike on every run
+  os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, 'PYTHONHASHSEED': '0'})
+
 import pytest
 
 outcomes, messages, lines = {}, {}, {}

@@ -98,3 +98,17 @@ def test_a_thread_a_test_leaves_running_does_not_hold_the_run(box):
   run = testrun.run_tests(box, files, python=sys.executable, paths=('tests',), timeout_s=30)
   assert run.outcomes['tests/test_thread.py::test_leaves_a_thread'] == 'passed'
   assert run.seconds < 10
+
+
+def test_runs_hash_alike_so_messages_repeat(box):
+  files = {
+    'tests/test_sets.py': (
+      'import os\n\n\n'
+      'def test_seed():\n    assert os.environ["PYTHONHASHSEED"] == "0"\n\n\n'
+      'def test_set():\n    assert {"alpha", "beta", "gamma", "delta", "epsilon"} == set()\n'
+    ),
+  }
+  runs = [testrun.run_tests(box, files, python=sys.executable, paths=('tests',)) for _ in range(3)]
+  assert all(r.outcomes['tests/test_sets.py::test_seed'] == 'passed' for r in runs)
+  messages = {r.messages['tests/test_sets.py::test_set'] for r in runs}
+  assert len(messages) == 1  # the set's order, the same in every run
