@@ -24,14 +24,22 @@ RUNNER_FILE = '_earl_run_tests.py'
 # Runs pytest on argv[1:] and prints, last, {test id: outcome} (the call phase's outcome, or the
 # setup's when it did not pass: an error) and the exception line of each that did not pass. With
 # '--earl-cover' first, it also records the lines run in the files under its directory (a
-# settrace tracer: slower, for a baseline run only). It runs with PYTHONHASHSEED=0, so that the
-# order of sets in test output is the same on every run.
+# settrace tracer: slower, for a baseline run only). It runs with PYTHONHASHSEED=0, without
+# address randomization and with `random` seeded, so that a test's outcome and output are the same
+# on every run unless it reads the clock or the OS's randomness.
 RUNNER = """import json, os, sys, threading
 
-if os.environ.get('PYTHONHASHSEED') != '0':  # set and dict reprs in messages alike on every run
+if os.environ.get('PYTHONHASHSEED') != '0':  # the same hashes, addresses and draws every run
+  import ctypes
+
+  ctypes.CDLL(None).personality(0x0040000)  # ADDR_NO_RANDOMIZE: hash(None) is its address
   os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, 'PYTHONHASHSEED': '0'})
 
+import random
+
 import pytest
+
+random.seed(0)  # tests that draw from `random` draw alike, in the same order, every run
 
 outcomes, messages, lines = {}, {}, {}
 root = os.getcwd() + os.sep

@@ -105,10 +105,13 @@ def test_runs_hash_alike_so_messages_repeat(box):
     'tests/test_sets.py': (
       'import os\n\n\n'
       'def test_seed():\n    assert os.environ["PYTHONHASHSEED"] == "0"\n\n\n'
-      'def test_set():\n    assert {"alpha", "beta", "gamma", "delta", "epsilon"} == set()\n'
+      'def test_set():\n    assert {"alpha", "beta", "gamma", "delta", "epsilon"} == set()\n\n\n'
+      'def test_none_and_draws():\n    import random\n'
+      '    assert ({(None, 1), (None, 2), (3, None)}, random.random()) == ()\n'
     ),
   }
   runs = [testrun.run_tests(box, files, python=sys.executable, paths=('tests',)) for _ in range(3)]
   assert all(r.outcomes['tests/test_sets.py::test_seed'] == 'passed' for r in runs)
-  messages = {r.messages['tests/test_sets.py::test_set'] for r in runs}
-  assert len(messages) == 1  # the set's order, the same in every run
+  for test in ('test_set', 'test_none_and_draws'):
+    messages = {r.messages[f'tests/test_sets.py::{test}'] for r in runs}
+    assert len(messages) == 1, messages  # sets (of None too) and draws, the same in every run
