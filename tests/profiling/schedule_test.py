@@ -398,3 +398,66 @@ def test_a_compiled_cell_holds_compiles_back_only_while_it_fits_the_share(monkey
   scheduler._queue = {ready: 5.0, others[1]: 0.0}  # 5 s: timed at the next boundary
   scheduler._pump()
   assert compiler.started == [ready, others[0]]
+
+
+class _Rated(_Wanting):
+  """`_Wanting` whose rollout figures are rated: fsdp8 beats the measured dp4.tp2 by far (a
+  likely winner), dp1.tp8 is far below it (a long shot), both fitted with some uncertainty."""
+
+  RATED: ClassVar = {'dp4.tp2': (100.0, 0.05), 'fsdp8': (300.0, 0.5), 'dp1.tp8': (20.0, 0.5)}
+
+  def wanted(self, stage, stats, *, ahead=False, second=False):
+    if stage == Stage.ROLLOUT and not (ahead or second):
+      return [(256, 64, 'fsdp8'), (256, 64, 'dp1.tp8')]
+    return (
+      [] if stage == Stage.ROLLOUT else super().wanted(stage, stats, ahead=ahead, second=second)
+    )
+
+  def profile(self, stage):
+    from earl_jax.profiling.table import Cell, Profile
+
+    if stage != Stage.ROLLOUT:
+      return super().profile(stage)
+    key = {'stages': [str(stage)], 'candidates': {str(stage): list(self.RATED)},
+           'buckets': [256], 'rows': [64]}  # fmt: skip
+    cells = {
+      (stage, 256, 64, n): Cell(
+        stage=stage, config=n, bucket=256, rows=64, peak_bytes=1, oom=False, throughput=t,
+        uncertainty=u, measured=n == 'dp4.tp2',
+      )
+      for n, (t, u) in self.RATED.items()
+    }  # fmt: skip
+    return Profile(key=key, cells=cells)
+
+
+def test_a_likely_winner_is_timed_before_a_cheaper_long_shot():
+  """Rollout dp1.tp8 costs a third of fsdp8 but the model gives it about no chance of beating
+  the measured dp4.tp2, and fsdp8 a good one: fsdp8 goes first. Among cells the model knows
+  nothing of (chance 0.5 each), the cheapest first, as before."""
+  from earl_jax.profiling import cost_model
+
+  rated = _Rated()
+  chance = {
+    n: cost_model.win_probability(rated.profile(Stage.ROLLOUT), Stage.ROLLOUT, 256, 64, n)
+    for n in _Rated.RATED
+  }
+  assert chance['fsdp8'] > 0.9 and chance['dp1.tp8'] < 0.01
+  cost = {
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'): 30.0,
+    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'): 10.0,
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'): 1.0,
+    (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'): 2.0,
+    (Stage.TRAIN, 256, 64, 'fsdp8'): 20.0,
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'): 10.0,
+    (Stage.TRAIN, 512, 64, 'dp8.tp1'): 0.0,
+    (Stage.TRAIN, 128, 64, 'dp4.tp2'): 0.0,
+  }
+  order = schedule.ProfileScheduler.order_wanted(rated, None, cost=cost.__getitem__)
+  assert order[:6] == [
+    (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),  # 1 / 0.5
+    (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'),  # 2 / 0.5
+    (Stage.TRAIN, 256, 64, 'dp4.tp2'),  # 10 / 0.5
+    (Stage.ROLLOUT, 256, 64, 'fsdp8'),  # 30 / ~0.99
+    (Stage.TRAIN, 256, 64, 'fsdp8'),  # 20 / 0.5
+    (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),  # 10 / 0.05 (its chance, raised to MIN_CHANCE)
+  ]
