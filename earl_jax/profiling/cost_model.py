@@ -98,28 +98,6 @@ def bounds(cell: Cell, confidence: float) -> tuple[float, float]:
   return cell.throughput / spread, cell.throughput * spread
 
 
-def win_probability(profile: Profile, stage: Stage, bucket: int, rows: int, name: str) -> float:
-  """The chance that layout `name` is the fastest at (stage, bucket, rows): each figure taken as
-  log-normal with its uncertainty, against the best of the others that have one. 0.5 where
-  `name` or every other has no figure yet; 0 for a layout over the memory budget."""
-  cells = {
-    n: profile.cells.get((stage, bucket, rows, n)) for n in profile.key['candidates'].get(stage, ())
-  }
-  mine = cells.get(name)
-  others = [c for n, c in cells.items() if n != name and c is not None and c.throughput]
-  others = [c for c in others if not c.oom]
-  if mine is not None and mine.oom:
-    return 0.0
-  if mine is None or not mine.throughput or not others:
-    return 0.5
-  best = max(others, key=lambda c: c.throughput)
-  spread = math.hypot(mine.uncertainty, best.uncertainty)
-  gap = math.log(mine.throughput / best.throughput)
-  if spread <= 0:
-    return float(gap > 0)
-  return 0.5 * (1.0 + math.erf(gap / (spread * math.sqrt(2.0))))
-
-
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """The model's time of one call, its relative standard deviation, and what it rests on."""

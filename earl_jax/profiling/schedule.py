@@ -13,10 +13,10 @@ completes it as the run goes (`ProfileSettings`):
   wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first), and timed at
   the start of a later step, while the devices are idle, once compiled on every process
   (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
-  next one up, and that before the second buckets; within each, a stage measured nowhere yet
-  leads with its cheapest cell (so that every stage, train included, is measured before its
-  decisions rest on the analytic prior alone), then the cells by their cost (compile and calls)
-  over their chance of being the fastest layout there, whatever their stage (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
+  next one up, and that before the second buckets; within each, a stage measured nowhere yet leads with its cheapest cell (so that every
+  stage, train included, is measured before its decisions rest on the analytic prior alone),
+  then the cheapest cells go first, their compile and calls counted, whatever their stage
+  (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
   passed by those behind it that fit (the share it needs accrues meanwhile). While a compiled
   cell that fits waits for a step boundary with no compile under way, the run's own speculative
   precompiles that have not started yet wait (`Executables.hold`, agreed by every process), so
@@ -63,10 +63,6 @@ from earl_jax.stage import Stage
 # What `Selector.wanted` is asked for, most wanted first: the cells the coming decisions rank and
 # run at, the next bucket up's, and a second bucket for each layout measured at one only.
 _KINDS = ({}, {'ahead': True}, {'second': True})
-
-# The least chance of being the fastest a wanted cell is ordered by (`order_wanted`): a cell the
-# model gives less waits as if it had this much, at most 1 / MIN_CHANCE times its cost.
-MIN_CHANCE = 0.05
 
 # The stages the run's own calls measure (`ProfileScheduler.observing`): a call each per step, or a
 # few; the rollout engine makes many a step, between the environment's turns.
@@ -400,11 +396,10 @@ class ProfileScheduler:
     calls time them), the needed buckets' before the next one up's, and those before the second
     buckets' (`Selector.wanted`); among each, the cheapest
     cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
-    by their own calls), then by the seconds a cell costs (`cost`: its compile and calls) over
-    its chance of being the fastest layout there (`cost_model.win_probability`, at least
-    `MIN_CHANCE`): a layout the model rates likely to win is timed before a cheaper one it rates
-    a long shot, and among likely ones the cheapest goes first (within the share, a cell that
-    costs little is not held back by one that costs much). `selector`: a `Selector`, or what reads as one
+    by their own calls), then the cheapest cells first (by `cost`, the seconds of their compile
+    and calls: within the share, a cell that costs little is not held back by one that costs
+    much, and a stage whose programs are slow to compile and call, usually train, is measured
+    as the share accrues). `selector`: a `Selector`, or what reads as one
     (`config.profile.stages`, `wanted`, `profile`, `history`)."""
     out: list[CellKey] = []
     running = ProfileScheduler._running(selector)
@@ -421,12 +416,7 @@ class ProfileScheduler:
         for stage in dict.fromkeys(c[0] for c in by_cost)
         if stage not in OBSERVED and not _measured_anywhere(selector.profile(stage), stage)
       ]
-
-      def per_chance(cell: CellKey) -> float:
-        chance = cost_model.win_probability(selector.profile(cell[0]), *cell)
-        return cost(cell) / max(chance, MIN_CHANCE)
-
-      out += lead + sorted((c for c in by_cost if c not in lead), key=per_chance)
+      out += lead + [c for c in by_cost if c not in lead]
     return out
 
   @staticmethod
