@@ -35,6 +35,7 @@ from concurrent import futures
 import numpy as np
 
 from earl_jax.envs import base, code_env
+from earl_jax.errors import ConfigError
 from earl_jax.sandbox import Sandbox, SandboxConfig
 from earl_jax.swe import instances as instances_lib
 from earl_jax.swe import testrun, tools, venvs
@@ -56,10 +57,22 @@ def suite_sandbox(config: SandboxConfig) -> SandboxConfig:
 
 @functools.cache
 def load_split(config: base.CodeEnvConfig) -> tuple:
-  """The instances of `config`'s split of `config.swe_tasks` (loaded once per process)."""
-  everything = instances_lib.load(
-    config.swe_tasks, format=config.swe_format, repos_dir=config.swe_repos or None
-  )
+  """The instances of `config`'s split of `config.swe_tasks` (loaded once per process).
+
+  Raises:
+    ConfigError: no such file, or a line that is not an instance of `swe_format`.
+  """
+  try:
+    everything = instances_lib.load(
+      config.swe_tasks, format=config.swe_format, repos_dir=config.swe_repos or None
+    )
+  except FileNotFoundError:
+    raise ConfigError(
+      f'CodeEnvConfig.swe_tasks={config.swe_tasks!r}: no such file; build the instances with '
+      '`python -m experiments.build_swe_tasks --out=runs/swe_tasks`, or name a JSONL'
+    ) from None
+  except instances_lib.InstanceError as e:
+    raise ConfigError(f'CodeEnvConfig.swe_tasks: {e}') from None
   split_seed, fraction, split = config.split_seed, config.heldout_fraction, config.split
   order = np.random.default_rng(split_seed).permutation(len(everything))
   held = math.ceil(fraction * len(everything))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from earl_jax.envs import base, registry, swe_env
+from earl_jax.errors import ConfigError
 from earl_jax.sandbox import SandboxConfig
 from earl_jax.swe import instances, patches, tools
 from earl_jax.testing import swe
@@ -225,3 +226,11 @@ def test_a_swebench_style_jsonl_is_loaded_checked_and_the_invalid_listed(jsonl, 
   assert patches.apply_all(task.buggy_files(), task.patch) == instances._tree(ours[0].root)
   with pytest.raises(instances.InstanceError, match=r'bench.jsonl:1: no repository for it'):
     instances.load(str(tmp_path / 'bench.jsonl'), format='swebench', repos_dir=str(tmp_path))
+
+
+def test_missing_or_bad_instances_are_a_config_error(tmp_path):
+  with pytest.raises(ConfigError, match=r"swe_tasks='/nonexistent/x.jsonl': no such file; build"):
+    registry.make_env(base.CodeEnvConfig(task='swe', swe_tasks='/nonexistent/x.jsonl'))
+  (tmp_path / 'bad.jsonl').write_text('{"instance_id": 3}\n')
+  with pytest.raises(ConfigError, match=r"bad.jsonl:1: missing or non-string field 'instance_id'"):
+    registry.make_env(base.CodeEnvConfig(task='swe', swe_tasks=str(tmp_path / 'bad.jsonl')))
