@@ -39,24 +39,6 @@ _VALID_OUT = flags.DEFINE_string('valid_out', '', 'Where to write the valid inst
 _OUT = flags.DEFINE_string('out', '', 'Where to write the report (JSON).')
 
 
-def play(config: base.CodeEnvConfig, tasks: list, agent: str) -> dict[str, tuple]:
-  """instance_id -> (reward, test seconds, test runs) of `agent` on each of `tasks`, once."""
-  out = {}
-  for start in range(0, len(tasks), _BATCH.value):
-    env = swe_env.SWEEnv(config, tasks=tasks[start : start + _BATCH.value])
-    env.reset(len(env.tasks), seed=0)  # every task of the batch once, in the seed's order
-    played = env.episode_tasks
-    total = np.zeros(len(played), np.float32)
-    replies = [f'diff\n{t.patch}' if agent == 'gold' else 'submit' for t in played]
-    while not env.done.all():
-      total += env.step(replies).rewards
-      replies = ['submit'] * len(played)
-    stats = env.episode_stats()
-    for k, task in enumerate(played):
-      out[task.instance_id] = (float(total[k]), stats['test_s'][k], stats['programs'][k])
-  return out
-
-
 def main(argv):
   del argv
   try:
@@ -73,22 +55,16 @@ def main(argv):
     sandbox=SandboxConfig(workers=_WORKERS.value),
   )  # fmt: skip
   started = time.perf_counter()
-  played = {agent: play(config, tasks, agent) for agent in ('gold', 'no-op')}
+  _, invalid, played = swe_env.check(config, tasks, batch=_BATCH.value)
   seconds = time.perf_counter() - started
   report = {'instances': len(tasks), 'seconds': round(seconds, 1), 'agents': {}}
   run_seconds = []
   for agent, results in played.items():
-    rewards = np.array([r for r, _, _ in results.values()])
+    rewards = np.array([r['reward'] for r in results.values()])
     report['agents'][agent] = {'solved': float(rewards.mean()), 'count': int(rewards.sum())}
-    run_seconds += [s / max(n, 1) for _, s, n in results.values()]
+    run_seconds += [r['test_s'] / max(r['runs'], 1) for r in results.values()]
   report['run_seconds_median'] = statistics.median(run_seconds)
   report['run_seconds_p90'] = float(np.percentile(run_seconds, 90))
-  invalid = [
-    (t.instance_id, 'the gold patch does not solve it' if played['gold'][t.instance_id][0] < 1
-     else 'it is solved as it is')
-    for t in tasks
-    if played['gold'][t.instance_id][0] < 1 or played['no-op'][t.instance_id][0] > 0
-  ]  # fmt: skip
   report['invalid'] = invalid
   print(f'{len(tasks)} instances from {_INSTANCES.value} in {seconds:.0f} s')
   for agent, row in report['agents'].items():

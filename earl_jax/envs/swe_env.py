@@ -80,6 +80,61 @@ def load_split(config: base.CodeEnvConfig) -> tuple:
   return tuple(everything[i] for i in sorted(chosen.tolist()))
 
 
+AGENTS = ('gold', 'no-op')
+
+
+def play_scripted(
+  config: base.CodeEnvConfig,
+  tasks: Sequence[instances_lib.Instance],
+  agent: str,
+  *,
+  batch: int = 16,
+) -> dict[str, dict[str, float]]:
+  """instance_id -> {reward, test_s, runs, tool_errors} of a scripted agent on each of `tasks`,
+  once, through `SWEEnv` (plain commands): 'gold' replies `diff` + the gold patch, then
+  submits; 'no-op' submits at once. `config` needs `max_reply_chars` above the longest patch."""
+  if agent not in AGENTS:
+    raise ValueError(f'agent={agent!r}: expected one of {AGENTS}')
+  out = {}
+  for start in range(0, len(tasks), batch):
+    env = SWEEnv(config, tasks=tasks[start : start + batch])
+    env.reset(len(env.tasks), seed=0)  # every task of the batch once, in the seed's order
+    played = env.episode_tasks
+    total = np.zeros(len(played), np.float32)
+    replies = [f'diff\n{t.patch}' if agent == 'gold' else 'submit' for t in played]
+    while not env.done.all():
+      total += env.step(replies).rewards
+      replies = ['submit'] * len(played)
+    stats = env.episode_stats()
+    for k, task in enumerate(played):
+      out[task.instance_id] = {
+        'reward': float(total[k]),
+        'test_s': float(stats['test_s'][k]),
+        'runs': float(stats['programs'][k]),
+        'tool_errors': float(stats['tool_errors'][k]),
+      }
+  return out
+
+
+def check(
+  config: base.CodeEnvConfig, tasks: Sequence[instances_lib.Instance], *, batch: int = 16
+) -> tuple[list, list[tuple[str, str]], dict]:
+  """(the valid instances, (instance_id, why) of the others, each agent's `play_scripted`):
+  valid when the gold patch solves it through the environment and doing nothing does not."""
+  played = {agent: play_scripted(config, tasks, agent, batch=batch) for agent in AGENTS}
+  invalid = []
+  for task in tasks:
+    gold, noop = played['gold'][task.instance_id], played['no-op'][task.instance_id]
+    if gold['tool_errors']:
+      invalid.append((task.instance_id, 'the gold patch does not apply'))
+    elif gold['reward'] < 1:
+      invalid.append((task.instance_id, 'the gold patch does not solve it'))
+    elif noop['reward'] > 0:
+      invalid.append((task.instance_id, 'it is solved as it is'))
+  bad = {i for i, _ in invalid}
+  return [t for t in tasks if t.instance_id not in bad], invalid, played
+
+
 def intro(instance: instances_lib.Instance, tool_format: str, num_files: int) -> str:
   """The first observation."""
   if tool_format == 'qwen':
@@ -265,20 +320,20 @@ class SWEEnv(code_env.CodeEpisodes):
     if not jobs:
       return []
     box = self.sandbox
-    timeout = self.config.sandbox.program_timeout_s
+    timeout = suite_sandbox(self.config.sandbox).program_timeout_s
 
     def one(job):
       _, task, files, args = job
       try:
         return testrun.run_tests(
           box, files, python=self.python(task.requirements), paths=args,
-          pythonpath=task.pythonpath, timeout_s=max(timeout, _SUITE_LIMITS['program_timeout_s']),
+          pythonpath=task.pythonpath, timeout_s=timeout,
         )  # fmt: skip
       except testrun.TestRunError as e:
         return e
 
     t0 = time.perf_counter()
-    with futures.ThreadPoolExecutor(max(1, getattr(box, 'workers', 1))) as pool:
+    with futures.ThreadPoolExecutor(box.workers) as pool:
       results = list(pool.map(one, jobs))
     share = (time.perf_counter() - t0) / len(jobs)
     for (i, *_), result in zip(jobs, results):

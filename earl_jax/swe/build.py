@@ -269,6 +269,7 @@ class _ProjectBuild:
                config: BuildConfig, work_dir: str):  # fmt: skip
     self.box, self.project, self.files, self.python = box, project, files, python
     self.config = config
+    self.modules = library_modules(project, files)  # where bugs go, named in no statement
     self.baseline_path = os.path.join(work_dir, f'{project.name}.baseline.json')
     self.decisions_path = os.path.join(work_dir, f'{project.name}.decisions.jsonl')
 
@@ -319,7 +320,7 @@ class _ProjectBuild:
     source = self.files[candidate.file]
     statement = problem_statement(
       self.project, judgement.fail_to_pass, runs[0].messages, len(baseline.outcomes),
-      hidden=library_modules(self.project, self.files),
+      hidden=self.modules,
     )  # fmt: skip
     return {**record, 'kept': True, 'why': 'kept', 'instance': {
       'instance_id': instance_id(self.project, candidate),
@@ -341,7 +342,7 @@ class _ProjectBuild:
   def run(self, log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """The project's instances (candidate order) and its row of the manifest."""
     baseline = self.baseline()
-    modules = {p: self.files[p] for p in library_modules(self.project, self.files)}
+    modules = {p: self.files[p] for p in self.modules}
     order = candidates(modules, baseline.covered, self.config.seed, self.project.name)
     decisions = _read_decisions(self.decisions_path)
     resumed = len(decisions)

@@ -1,7 +1,8 @@
 """SWE-bench-style instances: read from JSONL (ours, built by `build`, or SWE-bench, SWE-Gym,
 R2E-Gym and SWE-smith instances whose repositories a user has on disk), each with the tree its
-bug lives in, and checked the way the builder keeps a bug: the gold patch makes every
-FAIL_TO_PASS and PASS_TO_PASS test pass, and the repository as it is fails some FAIL_TO_PASS.
+bug lives in. `swe_env.check` checks them the way the builder keeps a bug, through the
+environment: the gold patch makes every FAIL_TO_PASS and PASS_TO_PASS test pass, and the
+repository as it is fails some FAIL_TO_PASS.
 
 Formats (`load(..., format=)`):
   'earl'      ours: `bug_patch` applied to `<dir>/repos/<base>` makes the buggy tree, `patch`
@@ -14,17 +15,15 @@ Formats (`load(..., format=)`):
               fix is its reverse.
 
   tasks = instances.load('runs/swe_tasks/instances.jsonl')
-  valid, invalid = instances.check(tasks, box, python_of=lambda t: python)
+  valid, invalid, _ = swe_env.check(config, tasks)     # gold solves, no-op does not
 """
 
 import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
-from concurrent import futures
+from collections.abc import Sequence
 
-from earl_jax.sandbox import Sandbox
 from earl_jax.swe import build, patches, testrun
 
 FORMATS = ('earl', 'swebench', 'swesmith')
@@ -198,44 +197,3 @@ def judge(run: testrun.TestRun, instance: Instance) -> tuple[int, int, int, int]
     sum(t in passed for t in instance.fail_to_pass), len(instance.fail_to_pass),
     sum(t in passed for t in instance.pass_to_pass), len(instance.pass_to_pass),
   )  # fmt: skip
-
-
-def run_tests(
-  box: Sandbox, instance: Instance, files: dict[str, str], python: str, timeout_s: float = 300.0
-) -> testrun.TestRun:
-  return testrun.run_tests(
-    box, files, python=python, paths=instance.test_args, pythonpath=instance.pythonpath,
-    timeout_s=timeout_s,
-  )  # fmt: skip
-
-
-def check(
-  tasks: Sequence[Instance], box: Sandbox, *, python_of: Callable[[Instance], str]
-) -> tuple[list[Instance], list[tuple[str, str]]]:
-  """(the valid instances, (instance_id, why) of the others): valid when the gold patch makes
-  every judged test pass and the buggy tree as it is fails some FAIL_TO_PASS test."""
-
-  def one(instance: Instance) -> str | None:
-    try:
-      buggy = instance.buggy_files()
-      gold = patches.apply_all(buggy, instance.patch)
-      library = {k: v for k, v in gold.items() if buggy.get(k) != v}
-      python = python_of(instance)
-      fixed = judge(run_tests(box, instance, instance.judged_files(library), python), instance)
-      as_is = judge(run_tests(box, instance, instance.judged_files({}), python), instance)
-    except patches.PatchError as e:
-      return f'a patch does not apply: {e}'
-    except testrun.TestRunError as e:
-      return f'the tests did not run: {e}'
-    if fixed[0] != fixed[1] or fixed[2] != fixed[3]:
-      return (
-        f'the gold patch leaves {fixed[1] - fixed[0] + fixed[3] - fixed[2]} judged tests failing'
-      )
-    if as_is[0] == as_is[1]:
-      return 'every FAIL_TO_PASS test passes without a fix'
-    return None
-
-  with futures.ThreadPoolExecutor(box.workers) as pool:
-    reasons = list(pool.map(one, tasks))
-  valid = [t for t, why in zip(tasks, reasons) if why is None]
-  return valid, [(t.instance_id, why) for t, why in zip(tasks, reasons) if why is not None]

@@ -207,10 +207,7 @@ def test_a_swebench_style_jsonl_is_loaded_checked_and_the_invalid_listed(jsonl, 
   (tmp_path / 'bench.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in bench))
   loaded = instances.load(str(tmp_path / 'bench.jsonl'), format='swebench', repos_dir=str(repos))
   assert [t.test_args for t in loaded] == [t.fail_to_pass + t.pass_to_pass for t in ours]
-  from earl_jax.sandbox import Sandbox
-
-  with Sandbox(swe_env.suite_sandbox(SandboxConfig(workers=2))) as box:
-    valid, invalid = instances.check(loaded, box, python_of=lambda _: sys.executable)
+  valid, invalid, _ = swe_env.check(_config(jsonl, max_turns=2), loaded)
   assert [t.instance_id for t in valid] == [ours[0].instance_id]
   assert invalid == [(ours[1].instance_id, invalid[0][1])] and 'does not apply' in invalid[0][1]
   smith_root = tmp_path / 'clean'
