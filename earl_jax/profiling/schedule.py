@@ -330,7 +330,35 @@ class ProfileScheduler:
     self.holding = held
     self._profiler.executables.hold(held)
     self._pump()
+    if logging.vlog_is_on(1):
+      logging.vlog(1, 'profile: %s', self.describe(seconds, held))
     return seconds
+
+  def describe(self, seconds: float = 0.0, held: bool = False) -> str:
+    """One line on where the profile stands at a step boundary (`--verbosity=1` logs it after
+    each): the share spent and allowed, what compiles, and the wanted cells in order, each with
+    its calls' seconds and whether it is compiled here ('ready'), compiling, or failed."""
+    now = time.perf_counter()
+    allowed = self._share.max_share * (now - self._share.start)
+
+    def state(cell: CellKey) -> str:
+      if cell in self._failed:
+        return 'failed'
+      running = self._compiling.get(cell)
+      if running is not None and not running.done():
+        return 'compiling'
+      return 'ready' if self._profiler.compiled_here(cell) else 'queued'
+
+    cells = ', '.join(
+      f'{s}@{b}/{r}:{name} {calls:.1f}s {state((s, b, r, name))}'
+      for (s, b, r, name), calls in list(self._queue.items())[:8]
+    )
+    more = len(self._queue) - 8
+    return (
+      f'timed {seconds:.1f} s; spent {self._share.spent:.1f} of {allowed:.1f} s; quiet '
+      f'{self.quiet()}; held {held}; wanted {len(self._queue)}: {cells}'
+      + (f' (+{more})' if more > 0 else '')
+    )
 
   def _measure_ready(self, selector, stats) -> tuple[float, bool]:
     """`between_steps`' measurement: (seconds spent, whether to hold the run's precompiles)."""

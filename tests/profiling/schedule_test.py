@@ -398,3 +398,28 @@ def test_a_compiled_cell_holds_compiles_back_only_while_it_fits_the_share(monkey
   scheduler._queue = {ready: 5.0, others[1]: 0.0}  # 5 s: timed at the next boundary
   scheduler._pump()
   assert compiler.started == [ready, others[0]]
+
+
+def test_the_boundary_line_names_the_share_and_each_wanted_cells_state(monkeypatch):
+  """`describe` (logged at --verbosity=1 after each step boundary): the share spent and allowed,
+  and the wanted cells in order, each compiled ('ready'), compiling or queued."""
+  from concurrent import futures
+
+  now = [0.0]
+  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
+  compiler = _Compiler()
+  compiler.busy = lambda: False
+  settings = ProfileSettings(stages=('rollout',), lazy=True, max_share=0.1)
+  with unchecked():  # a stand-in for the Profiler
+    scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
+  ready, running, waiting = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2', 'dp2.tp4')]
+  compiler.started.append(ready)
+  scheduler._compiling[running] = futures.Future()  # not done
+  scheduler._queue = {ready: 0.25, running: 0.5, waiting: 1.0}
+  now[0] = 40.0
+  line = scheduler.describe(1.5, held=True)
+  assert line.startswith('timed 1.5 s; spent 0.0 of 4.0 s; quiet False; held True; wanted 3: ')
+  assert line.endswith(
+    'rollout@128/16:dp8.tp1 0.2s ready, rollout@128/16:dp4.tp2 0.5s compiling, '
+    'rollout@128/16:dp2.tp4 1.0s queued'
+  )
