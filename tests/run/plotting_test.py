@@ -66,6 +66,30 @@ def test_a_code_run_plots_its_pass_rates_beside_the_context(tmp_path):
     path = tmp_path / folder / 'metrics.jsonl'
     path.write_text(''.join(json.dumps(r) + '\n' for r in series))
     plotting.plot_training(str(path), str(tmp_path / folder))
-  # Two panels (pass rates, context per turn and episode) for code; the win rate alone for games.
-  assert _png_width(tmp_path / 'code' / 'learning_curve.png') == 11 * 120
-  assert _png_width(tmp_path / 'game' / 'learning_curve.png') == 7 * 120
+  # Three panels (pass rates, context per turn and episode, learning diagnostics) for code; the
+  # win rate and the diagnostics for games.
+  assert _png_width(tmp_path / 'code' / 'learning_curve.png') == 16 * 120
+  assert _png_width(tmp_path / 'game' / 'learning_curve.png') == 12 * 120
+
+
+def test_the_diagnostics_panel_plots_what_the_run_logged():
+  """Entropy, flat groups, clip fraction and KL per step, each where logged and positive (a log
+  scale); the sampled pass@k beside the greedy pass rates."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  rows = [
+    {'step': 1, 'loss/entropy_proxy': 0.5, 'groups/flat_rate': 0.75, 'loss/clip_frac': 0.0},
+    {'step': 2, 'loss/entropy_proxy': 0.4, 'groups/flat_rate': 0.5, 'loss/clip_frac': 0.1},
+  ]
+  fig, ax = plt.subplots()
+  plotting._plot_diagnostics(ax, rows)
+  lines = {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+  plt.close(fig)
+  assert lines == {
+    'entropy proxy: -log p of the sampled tokens': [[1, 0.5], [2, 0.4]],
+    'flat groups (zero advantage)': [[1, 0.75], [2, 0.5]],
+    'clipped tokens': [[2, 0.1]],
+  }
