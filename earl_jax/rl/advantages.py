@@ -53,12 +53,16 @@ class AdvantageConfig:
       discounted reward-to-go).
     gamma: the discount of the reward-to-go over turns (credit='turn').
     eps: added to the std.
+    std_ddof: the std's delta degrees of freedom ('grpo', 'reinforce_pp'): 0, the population
+      std; 1, the sample std, as TRL's and verl's GRPO divide by (for groups of n the
+      advantages are sqrt((n - 1) / n) of ddof 0's).
   """
 
   estimator: Estimator = 'reinforce'
   credit: Credit = 'episode'
   gamma: float = 1.0
   eps: float = 1e-6
+  std_ddof: int = 0
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
@@ -76,6 +80,11 @@ class AdvantageConfig:
       )
     if not 0 < self.gamma <= 1:
       raise ConfigError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')
+    if self.std_ddof not in (0, 1) or isinstance(self.std_ddof, bool):
+      raise ConfigError(
+        f'AdvantageConfig.std_ddof={self.std_ddof!r}: expected 0 (the population std) or 1 '
+        '(the sample std, as TRL and verl).'
+      )
     if not 0 < self.eps <= 1:  # larger (or inf) shrinks every normalised advantage (to 0)
       raise ConfigError(
         f'AdvantageConfig.eps must be in (0, 1] (a small constant added to the std), got '
@@ -96,7 +105,9 @@ def _normalise(
 
   E is B (one value per row) or B x T (one per token, rows leading so the sharding is kept).
   """
-  mean, std, count = group_stats(values, groups, valid, num_groups=num_groups, mesh=mesh)
+  mean, std, count = group_stats(
+    values, groups, valid, num_groups=num_groups, mesh=mesh, ddof=config.std_ddof
+  )
   adv = values - mean
   if config.estimator in ('reinforce_pp', 'grpo'):
     adv = adv / (std + config.eps)

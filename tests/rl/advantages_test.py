@@ -81,6 +81,8 @@ def test_unknown_estimator_and_rloo_without_episode_credit():
     advantages.AdvantageConfig(estimator='ppo')
   with pytest.raises(ValueError, match=r"'rloo' .* needs credit='episode', got credit='turn'"):
     advantages.AdvantageConfig(estimator='rloo', credit='turn')
+  with pytest.raises(ValueError, match=r'std_ddof=2: expected 0 \(the population std\) or 1'):
+    advantages.AdvantageConfig(estimator='grpo', std_ddof=2)
 
 
 @pytest.mark.parametrize('estimator', [e for e in advantages.ESTIMATORS if e != 'rloo'])
