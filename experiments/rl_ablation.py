@@ -6,6 +6,7 @@
       --custom='entropy01:--config.loss.entropy_coef=0.01' --settings=as_is,entropy01
   python -m experiments.rl_ablation --presets=smoke --settings=as_is,rloo --seeds=0,1 \\
       --extra=--config.steps=2                   # what CI runs
+  python -m experiments.rl_ablation --presets=code --report_only   # the table of what has finished
 
 Each (preset, setting, seed) is one run of `experiments/train.py` in its own process, as a user
 runs it, in <out>/<preset>/<setting>/seed<S>: the preset with `--config.seed=S` and the
@@ -75,6 +76,9 @@ _EXTRA = flags.DEFINE_multi_string(
 _OUT = flags.DEFINE_string('out', 'runs/rl_ablation', 'Where the runs, table and plot go.')
 _TAIL = flags.DEFINE_integer('tail', 10, 'Train steps at the end the diagnostics average over.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print the runs that would start, run nothing.')
+_REPORT_ONLY = flags.DEFINE_bool(
+  'report_only', False, 'Run nothing: the table and plot of the runs finished so far.'
+)
 
 # The diagnostics: (name in the table, the metrics keys in order of preference).
 DIAGNOSTICS = (
@@ -269,26 +273,29 @@ def headline(names: Sequence[str]) -> str:
 
 
 def markdown(aggregates, descriptions: dict[str, str], header: str) -> str:
-  """The table: one row per (preset, setting); each figure as mean +- std (min-max, n)."""
+  """The table, per preset: a column per setting (its seeds), a row per figure, each cell the
+  mean +- the standard deviation over the seeds (min-max); then what each setting changes."""
   lines = [header, '']
   for preset in dict.fromkeys(p for p, _ in aggregates):
     rows = {s: a for (p, s), a in aggregates.items() if p == preset}
     names = list(dict.fromkeys(n for a in rows.values() for n in a))
-    lines += [f'### `{preset}`', '', '| setting | ' + ' | '.join(names) + ' |']
-    lines.append('|---|' + '---:|' * len(names))
-    for setting, cells in rows.items():
+    seeds = {s: max((c['n'] for c in a.values()), default=0) for s, a in rows.items()}
+    lines += [f'### `{preset}`', '']
+    lines.append('| figure | ' + ' | '.join(f'`{s}` (n={seeds[s]})' for s in rows) + ' |')
+    lines.append('|---|' + '---:|' * len(rows))
+    for name in names:
       text = []
-      for name in names:
+      for cells in rows.values():
         c = cells.get(name)
         if c is None:
           text.append('-')
         elif name == 'wall_s':
-          text.append(f'{c["mean"]:.0f} +- {c["std"]:.0f} (n={c["n"]})')
+          text.append(f'{c["mean"]:.0f} +- {c["std"]:.0f}')
         else:
-          text.append(
-            f'{c["mean"]:.3f} +- {c["std"]:.3f} ({c["min"]:.3f}-{c["max"]:.3f}, n={c["n"]})'
-          )
-      lines.append(f'| `{setting}`: {descriptions.get(setting, "")} | ' + ' | '.join(text) + ' |')
+          text.append(f'{c["mean"]:.3f} +- {c["std"]:.3f} ({c["min"]:.3f}-{c["max"]:.3f})')
+      lines.append(f'| {name} | ' + ' | '.join(text) + ' |')
+    lines.append('')
+    lines += [f'- `{s}`: {descriptions.get(s, "")}' for s in rows]
     lines.append('')
   return '\n'.join(lines)
 
@@ -339,7 +346,7 @@ def main(argv):
     return
   os.makedirs(out, exist_ok=True)
   failed = []
-  for i, cell in enumerate(cells):
+  for i, cell in enumerate([] if _REPORT_ONLY.value else cells):
     name = f'{cell.preset}/{cell.setting}/seed{cell.seed}'
     if _done(cell, out):
       print(f'[{i + 1}/{len(cells)}] {name}: done before', flush=True)

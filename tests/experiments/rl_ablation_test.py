@@ -38,6 +38,7 @@ def test_bad_input_ends_in_one_line_before_any_run(tmp_path, args, fragment):
   assert not out.exists()
 
 
+@pytest.mark.slow
 def test_seeds_aggregate_into_one_table_and_a_second_call_runs_only_what_is_missing(tmp_path):
   out = tmp_path / 'out'
   args = (
@@ -70,8 +71,15 @@ def test_seeds_aggregate_into_one_table_and_a_second_call_runs_only_what_is_miss
     assert cell['std'] == pytest.approx(statistics.stdev(wins))
     assert 'diag/entropy' in agg and 'wall_s' in agg
   table = (out / 'ablation.md').read_text()
-  assert '| `lr`: --config.optim.learning_rate=3e-3 |' in table and 'n=2' in table
+  assert '| figure | `as_is` (n=2) | `lr` (n=2) |' in table
+  assert '- `lr`: --config.optim.learning_rate=3e-3' in table
   assert (out / 'ablation.png').stat().st_size > 0
+  # --report_only: a setting not run yet is left out, and nothing runs.
+  report = helpers.run_module(
+    'experiments.rl_ablation', *args[:-2], '--settings=as_is,lr,gspo', args[-1], '--report_only'
+  )
+  assert report.returncode == 0 and 'gspo' not in report.stdout.split('### `smoke`')[1]
+  assert not (out / 'smoke' / 'gspo').exists()
   # A cut ablation: one run's summary gone. The same command runs that one alone (resumed from
   # its checkpoint), and the table is the same.
   os.remove(out / 'smoke' / 'lr' / 'seed1' / 'summary.json')
