@@ -126,11 +126,12 @@ def trainer_run(
   winners: dict[str, str],
   dynamic_sampling_rounds: int = 0,
   ratio: str = 'token',
+  estimator: str = 'grpo',
 ) -> dict:
   """The smoke preset on this process group, with the stages on the `winners` layouts; returns
   its metrics rows and summary (every process returns what it holds). `dynamic_sampling_rounds`:
-  with it, groups of 2 and GRPO advantages, flat groups replaced from up to this many rounds.
-  `ratio`: the loss's importance ratio ('sequence': GSPO's)."""
+  with it, groups of 2 and `estimator`'s advantages (a grouped one), flat groups replaced from
+  up to this many rounds. `ratio`: the loss's importance ratio ('sequence': GSPO's)."""
   import dataclasses
 
   from earl_jax.rl.advantages import AdvantageConfig
@@ -150,7 +151,7 @@ def trainer_run(
     config = dataclasses.replace(
       config,
       rollout=dataclasses.replace(config.rollout, group_size=2),
-      advantages=AdvantageConfig(estimator='grpo'),
+      advantages=AdvantageConfig(estimator=estimator),
       dynamic_sampling_rounds=dynamic_sampling_rounds,
     )
   config = dataclasses.replace(config, loss=dataclasses.replace(config.loss, ratio=ratio))

@@ -346,18 +346,20 @@ def test_two_processes_equal_one_and_resume_there(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_dynamic_sampling_and_gspo_on_two_processes_equal_one(tmp_path):
-  """Groups of 2 with dynamic sampling (up to 2 more rounds a step) and GSPO's per-episode
-  ratio on packed rows, on 2 processes x 4 devices, equal the same seed's run on 8 devices:
-  every process replaces the same flat groups from the same rounds, and receives the episodes
-  of a group another process played. The rounds ran, and the trained batch holds no more flat
-  groups than the first round had."""
+@pytest.mark.parametrize(('estimator', 'ratio'), [('grpo', 'sequence'), ('rloo', 'token')])
+def test_dynamic_sampling_and_gspo_on_two_processes_equal_one(tmp_path, estimator, ratio):
+  """Groups of 2 with dynamic sampling (up to 2 more rounds a step), GRPO with GSPO's
+  per-episode ratio on packed rows or RLOO with the token ratio, on 2 processes x 4 devices,
+  equal the same seed's run on 8 devices: every process replaces the same flat groups from the
+  same rounds, and receives the episodes of a group another process played. The rounds ran,
+  and the trained batch holds no more flat groups than the first round had."""
   kwargs = {
     'steps': 2,
     'resume': False,
     'winners': WINNERS,
     'dynamic_sampling_rounds': 2,
-    'ratio': 'sequence',
+    'ratio': ratio,
+    'estimator': estimator,
   }
   ref = mp_bodies.trainer_run(str(tmp_path / 'one'), **kwargs)
   two = multiprocess.run(
