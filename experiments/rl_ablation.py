@@ -302,7 +302,7 @@ def markdown(aggregates, descriptions: dict[str, str], header: str) -> str:
 
 def plot(aggregates, path: str) -> str:
   """Per preset, its headline figure per setting: the mean (bar), the standard deviation
-  (error bar) and every seed (dots)."""
+  (error bar), every seed (dots) and where the runs started (the evaluation at step 0)."""
   import matplotlib
 
   matplotlib.use('Agg')
@@ -317,6 +317,12 @@ def plot(aggregates, path: str) -> str:
     means = [rows[s][name]['mean'] for s in settings]
     stds = [rows[s][name]['std'] for s in settings]
     ax.bar(range(len(settings)), means, yerr=stds, capsize=4, alpha=0.6)
+    start = [
+      rows[s][f'first/{name[5:]}']['mean'] for s in settings if f'first/{name[5:]}' in rows[s]
+    ]
+    if start:  # where the runs started (the evaluation at step 0)
+      ax.axhline(start[0], color='k', linestyle='--', linewidth=1, label='step 0')
+      ax.legend(fontsize=8)
     for i, s in enumerate(settings):
       values = rows[s][name].get('values', [])
       ax.plot([i] * len(values), values, 'k.', alpha=0.8)

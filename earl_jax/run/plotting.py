@@ -124,6 +124,8 @@ def _plot_diagnostics(ax, rows: list[dict]) -> None:
     if series:
       ax.plot(*zip(*series), label=label, alpha=0.8)
   ax.set_yscale('log')
+  low, high = ax.get_ylim()
+  ax.set_ylim(max(low, 1e-6), high)  # a first step's KL of 1e-14 would flatten the rest
   ax.set_xlabel('step')
   ax.set_title('Learning diagnostics')
   ax.grid(alpha=0.3)
