@@ -121,11 +121,6 @@ class ProfileScheduler:
   # compiled cell is timed at the next boundary with no other compile of the profile's beside it.
   IN_FLIGHT = 1
   SAMPLES = 3  # the run's own calls a cell is the median of (after its first, a warm-up)
-  # Step boundaries a compiled cell that fits the share holds compiles back for while none is
-  # quiet: while contexts grow into new buckets, each step compiles its own programs, so no
-  # boundary is quiet however long the profile waits; past these the profile compiles on (and
-  # the run's precompiles go on) until a quiet boundary times what is ready.
-  PATIENCE = 2
 
   def __init__(
     self,
@@ -152,9 +147,8 @@ class ProfileScheduler:
     self._latest_here: dict[Stage, tuple[int, float]] = {}
     # Whether the run's speculative precompiles are held (`Executables.hold`; the same on every
     # process): while a compiled cell that fits the share waits for a step boundary with no
-    # compile under way, for at most PATIENCE boundaries that were not quiet.
+    # compile under way.
     self.holding = False
-    self._missed = 0  # consecutive boundaries a compiled cell that fits found not quiet
 
   @classmethod
   def start(
@@ -291,13 +285,11 @@ class ProfileScheduler:
     """Keeps `IN_FLIGHT` compiles of the most wanted cells going (a cell compiled already, being
     compiled, or whose compile failed is skipped: the model's figure stays), except while a
     wanted cell is compiled and fits the share now (then the compiles under way drain, so that
-    `between_steps` times it with no compile beside it), for at most `PATIENCE` boundaries
-    that were not quiet, and within the compile budget:
+    `between_steps` times it with no compile beside it), and within the compile budget:
     the profile's background compiles take at most `compile_share` of the run's time, a compile
     counted at the median of those done so far (a compile takes a core from the steps)."""
     live = [c for c in self._queue if c not in self._failed]
-    waiting = any(self._ready_here(c) and self._share.fits(self._queue[c]) for c in live)
-    if waiting and self._missed <= self.PATIENCE:
+    if any(self._ready_here(c) and self._share.fits(self._queue[c]) for c in live):
       return
     busy = sum(not f.done() for f in self._compiling.values())
     done = [f.result() for f in self._compiling.values() if f.done() and not f.exception()]
@@ -381,13 +373,10 @@ class ProfileScheduler:
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
     if not ready:
-      self._missed = 0
       return 0.0, False
     if not quiet:
-      fits = bool(distributed.broadcast_json(any(self._share.fits(self._queue[c]) for c in ready)))
-      self._missed = self._missed + 1 if fits else 0  # process 0's clock decides
-      return 0.0, fits and self._missed <= self.PATIENCE
-    self._missed = 0
+      fits = any(self._share.fits(self._queue[c]) for c in ready)
+      return 0.0, bool(distributed.broadcast_json(fits))  # process 0's clock decides
     t0 = time.perf_counter()
 
     def proceed(stage: Stage, bucket: int, rows: int, names: Sequence[str]) -> bool:

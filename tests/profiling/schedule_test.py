@@ -400,33 +400,6 @@ def test_a_compiled_cell_holds_compiles_back_only_while_it_fits_the_share(monkey
   assert compiler.started == [ready, others[0]]
 
 
-def test_a_compiled_cell_holds_compiles_back_for_patience_boundaries_that_are_not_quiet(
-  monkeypatch,
-):
-  """While contexts grow, the run compiles its own programs every step and no boundary is
-  quiet: a compiled cell that fits holds the profile's compiles (and the run's precompiles)
-  back for `PATIENCE` such boundaries, then the profile compiles the next wanted cell."""
-  now = [100.0]
-  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
-  compiler = _Compiler()
-  compiler.busy = lambda: True  # the run's own compiles: never quiet
-  compiler.agreed = list
-  settings = ProfileSettings(stages=('rollout',), lazy=True, compile_share=1.0, max_share=0.1)
-  with unchecked():  # a stand-in for the Profiler
-    scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
-  ready, other = [(Stage.ROLLOUT, 128, 16, n) for n in ('dp8.tp1', 'dp4.tp2')]
-  compiler.started.append(ready)  # compiled: waits for a quiet boundary to be timed
-  scheduler._wanted = lambda selector, stats: {ready: 1.0, other: 1.0}
-  now[0] = 200.0  # 10 s of the share to spend: the 1 s cell fits
-  held = []
-  for _ in range(schedule.ProfileScheduler.PATIENCE + 1):
-    held.append(scheduler._measure_ready(None, None)[1])
-    scheduler._pump()
-    now[0] += 5.0
-  assert held == [True] * schedule.ProfileScheduler.PATIENCE + [False]
-  assert compiler.started == [ready, other]  # compiled once patience ran out, not before
-
-
 def test_the_boundary_line_names_the_share_and_each_wanted_cells_state(monkeypatch):
   """`describe` (logged at --verbosity=1 after each step boundary): the share spent and allowed,
   and the wanted cells in order, each compiled ('ready'), compiling or queued."""
