@@ -250,7 +250,8 @@ def aggregate(values: Sequence[float]) -> dict[str, float]:
 
 
 def table(runs: list[dict]) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
-  """Per (preset, setting), each figure aggregated over the seeds that have it."""
+  """Per (preset, setting), each figure aggregated over the seeds that have it (with those
+  seeds and their values)."""
   out: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
   for run in runs:
     out.setdefault((run['preset'], run['setting']), {})
@@ -259,7 +260,8 @@ def table(runs: list[dict]) -> dict[tuple[str, str], dict[str, dict[str, float]]
     names = dict.fromkeys(k for r in mine for k in r['figures'])
     for name in names:
       values = [r['figures'][name] for r in mine if name in r['figures']]
-      cells[name] = aggregate(values) | {'seeds': [r['seed'] for r in mine if name in r['figures']]}
+      seeds = [r['seed'] for r in mine if name in r['figures']]
+      cells[name] = aggregate(values) | {'seeds': seeds, 'values': values}
   return out
 
 
@@ -324,7 +326,7 @@ def plot(aggregates, path: str) -> str:
       ax.axhline(start[0], color='k', linestyle='--', linewidth=1, label='step 0')
       ax.legend(fontsize=8)
     for i, s in enumerate(settings):
-      values = rows[s][name].get('values', [])
+      values = rows[s][name]['values']
       ax.plot([i] * len(values), values, 'k.', alpha=0.8)
     ax.set_xticks(range(len(settings)))
     ax.set_xticklabels(settings, rotation=30, ha='right')
@@ -379,13 +381,6 @@ def main(argv):
     if _done(c, out)
   ]
   aggregates = table(runs)
-  for (preset, setting), cells_ in aggregates.items():
-    for name, c in cells_.items():
-      c['values'] = [
-        r['figures'][name]
-        for r in runs
-        if (r['preset'], r['setting']) == (preset, setting) and name in r['figures']
-      ]
   header = f'# RL ablation: {len(runs)} runs, seeds {", ".join(_SEEDS.value)}' + (
     f', every run with {" ".join(extra)}' if extra else ''
   )
