@@ -447,8 +447,8 @@ class TextEnv(abc.ABC):
     every reset of one environment class (default: none).
 
     Every step record holds each as `env/<name>`, over the whole batch (`metrics.env_record`):
-    a name ending in '_rate' is averaged over the episodes, any other summed (a count, or
-    seconds when it ends in '_s').
+    a name ending in '_rate' or '_mean' is averaged over the episodes, any other summed (a
+    count, or seconds when it ends in '_s').
     """
     return {}
 

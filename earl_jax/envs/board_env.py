@@ -65,6 +65,8 @@ class BoardGameEnv(base.TextEnv):
     self._agent_first = np.zeros(0, dtype=bool)
     self._thoughts = np.zeros(0, dtype=np.int64)  # thinking replies since the last move
     self._hints = np.zeros(0, dtype=np.int64)  # the last thought's move (-1: none since a move)
+    self._played = np.zeros((0, game.num_actions), dtype=bool)  # the moves the agent played
+    self._illegal = np.zeros(0, dtype=bool)  # ended by a well-formed but illegal move
     self._outcomes: list[base.Outcome | None] = []
 
   @property
@@ -108,6 +110,17 @@ class BoardGameEnv(base.TextEnv):
   def agent_first(self) -> Bool[np.ndarray, ' B']:
     """Whether the agent made the first move of each episode."""
     return self._agent_first.copy()
+
+  def episode_stats(self) -> dict[str, np.ndarray]:
+    """Per episode (see `base.TextEnv.episode_stats`): `distinct_moves_mean`, how many distinct
+    moves the agent played (Connect Four: columns; a policy that stacks one column plays 1),
+    and `illegal_rate`, 1 when a well-formed move the board did not allow (a full column, a
+    taken cell) ended it: of the 'invalid' outcomes, those that are not a reply that does not
+    parse."""
+    return {
+      'distinct_moves_mean': self._played.sum(axis=1).astype(np.float64),
+      'illegal_rate': self._illegal.astype(np.float64),
+    }
 
   def legal_mask(self) -> Bool[np.ndarray, 'B A']:
     self._check_reset()
@@ -174,6 +187,8 @@ class BoardGameEnv(base.TextEnv):
     self._agent_first = ~opponent_first
     self._thoughts = np.zeros(n, dtype=np.int64)
     self._hints = np.full(n, -1, dtype=np.int64)
+    self._played = np.zeros((n, game.num_actions), dtype=bool)
+    self._illegal = np.zeros(n, dtype=bool)
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
 
@@ -227,7 +242,17 @@ class BoardGameEnv(base.TextEnv):
     return self._step(actions, self._draw(self._rng, (self._batch, self.game.num_actions)))
 
   # The per-episode state that `step` reads and writes (`step_many` batches it).
-  _STATE = ('_boards', '_done', '_turns', '_last_opponent', '_agent_first', '_thoughts', '_hints')
+  _STATE = (
+    '_boards',
+    '_done',
+    '_turns',
+    '_last_opponent',
+    '_agent_first',
+    '_thoughts',
+    '_hints',
+    '_played',
+    '_illegal',
+  )
 
   @classmethod
   def step_many(
@@ -279,6 +304,8 @@ class BoardGameEnv(base.TextEnv):
     legal = active & (parsed >= 0)
     legal &= self.game.legal_mask(self._boards)[np.arange(num_envs), np.maximum(parsed, 0)]
     invalid = active & ~legal & ~think
+    self._played[np.flatnonzero(legal), parsed[legal]] = True
+    self._illegal |= invalid & (parsed >= 0)
     moves = self._play_moves(legal, parsed, noise)
     self._last_opponent[active] = moves.opponent_action[active]
     drawn = moves.filled | moves.opponent_filled

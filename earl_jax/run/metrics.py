@@ -228,16 +228,16 @@ def env_record(
   episodes: EpisodeStats, *, step_s: float | None = None, processes: int = 1
 ) -> dict[str, float]:
   """What the environment reported per episode (`TextEnv.episode_stats`), over the batch:
-  `env/<name>`, the mean over the episodes of a name ending in '_rate', else the sum (a count,
-  or seconds when it ends in '_s'); with `step_s`, seconds also as `env/<name>_share`, their
+  `env/<name>`, the mean over the episodes of a name ending in '_rate' or '_mean', else the
+  sum (a count, or seconds when it ends in '_s'); with `step_s`, seconds also as `env/<name>_share`, their
   share of the step per process (the sum over `processes` x `step_s`). A name ending in '_id'
   is an identifier (a code task's index), not a metric: left out."""
   out = {}
   for name, values in episodes.env_stats.items():
     if name.endswith('_id'):
       continue
-    rate = name.endswith('_rate')
-    out[f'env/{name}'] = float(np.mean(values) if rate else np.sum(values))
+    mean = name.endswith(('_rate', '_mean'))
+    out[f'env/{name}'] = float(np.mean(values) if mean else np.sum(values))
     if step_s and name.endswith('_s'):
       out[f'env/{name}_share'] = out[f'env/{name}'] / (processes * step_s)
   return out
@@ -512,6 +512,17 @@ def _learning_text(r: Mapping[str, Any]) -> str:
   return text
 
 
+def _moves_text(r: Mapping[str, Any]) -> str:
+  """' distinct 1.3 illegal 0.34': a board game's greedy evaluation, the distinct moves the
+  agent plays a game (Connect Four: columns) and the share of games lost to an illegal move ('' for
+  other tasks)."""
+  if 'eval/distinct_moves_mean' not in r:
+    return ''
+  return (
+    f' distinct {r["eval/distinct_moves_mean"]:.1f} illegal {r.get("eval/illegal_rate", 0.0):.2f}'
+  )
+
+
 def format_line(record: Mapping[str, Any]) -> str:
   """The one-line summary of a step."""
   r = record
@@ -528,7 +539,7 @@ def format_line(record: Mapping[str, Any]) -> str:
   if 'sampling/rounds' in r:  # dynamic sampling: rounds played, first-round flat groups replaced
     parts.append(f'ds {r["sampling/rounds"]:.0f}r -{r["sampling/dropped_groups"]:.0f}')
   if 'eval/win_rate' in r:
-    parts.append(f'eval {r["eval/win_rate"]:.3f}')
+    parts.append(f'eval {r["eval/win_rate"]:.3f}{_moves_text(r)}')
   if 'env/pass_final_rate' in r:
     parts.append(_pass_text(r))
   parts.append(

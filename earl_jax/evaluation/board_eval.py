@@ -1,0 +1,110 @@
+"""A board-game policy's greedy games against each built-in opponent.
+
+The policy (a checkpoint of `experiments/train.py`, `code_eval.load_policy`) plays
+`episodes` games against each opponent with the RL rollout engine, greedily and from fixed seeds,
+on the environment of its run's evaluation (`ExperimentConfig.eval_env`) with only the opponent
+changed. Each opponent's record holds the outcome rates, the games lost to an illegal move (a
+full column, a taken cell: `illegal_rate`, part of `invalid_rate`), how many distinct moves the
+agent played a game (Connect Four: columns; a policy that stacks one column plays 1) and its
+moves a game.
+
+  mesh = code_eval.eval_mesh()
+  policy = code_eval.load_policy(PolicySource(checkpoint='runs/default'), mesh)
+  records = [play(config, policy, mesh, opponent=o, episodes=512) for o in base.OPPONENTS]
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from earl_jax.envs import base
+from earl_jax.errors import UserError
+from earl_jax.evaluation.code_eval import Policy
+from earl_jax.experiment import ExperimentConfig
+from earl_jax.rollout.trajectories import EpisodeStats
+from earl_jax.run import metrics
+
+
+class BoardEvalError(UserError):
+  """A board evaluation asked of a run that is not a board game, or with bad settings."""
+
+
+def check(config: ExperimentConfig, *, opponents: tuple[str, ...], episodes: int, shards: int):
+  """Refuses, in one line, what `play` cannot do: a run whose evaluation is not a board game, an
+  unknown opponent, or a number of games the `shards` data-parallel ranks do not divide.
+
+  Raises:
+    BoardEvalError: as said.
+  """
+  if not isinstance(config.eval_env, base.EnvConfig):
+    raise BoardEvalError(
+      f'config={config.name!r} evaluates on {type(config.eval_env).__name__}: expected a board '
+      'game (for code tasks: experiments/eval_code.py).'
+    )
+  unknown = [o for o in opponents if o not in base.OPPONENTS]
+  if unknown or not opponents:
+    raise BoardEvalError(
+      f'opponents={",".join(opponents)!r}: expected some of {",".join(base.OPPONENTS)}.'
+    )
+  if (
+    isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1 or episodes % shards
+  ):
+    raise BoardEvalError(
+      f'episodes={episodes!r}: expected a positive multiple of the {shards} devices.'
+    )
+
+
+def play(
+  config: ExperimentConfig,
+  policy: Policy,
+  mesh: jax.sharding.Mesh,
+  *,
+  opponent: str,
+  episodes: int,
+  seed: int,
+) -> dict[str, float]:
+  """`episodes` greedy games of `policy` against `opponent` on `config.eval_env`.
+
+  Returns:
+    The evaluation's record (`metrics.eval_record`: eval/win_rate, eval/invalid_rate,
+    eval/distinct_moves_mean, ...) with eval/loss_rate, eval/turns_mean and 'games'.
+  """
+  from earl_jax.programs import Executables, StageSpec
+  from earl_jax.rollout import engine
+
+  env = dataclasses.replace(config.eval_env, opponent=opponent)
+  rollout = dataclasses.replace(
+    config.rollout,
+    num_episodes=episodes,
+    group_size=1,
+    sampling=dataclasses.replace(config.rollout.sampling, greedy=True),
+  )
+  spec = StageSpec.for_rollout(rollout, policy.tokenizer, policy.model.vocab_size)
+  with Executables(policy.model, spec=spec, devices=list(mesh.devices.flat)) as programs:
+    runner = engine.RolloutEngine(
+      policy.model, policy.tokenizer, env, rollout, config.buckets, programs=programs
+    )
+    traj = runner.run(policy.params, mesh, seed=seed, greedy=True)
+  stats = EpisodeStats.gather(traj)
+  record = metrics.eval_record(stats)
+  record['eval/loss_rate'] = stats.outcome_rates().get('loss', 0.0)
+  record['eval/turns_mean'] = float(np.mean(stats.turns))
+  record['games'] = float(len(stats.outcomes))
+  return record
+
+
+def table(records: dict[str, dict[str, float]]) -> str:
+  """A Markdown table of `play`'s records, one row per opponent."""
+  lines = [
+    '| opponent | games | win | draw | loss | invalid | of which illegal | distinct moves | turns |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
+  ]
+  for opponent, r in records.items():
+    lines.append(
+      f'| {opponent} | {r["games"]:.0f} | {r["eval/win_rate"]:.3f} | {r["eval/draw_rate"]:.3f} | '
+      f'{r["eval/loss_rate"]:.3f} | {r["eval/invalid_rate"]:.3f} | '
+      f'{r.get("eval/illegal_rate", 0.0):.3f} | {r.get("eval/distinct_moves_mean", 0.0):.2f} | '
+      f'{r["eval/turns_mean"]:.1f} |'
+    )
+  return '\n'.join(lines)
