@@ -11,8 +11,10 @@ ways. The kernels (`earl_jax.models.context_attention`):
 
   blockwise    the baseline, on `dpN` (N = all devices): each device holds whole sequences and
                runs `models.attention.blockwise_causal_attention` (tiles of gcd(T, --block)).
-  ring         `ring_attention`, contiguous shards (the last device does the most causal work).
-  ring_zigzag  `ring_attention` in zig-zag order (balanced; the inputs are placed in that order).
+  ring         `ring_attention`, contiguous shards (the last device does the most causal work),
+               each visit in tiles of gcd(T / Y, --block).
+  ring_zigzag  `ring_attention` in zig-zag order (balanced; the inputs are placed in that order),
+               tiles of gcd(T / 2Y, --block).
   ulysses      `ulysses_attention`: all-to-alls to whole sequences of K / Y kv heads, then the
                blockwise attention (tiles of gcd(T, --block)); only where Y divides K.
 
@@ -27,10 +29,10 @@ is a 'tie'. Per-device memory is XLA's `memory_analysis()` of the compiled progr
 outputs + temporaries (`programs.memory.xla_memory`).
 
 At a fixed global batch every mesh holds the same B * T / N tokens per device, so context
-parallelism cannot lower the inputs' bytes here; what differs is the temporaries (a ring visit's
-[B_local, K, Q, t, t] tile against the blockwise [1, K, Q, b, b] one). Fake CPU devices share the
-host's cores, so times add up every device's work: the ring's load imbalance, which zig-zag
-removes, barely shows here; rerun on real devices for that.
+parallelism cannot lower the inputs' bytes here; what differs is the temporaries (every kernel
+computes [B_local, K, Q, b, b] tiles; a ring also holds a visiting kv shard and, backward, its
+dk, dv). Fake CPU devices share the host's cores, so times add up every device's work: the
+ring's load imbalance, which zig-zag removes, barely shows here; rerun on real devices for that.
 
 Writes <out>/context_attention_bench.json (every row and skip, the flags, date, JAX version and
 the devices) and <out>/context_attention_bench.md (the tables).
@@ -74,8 +76,8 @@ _HEAD_DIM = flags.DEFINE_integer('head_dim', 32, 'Head dimension Dh.', lower_bou
 _BLOCK = flags.DEFINE_integer(
   'block',
   next(f.default for f in dataclasses.fields(ModelConfig) if f.name == 'attention_block'),
-  'Tile of the blockwise attention (baseline and Ulysses), as gcd(T, block); default: the '
-  "model's attention_block.",
+  'Tile of every kernel: gcd(T, block) for the baseline and Ulysses, gcd(shard, block) for a '
+  "ring visit; default: the model's attention_block.",
   lower_bound=1,
 )
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'q, k, v dtype.')
@@ -167,11 +169,11 @@ def attention_fn(kernel: str, mesh: Mesh, block: int):
   """(q, k, v) -> out, in the kernel's layout order, split by `ca.sequence_spec`."""
   if kernel == 'ring':
     return functools.partial(
-      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=False
+      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=False, block=block
     )
   if kernel == 'ring_zigzag':
     return functools.partial(
-      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=True
+      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=True, block=block
     )
   if kernel == 'ulysses':
     return functools.partial(

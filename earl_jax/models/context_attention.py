@@ -10,22 +10,31 @@ shard (with its segment ids and global positions) around a ring of the C devices
 `lax.ppermute`, C - 1 times: at step s device i holds the kv shard of device i - s (mod C). Each
 visit is folded into the device's queries with an online softmax (a running max, sum of exp and
 weighted values per query, in f32), masked by GLOBAL positions (key <= query) and segment ids.
-No device ever holds more than two kv shards, and the output needs no gather. The kernel is
-plain jnp and collectives under `jax.shard_map`, so jax differentiates it (the transpose of a
-ppermute is the reverse ppermute); each visit is rematerialised (`jax.checkpoint`), so the
-backward pass keeps the accumulators and kv shard of each step, not the [t, t] scores.
+No device ever holds more than two kv shards, and the output needs no gather.
+
+Each visit is blockwise, as the single-device `models.attention.blockwise_causal_attention`: a
+loop over the query blocks of b positions (b = gcd(block, t), gcd(block, c) with zig-zag) and,
+for each, over the key blocks it sees, one [b, b] tile at a time. Positions increase along a
+shard in both layouts, so a query block sees a prefix of the visitor's key blocks (those whose
+first key is not after its last query): the diagonal visit (a shard against itself) stops at the
+diagonal, a visitor whose keys are all in the future costs no tile, and with zig-zag only the
+needed half of a visit (below) is computed. The ring is one `custom_vjp` per device: the forward
+saves only its output and the log-sum-exp of each query; the backward is a second ring pass in
+which each kv shard travels with its dk, dv accumulators, every device adding its queries' part
+tile by tile (recomputed from the lse, dq kept locally), and one last hop takes dk, dv home. No
+pass holds more than one tile's scores, so a device's memory grows with t, not t^2.
 
 Zig-zag order. With the sequence split in C contiguous shards, device C - 1 sees every key and
 device 0 only its own: causal work grows linearly along the ring. With `zigzag=True` the
 sequence is cut into 2C chunks of c = T / (2C) positions and device i holds chunks i and
 2C - 1 - i (one early, one late), so every device has the same number of (query, key) pairs
-to compute. A visit then needs only half a tile: a shard from an earlier device is seen by all
-local queries but only through its early chunk; a shard from a later device is seen only by the
-local late chunk, through both of its chunks. (Contiguous order: an earlier shard is seen whole
-and a later one skipped.) The kernels take inputs ALREADY in the layout order: layout position
-p holds global position `sequence_positions(T, C, zigzag=True)[p]`; `to_zigzag` / `from_zigzag`
-move a [B, T, ...] array into and out of it (a gather along T, done once per batch, e.g. by the
-data pipeline: token ids, targets and segment ids alike).
+to compute. A visit then needs only half its (query, key) pairs: a shard from an earlier device
+is seen by all local queries but only through its early chunk; a shard from a later device is
+seen only by the local late chunk, through both of its chunks. (Contiguous order: an earlier
+shard is seen whole and a later one skipped.) The kernels take inputs ALREADY in the layout
+order: layout position p holds global position `sequence_positions(T, C, zigzag=True)[p]`;
+`to_zigzag` / `from_zigzag` move a [B, T, ...] array into and out of it (a gather along T, done
+once per batch, e.g. by the data pipeline: token ids, targets and segment ids alike).
 
 Ulysses attention (`ulysses_attention`). One `lax.all_to_all` turns sequence shards of all K kv
 heads into the whole sequence for K / C heads, each device runs the single-device
@@ -39,10 +48,11 @@ carry the same segment id. Padding is a segment of its own (by convention id 0):
 never see it; padded queries see only padding, so their outputs are finite but meaningless and
 the loss must mask them. `reference_attention` uses the same rule.
 
-Per-device shapes (t = T / C; c = t / 2 with zig-zag):
+Per-device shapes (t = T / C; c = t / 2 with zig-zag; b the ring's tile):
   q        [B_local, t, K, Q, Dh]    k, v [B_local, t, K, Dh]    segment_ids [B_local, t] or None
   out      [B_local, t, K, Q, Dh]    (q's dtype)
-  ring     one visit's tile [B_local, K, Q, t, c] or [.., c, t] (zig-zag), [.., t, t] (contiguous)
+  ring     one tile [B_local, K, Q, b, b] (f32); accumulators and lse [B_local, K, Q, t] (f32),
+           weighted values [B_local, K, Q, t, Dh]; backward: dk, dv [B_local, t, K, Dh] (f32)
   ulysses  [B_local, T, K / C, Q, Dh] between the all-to-alls
 """
 
@@ -57,7 +67,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, Shaped
+from jaxtyping import Array, Float, Int, Shaped
 
 from earl_jax.models.attention import blockwise_causal_attention
 
@@ -143,27 +153,98 @@ def _sequence_shard_map(
   )
 
 
-# Ring attention: one device's online softmax over visiting kv shards.
+# Ring attention, per device: b x b tiles of each visit, a forward and a backward ring pass.
+
+
+def _rows(x: Array, i, b: int, axis: int = 1) -> Array:
+  """Rows [i * b, (i + 1) * b) of x along `axis` (i may be traced)."""
+  return lax.dynamic_slice_in_dim(x, i * b, b, axis=axis)
+
+
+def _put(x: Array, i, b: int, rows: Array, axis: int = 1) -> Array:
+  """x with rows [i * b, (i + 1) * b) along `axis` replaced by `rows`."""
+  return lax.dynamic_update_slice_in_dim(x, rows, i * b, axis=axis)
+
+
+def _seg_rows(seg: Array | None, i, b: int) -> Array | None:
+  return None if seg is None else _rows(seg, i, b)
 
 
 class _Queries(NamedTuple):
-  q: Array  # [B, t, K, Q, Dh] f32
-  seg: Array | None  # [B, t]
-  pos: Array  # [t] global positions
+  """A device's queries: q [B, t, K, Q, Dh], segment ids [B, t] or None, global positions [t]."""
 
-  def rows(self, sl: slice) -> '_Queries':
-    return _Queries(self.q[:, sl], None if self.seg is None else self.seg[:, sl], self.pos[sl])
+  q: Array
+  seg: Array | None
+  pos: Array
+
+  def block(self, i, b: int) -> '_Queries':
+    return _Queries(_rows(self.q, i, b), _seg_rows(self.seg, i, b), _rows(self.pos, i, b, 0))
 
 
-class _Keys(NamedTuple):
-  k: Array  # [B, t, K, Dh] f32
-  v: Array  # [B, t, K, Dh] f32
-  seg: Array | None  # [B, t]
-  pos: Array  # [t] global positions
+class _Shard(NamedTuple):
+  """A kv shard as it travels the ring: k, v [B, t, K, Dh] (inputs' dtype), segment ids [B, t]
+  or None, and the global positions [t] of the device it comes from."""
 
-  def rows(self, sl: slice) -> '_Keys':
-    seg = None if self.seg is None else self.seg[:, sl]
-    return _Keys(self.k[:, sl], self.v[:, sl], seg, self.pos[sl])
+  k: Array
+  v: Array
+  seg: Array | None
+  pos: Array
+
+  def block(self, j, b: int) -> '_Shard':
+    k, v, pos = _rows(self.k, j, b), _rows(self.v, j, b), _rows(self.pos, j, b, 0)
+    return _Shard(k, v, _seg_rows(self.seg, j, b), pos)
+
+
+def _scale(qs: _Queries) -> float:
+  return 1.0 / float(qs.q.shape[-1]) ** 0.5
+
+
+def _tile(qb: _Queries, kb: _Shard) -> tuple[Array, Array]:
+  """Scaled scores [B, K, Q, b, b] (f32, masked entries _NEG) of a query block against a key
+  block, and the mask [B or 1, 1, 1, b, b]: key position <= query position, same segment."""
+  f32 = jnp.float32
+  scores = jnp.einsum('BTKQd,BSKd->BKQTS', qb.q.astype(f32), kb.k.astype(f32)) * _scale(qb)
+  mask = (kb.pos[None, :] <= qb.pos[:, None])[None]
+  if qb.seg is not None:
+    mask = mask & (qb.seg[:, :, None] == kb.seg[:, None, :])
+  mask = mask[:, None, None]
+  return jnp.where(mask, scores, _NEG), mask
+
+
+def _sweep(qs: _Queries, ks: _Shard, b: int, query_block: Callable, carry):
+  """Runs carry = query_block(i, n_i, carry) over the query blocks i of one visit that see a
+  key of `ks`, where n_i is how many key blocks query block i sees.
+
+  Positions increase along a shard in both layouts, so query block i sees a prefix of the key
+  blocks (those whose first key is not after its last query: the diagonal visit stops at the
+  diagonal), and the blocks that see any key are a suffix (none: a visitor from the future).
+  """
+  seen = jnp.sum(ks.pos[::b][None, :] <= qs.pos[b - 1 :: b][:, None], axis=1)  # [t / b]
+  first = jnp.sum(seen == 0)
+  return lax.fori_loop(first, seen.shape[0], lambda i, c: query_block(i, seen[i], c), carry)
+
+
+def _pass(tree, axis: str):
+  """Every device's `tree` to the next device on the ring (device i gets device i - 1's)."""
+  C = lax.axis_size(axis)
+  ring = [(j, (j + 1) % C) for j in range(C)]
+  return jax.tree.map(lambda x: lax.ppermute(x, axis, ring), tree)
+
+
+def _around_the_ring(visit: Callable, local, travel, axis: str):
+  """local, travel = visit(local, travel) on this device's own `travel`, then C - 1 times on
+  the one passed from the previous device; returns the last (local, travel)."""
+  local, travel = visit(local, travel)
+
+  def step(carry, _):
+    local, travel = carry
+    return visit(local, _pass(travel, axis)), None
+
+  (local, travel), _ = lax.scan(step, (local, travel), length=lax.axis_size(axis) - 1)
+  return local, travel
+
+
+# Ring forward: an online softmax per query over the visiting shards' tiles.
 
 
 class _Acc(NamedTuple):
@@ -174,91 +255,149 @@ class _Acc(NamedTuple):
   row_sum: Array
   weighted: Array
 
-  def rows(self, sl: slice) -> '_Acc':
-    return _Acc(self.row_max[..., sl], self.row_sum[..., sl], self.weighted[..., sl, :])
+  @classmethod
+  def empty(cls, B: int, t: int, K: int, Q: int, Dh: int) -> '_Acc':
+    f32 = jnp.float32
+    rows = jnp.full((B, K, Q, t), _NEG, f32)
+    return cls(rows, jnp.zeros_like(rows), jnp.zeros((B, K, Q, t, Dh), f32))
+
+  def block(self, i, b: int) -> '_Acc':
+    return _Acc(*(_rows(x, i, b, 3) for x in self))
+
+  def put(self, i, b: int, acc: '_Acc') -> '_Acc':
+    return _Acc(*(_put(x, i, b, y, 3) for x, y in zip(self, acc)))
 
 
-def _concat_rows(a: _Acc, b: _Acc) -> _Acc:
-  return _Acc(*(jnp.concatenate([x, y], axis=3) for x, y in zip(a, b)))
-
-
-def _mask(qs: _Queries, ks: _Keys) -> Bool[Array, 'b 1 1 tq tk']:
-  """Causal by global position, and same segment; b is 1 without segment ids."""
-  mask = (ks.pos[None, :] <= qs.pos[:, None])[None]
-  if qs.seg is not None:
-    mask = mask & (qs.seg[:, :, None] == ks.seg[:, None, :])
-  return mask[:, None, None]
-
-
-def _accumulate(acc: _Acc, qs: _Queries, ks: _Keys) -> _Acc:
-  """Folds one [tq, tk] tile into the online softmax of the queries `qs`.
-
-  The running max only shifts the exponent (the output does not depend on it), so it carries
-  no gradient; fully masked rows keep max _NEG and add nothing.
-  """
-  scale = 1.0 / float(qs.q.shape[-1]) ** 0.5
-  mask = _mask(qs, ks)
-  scores = jnp.where(mask, jnp.einsum('BTKQd,BSKd->BKQTS', qs.q, ks.k) * scale, _NEG)
-  new_max = lax.stop_gradient(jnp.maximum(acc.row_max, jnp.max(scores, axis=-1)))
+def _fold_tile(acc: _Acc, qb: _Queries, kb: _Shard) -> _Acc:
+  """Folds one tile into a query block's online softmax; fully masked rows add nothing."""
+  scores, mask = _tile(qb, kb)
+  new_max = jnp.maximum(acc.row_max, jnp.max(scores, axis=-1))
   probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
   alpha = jnp.exp(acc.row_max - new_max)
   row_sum = acc.row_sum * alpha + jnp.sum(probs, axis=-1)
-  values = jnp.einsum('BKQTS,BSKd->BKQTd', probs, ks.v)
+  values = jnp.einsum('BKQTS,BSKd->BKQTd', probs, kb.v.astype(jnp.float32))
   return _Acc(new_max, row_sum, acc.weighted * alpha[..., None] + values)
 
 
-def _visit(acc: _Acc, qs: _Queries, ks: _Keys, *, zigzag: bool) -> _Acc:
-  """Folds in the kv shard of another device, computing only its unmasked part (module doc).
+def _fold_visit(acc: _Acc, qs: _Queries, ks: _Shard, b: int) -> _Acc:
+  """Folds every tile of the shard `ks` that a local query sees into the accumulators."""
 
-  The first position of a shard orders the devices in both layouts.
-  """
-  from_earlier = ks.pos[0] < qs.pos[0]
-  if not zigzag:
-    return lax.cond(from_earlier, lambda a: _accumulate(a, qs, ks), lambda a: a, acc)
-  early, late = slice(None, qs.q.shape[1] // 2), slice(qs.q.shape[1] // 2, None)
+  def query_block(i, n, acc):
+    qb = qs.block(i, b)
+    acc_i = lax.fori_loop(0, n, lambda j, a: _fold_tile(a, qb, ks.block(j, b)), acc.block(i, b))
+    return acc.put(i, b, acc_i)
 
-  def earlier(a):  # all queries see the visitor's early chunk; its late chunk is in the future
-    return _accumulate(a, qs, ks.rows(early))
-
-  def later(a):  # only the late query chunk sees the visitor, all of it
-    return _concat_rows(a.rows(early), _accumulate(a.rows(late), qs.rows(late), ks))
-
-  return lax.cond(from_earlier, earlier, later, acc)
+  return _sweep(qs, ks, b, query_block, acc)
 
 
-def _ring_per_device(
-  q: Float[Array, 'B t K Q Dh'],
-  k: Float[Array, 'B t K Dh'],
-  v: Float[Array, 'B t K Dh'],
-  segment_ids: Int[Array, 'B t'] | None,
-  *,
-  axis: str,
-  zigzag: bool,
-) -> Float[Array, 'B t K Q Dh']:
-  """One device: its own kv shard, then C - 1 visitors passed along the ring."""
-  C = lax.axis_size(axis)
-  B, t, K, Q, Dh = q.shape
+# Ring backward: a second pass, the kv shards travelling with their dk, dv accumulators.
+
+
+class _Cotangents(NamedTuple):
+  """Per query: d_out [B, t, K, Q, Dh], lse and delta = rowsum(d_out * out) [B, K, Q, t] (f32)."""
+
+  d_out: Array
+  lse: Array
+  delta: Array
+
+  def block(self, i, b: int) -> '_Cotangents':
+    return _Cotangents(
+      _rows(self.d_out, i, b), _rows(self.lse, i, b, 3), _rows(self.delta, i, b, 3)
+    )
+
+
+class _KVGrads(NamedTuple):
+  """dk, dv [B, t, K, Dh] (f32) of one kv shard, travelling with it."""
+
+  dk: Array
+  dv: Array
+
+  def add(self, j, b: int, dk_j: Array, dv_j: Array) -> '_KVGrads':
+    return _KVGrads(
+      _put(self.dk, j, b, _rows(self.dk, j, b) + dk_j),
+      _put(self.dv, j, b, _rows(self.dv, j, b) + dv_j),
+    )
+
+
+def _tile_grads(qb: _Queries, gb: _Cotangents, kb: _Shard) -> tuple[Array, Array, Array]:
+  """One tile recomputed from the saved lse: its parts of dq [B, b, K, Q, Dh] and of dk, dv
+  [B, b, K, Dh]."""
+  f32 = jnp.float32
+  scores, mask = _tile(qb, kb)
+  probs = jnp.where(mask, jnp.exp(scores - gb.lse[..., None]), 0.0)
+  d_probs = jnp.einsum('BTKQd,BSKd->BKQTS', gb.d_out, kb.v.astype(f32))
+  d_scores = probs * (d_probs - gb.delta[..., None]) * _scale(qb)
+  dq = jnp.einsum('BKQTS,BSKd->BTKQd', d_scores, kb.k.astype(f32))
+  dk = jnp.einsum('BKQTS,BTKQd->BSKd', d_scores, qb.q.astype(f32))
+  dv = jnp.einsum('BKQTS,BTKQd->BSKd', probs, gb.d_out)
+  return dq, dk, dv
+
+
+def _grad_visit(dq: Array, dkv: _KVGrads, qs: _Queries, g: _Cotangents, ks: _Shard, b: int):
+  """Adds the local queries' part of every tile of `ks` they see to dq (local, f32) and to the
+  shard's travelling dk, dv."""
+
+  def query_block(i, n, carry):
+    dq, dkv = carry
+    qb, gb = qs.block(i, b), g.block(i, b)
+
+    def key_block(j, carry):
+      dq_i, dkv = carry
+      dq_ij, dk_j, dv_j = _tile_grads(qb, gb, ks.block(j, b))
+      return dq_i + dq_ij, dkv.add(j, b, dk_j, dv_j)
+
+    dq_i, dkv = lax.fori_loop(0, n, key_block, (_rows(dq, i, b), dkv))
+    return _put(dq, i, b, dq_i), dkv
+
+  return _sweep(qs, ks, b, query_block, (dq, dkv))
+
+
+# The ring as one custom_vjp per device.
+
+
+def _local(q, k, v, segment_ids, axis: str, zigzag: bool) -> tuple[_Queries, _Shard]:
+  """This device's queries and kv shard, with the global positions of its layout positions."""
+  C, t = lax.axis_size(axis), q.shape[1]
   table = sequence_positions(C * t, C, zigzag=zigzag).reshape(C, t)
-  positions = jnp.asarray(table)[lax.axis_index(axis)]  # [t] global positions of this shard
-  qs = _Queries(q.astype(jnp.float32), segment_ids, positions)
-  ks = _Keys(k.astype(jnp.float32), v.astype(jnp.float32), segment_ids, positions)
-  init = _Acc(
-    jnp.full((B, K, Q, t), _NEG, jnp.float32),
-    jnp.zeros((B, K, Q, t), jnp.float32),
-    jnp.zeros((B, K, Q, t, Dh), jnp.float32),
-  )
-  acc = jax.checkpoint(_accumulate)(init, qs, ks)  # the diagonal: every query sees itself
-  visit = jax.checkpoint(functools.partial(_visit, zigzag=zigzag))
-  ring = [(j, (j + 1) % C) for j in range(C)]
+  positions = jnp.asarray(table)[lax.axis_index(axis)]
+  return _Queries(q, segment_ids, positions), _Shard(k, v, segment_ids, positions)
 
-  def step(carry, _):
-    acc, ks = carry
-    ks = jax.tree.map(lambda x: lax.ppermute(x, axis, ring), ks)
-    return (visit(acc, qs, ks), ks), None
 
-  (acc, _), _ = lax.scan(step, (acc, ks), length=C - 1)
-  out = acc.weighted / acc.row_sum[..., None]
-  return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+def _ring_fwd(q, k, v, segment_ids, axis: str, zigzag: bool, b: int):
+  """out [B, t, K, Q, Dh] (q's dtype) and the residuals: the inputs, out (f32) and lse."""
+  qs, ks = _local(q, k, v, segment_ids, axis, zigzag)
+  visit = lambda acc, ks: (_fold_visit(acc, qs, ks, b), ks)  # noqa: E731
+  acc, _ = _around_the_ring(visit, _Acc.empty(*q.shape), ks, axis)
+  out = (acc.weighted / acc.row_sum[..., None]).transpose(0, 3, 1, 2, 4)  # every query sees itself
+  lse = acc.row_max + jnp.log(acc.row_sum)
+  return out.astype(q.dtype), (q, k, v, segment_ids, out, lse)
+
+
+def _ring_bwd(axis: str, zigzag: bool, b: int, residuals, d_out):
+  """dq, dk, dv: the kv shards go around the ring again, each with its dk, dv accumulators,
+  and after C - 1 visits one more hop takes the accumulators home."""
+  q, k, v, segment_ids, out, lse = residuals
+  qs, ks = _local(q, k, v, segment_ids, axis, zigzag)
+  d_out = d_out.astype(jnp.float32)
+  g = _Cotangents(d_out, lse, jnp.einsum('BTKQd,BTKQd->BKQT', d_out, out))
+
+  def visit(dq, travel):
+    ks, dkv = travel
+    dq, dkv = _grad_visit(dq, dkv, qs, g, ks, b)
+    return dq, (ks, dkv)
+
+  zeros = _KVGrads(jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dq, (_, dkv) = _around_the_ring(visit, jnp.zeros(q.shape, jnp.float32), (ks, zeros), axis)
+  dkv = _pass(dkv, axis)
+  return dq.astype(q.dtype), dkv.dk.astype(k.dtype), dkv.dv.astype(v.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring_per_device(q, k, v, segment_ids, axis: str, zigzag: bool, b: int):
+  return _ring_fwd(q, k, v, segment_ids, axis, zigzag, b)[0]
+
+
+_ring_per_device.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(
@@ -270,22 +409,37 @@ def ring_attention(
   mesh: Mesh,
   axis: str,
   zigzag: bool = True,
+  block: int = 128,
 ) -> Float[Array, 'B T K Q Dh']:
   """Causal grouped-query attention with the sequence split over `axis` (module doc).
 
   Inputs are in layout order (zig-zag order when `zigzag`, see `to_zigzag`), sharded or not;
   the output is in the same order, with spec `sequence_spec(mesh, axis, 5)`. Per device:
   q, out [B_local, T / C, K, Q, Dh], k, v [B_local, T / C, K, Dh], segment_ids [B_local, T / C].
+  Each visit is computed in tiles of b = gcd(block, T / C) (gcd(block, T / 2C) with zig-zag,
+  so that a tile never straddles two chunks).
 
   Raises:
-    ValueError: C (2C with zig-zag) does not divide T, or the batch does not split over the
-      other mesh axes.
+    ValueError: C (2C with zig-zag) does not divide T, the batch does not split over the
+      other mesh axes, or block < 1.
   """
   B, T = q.shape[:2]
+  C = mesh.shape[axis]
   _check_batch(B, mesh, axis)
-  sequence_positions(T, mesh.shape[axis], zigzag=zigzag)  # validates T
-  per_device = functools.partial(_ring_per_device, axis=axis, zigzag=zigzag)
-  return _sequence_shard_map(per_device, mesh, axis, (q, k, v, segment_ids), (5, 4, 4, 2))
+  sequence_positions(T, C, zigzag=zigzag)  # validates T
+  if block < 1:
+    raise ValueError(f'Ring attention needs a positive block, got {block}.')
+  b = math.gcd(block, T // (2 * C) if zigzag else T // C)
+
+  def per_device(q, k, v, segment_ids):
+    return _ring_per_device(q, k, v, segment_ids, axis, zigzag, b)
+
+  # check_vma=False: the tile loops start from fresh (device-invariant) accumulators, which the
+  # varying-axes check rejects as loop carries; the backward pass is written out (custom_vjp),
+  # so no collective is transposed by jax.
+  return _sequence_shard_map(
+    per_device, mesh, axis, (q, k, v, segment_ids), (5, 4, 4, 2), check_vma=False
+  )
 
 
 # Ulysses attention.

@@ -85,6 +85,39 @@ def test_ring_matches_the_dense_reference_on_a_1x8_mesh(zigzag):
   check_against_reference(kernel, mesh, packed_segment_ids(), zigzag)
 
 
+@pytest.mark.parametrize('zigzag', [True, False])
+@pytest.mark.parametrize('block', [4, 8])
+def test_ring_in_tiles_smaller_than_a_shard_matches_the_dense_reference(zigzag, block):
+  """T = 64 over C = 4: shards of 16 (chunks of 8 in zig-zag), so each visit runs several
+  tiles, the diagonal one stops at the diagonal, and packed segments cross tile boundaries."""
+  mesh = make_mesh(2, 4)
+  kernel = lambda *a: ca.ring_attention(*a, mesh=mesh, axis=AXIS, zigzag=zigzag, block=block)  # noqa: E731
+  check_against_reference(kernel, mesh, packed_segment_ids(), zigzag)
+
+
+@pytest.mark.parametrize('zigzag', [True, False])
+def test_ring_temporaries_grow_about_linearly_with_the_shard(zigzag):
+  """Compiled per-device temporaries of forward + backward in tiles of 16: doubling T (shards
+  of 64 -> 128 on a 2 x 4 mesh) about doubles them, where one whole [B_local, K, Q, t, t] tile
+  per visit would about quadruple them; and they stay below one such tile."""
+  mesh = make_mesh(2, 4)
+
+  def temp_bytes(T):
+    q = jax.ShapeDtypeStruct((B, T, K, Q, Dh), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, K, Dh), jnp.float32)
+    attend = lambda q, k, v: ca.ring_attention(  # noqa: E731
+      q, k, v, None, mesh=mesh, axis=AXIS, zigzag=zigzag, block=16
+    )
+    grad = jax.grad(lambda *a: jnp.sum(attend(*a)), (0, 1, 2))
+    return jax.jit(grad).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(256), temp_bytes(512)
+  t = 512 // mesh.shape[AXIS]
+  full_tile = (B // mesh.shape['data']) * K * Q * t * t * 4
+  assert large < 2.5 * small, (small, large)
+  assert large < full_tile, (large, full_tile)
+
+
 @pytest.mark.parametrize('shape, zigzag', [((4, 2), False), ((2, 4), False), ((2, 4), True)])
 def test_ulysses_matches_the_dense_reference(shape, zigzag):
   mesh = make_mesh(*shape)
@@ -104,6 +137,8 @@ def test_layout_errors_name_the_sizes():
     ca.ring_attention(q[:, :8], k[:, :8], v[:, :8], None, mesh=make_mesh(1, 8), axis=AXIS)
   with pytest.raises(ValueError, match=r'Batch 1 does not split over the 2 devices'):
     ca.ring_attention(q[:1], k[:1], v[:1], None, mesh=make_mesh(2, 4), axis=AXIS)
+  with pytest.raises(ValueError, match=r'positive block, got 0'):
+    ca.ring_attention(q, k, v, None, mesh=make_mesh(2, 4), axis=AXIS, block=0)
 
 
 @pytest.mark.parametrize('C', [2, 4, 8])
