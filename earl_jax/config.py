@@ -287,33 +287,38 @@ _MODEL_PRESETS: dict[str, ModelConfig] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-  """One parallel layout: data x fsdp x tensor over a stage's devices.
+  """One parallel layout: data x fsdp x context x tensor over a stage's devices.
 
-  The mesh axes are always ('data', 'fsdp', 'tensor') with sizes (dp, fsdp, tp); tensor is the
-  fastest-varying axis, so a tensor-parallel group is a run of consecutive devices of the
-  canonical device list (one NVLink island on a GPU host).
+  The mesh axes are always ('data', 'fsdp', 'context', 'tensor') with sizes (dp, fsdp, cp, tp);
+  tensor is the fastest-varying axis, so a tensor-parallel group is a run of consecutive devices
+  of the canonical device list (one NVLink island on a GPU host), and a context-parallel ring
+  the next fastest.
 
   Attributes:
     dp: data-parallel ways: the batch is split over them, the weights are replicated.
     fsdp: fully sharded data-parallel ways: the batch and the weights' model dimension (with
       the optimizer moments) are split over them.
     tp: tensor-parallel ways: heads, MLP columns and the vocabulary are split over them.
+    cp: context-parallel ways: the tokens of each sequence are split over them (the weights
+      are replicated), for contexts too long for one device.
   """
 
   dp: int = 1
   fsdp: int = 1
   tp: int = 1
+  cp: int = 1
 
   def __post_init__(self):
-    check_positive(self, 'dp', 'fsdp', 'tp')
+    check_positive(self, 'dp', 'fsdp', 'tp', 'cp')
 
   @property
-  def shape(self) -> tuple[int, int, int]:
-    return (self.dp, self.fsdp, self.tp)
+  def shape(self) -> tuple[int, int, int, int]:
+    """The mesh's shape: (dp, fsdp, cp, tp)."""
+    return (self.dp, self.fsdp, self.cp, self.tp)
 
   @property
   def num_devices(self) -> int:
-    return self.dp * self.fsdp * self.tp
+    return self.dp * self.fsdp * self.cp * self.tp
 
   @property
   def batch_shards(self) -> int:
@@ -326,6 +331,8 @@ class ParallelConfig:
     if self.fsdp > 1:
       parts.append(f'fsdp{self.fsdp}')
     parts.append(f'tp{self.tp}')
+    if self.cp > 1:
+      parts.append(f'cp{self.cp}')
     return '.'.join(parts)
 
   def __str__(self) -> str:
@@ -333,7 +340,7 @@ class ParallelConfig:
 
   @classmethod
   def parse(cls, text: str) -> 'ParallelConfig':
-    """Parses 'dp2.tp4', 'dp2.fsdp2.tp2' or '2x4' / '2x2x2' (dp x [fsdp x] tp)."""
+    """Parses 'dp2.tp4', 'dp2.fsdp2.tp2', 'dp2.cp4' or '2x4' / '2x2x2' (dp x [fsdp x] tp)."""
     text = text.strip().lower()
     try:
       if 'x' in text:
@@ -345,7 +352,7 @@ class ParallelConfig:
       else:
         kw = {}
         for part in text.split('.'):
-          for key in ('fsdp', 'dp', 'tp'):
+          for key in ('fsdp', 'dp', 'tp', 'cp'):
             if part.startswith(key):
               kw[key] = int(part[len(key) :])
               break
@@ -357,7 +364,7 @@ class ParallelConfig:
       pass
     raise ConfigError(
       f"Cannot parse parallel config {text!r}; expected e.g. 'dp2.tp4', 'dp2.fsdp2.tp2', "
-      "'2x4' or '2x2x2'."
+      "'dp2.cp4', '2x4' or '2x2x2'."
     )
 
 

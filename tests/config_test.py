@@ -41,7 +41,7 @@ def test_model_config_validation(changes, match):
 
 def test_parallel_config():
   p = ParallelConfig(dp=2, fsdp=2, tp=2)
-  assert p.shape == (2, 2, 2) and p.num_devices == 8 and p.batch_shards == 4
+  assert p.shape == (2, 2, 1, 2) and p.num_devices == 8 and p.batch_shards == 4
   assert p.name == 'dp2.fsdp2.tp2'
   assert ParallelConfig(dp=4, tp=2).name == 'dp4.tp2'
   assert ParallelConfig.parse('dp4.tp2') == ParallelConfig(dp=4, tp=2)

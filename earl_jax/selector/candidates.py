@@ -62,6 +62,12 @@ def stage_candidates(
         raise mesh_lib.ShardingError(
           f'Candidate {p} uses {p.num_devices} devices; the {stage} stage has {num_devices}.'
         )
+      if p.cp > 1:
+        raise mesh_lib.ShardingError(
+          f'Candidate {p} splits each sequence over cp={p.cp} devices: context-parallel '
+          'layouts are not selector candidates yet (the memory model and the profile do not '
+          'cover them); expected layouts with cp=1.'
+        )
       reason = why_invalid(p, model, rows)
       if reason is not None:
         raise mesh_lib.ShardingError(f'Candidate {p} is not valid for {stage}: {reason}')

@@ -3,6 +3,7 @@
 from earl_jax.sharding import mesh, rules
 from earl_jax.sharding.mesh import (
   BATCH_AXES,
+  CONTEXT,
   DATA,
   FSDP,
   MESH_AXES,
@@ -14,6 +15,7 @@ from earl_jax.sharding.mesh import (
 
 __all__ = [
   'BATCH_AXES',
+  'CONTEXT',
   'DATA',
   'FSDP',
   'MESH_AXES',

@@ -4,8 +4,8 @@ Every stage of the RL step (rollout, experience, train) runs on the same devices
 order, each with its own mesh shape. A jitted program needs its inputs and outputs on one
 device order, so every mesh is built from `canonical_devices()` and nothing else.
 
-  mesh = mesh_lib.make_mesh(ParallelConfig(dp=2, tp=4))      # axes ('data', 'fsdp', 'tensor')
-  mesh.shape                                                 # {'data': 2, 'fsdp': 1, 'tensor': 4}
+  mesh = mesh_lib.make_mesh(ParallelConfig(dp=2, tp=4))   # axes ('data', 'fsdp', 'context', 'tensor')
+  mesh.shape                                   # {'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4}
 """
 
 from collections.abc import Sequence
@@ -20,7 +20,8 @@ from earl_jax.errors import UserError
 DATA = 'data'
 FSDP = 'fsdp'
 TENSOR = 'tensor'
-MESH_AXES: tuple[str, str, str] = (DATA, FSDP, TENSOR)
+CONTEXT = 'context'
+MESH_AXES: tuple[str, str, str, str] = (DATA, FSDP, CONTEXT, TENSOR)
 BATCH_AXES: tuple[str, str] = (DATA, FSDP)
 
 
@@ -40,7 +41,8 @@ def make_mesh(
   *,
   axis_type: AxisType = AxisType.Auto,
 ) -> Mesh:
-  """Builds the ('data', 'fsdp', 'tensor') mesh of `parallel` over the canonical devices.
+  """Builds the ('data', 'fsdp', 'context', 'tensor') mesh of `parallel` over the canonical
+  devices.
 
   Args:
     parallel: the layout; its product must equal the number of devices.
@@ -53,8 +55,8 @@ def make_mesh(
   devices = canonical_devices(devices)
   if parallel.num_devices != len(devices):
     raise ShardingError(
-      f'Parallel config {parallel} (dp={parallel.dp} x fsdp={parallel.fsdp} x tp={parallel.tp} '
-      f'= {parallel.num_devices} devices) does not match the {len(devices)} devices available.'
+      f'Parallel config {parallel} (dp={parallel.dp} x fsdp={parallel.fsdp} x cp={parallel.cp} '
+      f'x tp={parallel.tp} = {parallel.num_devices} devices) does not match the {len(devices)} devices available.'
     )
   grid = np.array(devices, dtype=object).reshape(parallel.shape)
   return Mesh(grid, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
@@ -64,7 +66,8 @@ def parallel_config_of(mesh: Mesh) -> ParallelConfig:
   """The `ParallelConfig` a mesh made by `make_mesh` was built from."""
   if tuple(mesh.axis_names) != MESH_AXES:
     raise ShardingError(f'Mesh axes {mesh.axis_names} are not {MESH_AXES}.')
-  return ParallelConfig(dp=mesh.shape[DATA], fsdp=mesh.shape[FSDP], tp=mesh.shape[TENSOR])
+  shape = mesh.shape
+  return ParallelConfig(dp=shape[DATA], fsdp=shape[FSDP], tp=shape[TENSOR], cp=shape[CONTEXT])
 
 
 def same_devices(a: Mesh, b: Mesh) -> bool:

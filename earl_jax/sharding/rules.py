@@ -2,11 +2,12 @@
 
 Model code names the axes of every parameter and activation logically ('embed', 'heads', ...)
 and never mentions a mesh axis. This table turns those names into `PartitionSpec`s. Because
-every mesh has the same axis names ('data', 'fsdp', 'tensor') and only their sizes differ, the
-same table serves every `ParallelConfig`: on a (dp=8, tp=1) mesh 'tensor' has size 1 and the
-heads are simply not split.
+every mesh has the same axis names ('data', 'fsdp', 'context', 'tensor') and only their sizes
+differ, the same table serves every `ParallelConfig`: on a (dp=8, tp=1) mesh 'tensor' has size 1
+and the heads are simply not split; on a cp=1 mesh 'context' has size 1 and the tokens are not.
 
-  rules.spec(('batch', 'seq', 'act_embed'))       # P(('data', 'fsdp'), None, None)
+  rules.spec(('batch', 'seq', 'act_embed'))       # P(('data', 'fsdp'), 'context', None)
+  rules.sharding(('batch', 'seq'), dp8_mesh).spec  # P(('data', 'fsdp'), None): cp = 1
   x = rules.constrain(x, ('batch', 'seq', 'act_embed'))   # under jax.set_mesh(mesh)
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from earl_jax.sharding.mesh import DATA, FSDP, TENSOR, ShardingError
+from earl_jax.sharding.mesh import CONTEXT, DATA, FSDP, TENSOR, ShardingError
 
 MeshAxes = str | tuple[str, ...] | None
 Logical = Sequence[str | None]
@@ -25,7 +26,7 @@ Logical = Sequence[str | None]
 LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
   # Activations.
   'batch': (DATA, FSDP),  # B: rows of a batch
-  'seq': None,  # T: tokens
+  'seq': CONTEXT,  # T: tokens (context parallelism splits each sequence)
   'act_embed': None,  # D of activations
   'act_heads': TENSOR,  # H of activations
   'act_kv_heads': TENSOR,  # K of activations
@@ -41,7 +42,7 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
   'norm': None,  # D of norm scales
   # KV cache.
   'cache_batch': (DATA, FSDP),
-  'cache_seq': None,
+  'cache_seq': CONTEXT,
   'cache_kv_heads': TENSOR,
 }
 
@@ -62,10 +63,32 @@ def spec(logical: Logical, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -
   return PartitionSpec(*(mesh_axes(name, rules) for name in logical))
 
 
+def for_mesh(
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+  rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES,
+) -> Mapping[str, MeshAxes]:
+  """`rules` on `mesh`: without context parallelism (a 'context' axis of size 1, or none) the
+  tokens are not split, and the table names no 'context' axis, so that every layout without it
+  keeps the specs it has always had (P(('data', 'fsdp'), None), not P(('data', 'fsdp'),
+  'context'): the same placement, but not an equal spec)."""
+  if dict(mesh.shape).get(CONTEXT, 1) > 1:
+    return rules
+  return {name: _without_context(axes) for name, axes in rules.items()}
+
+
+def _without_context(axes: MeshAxes) -> MeshAxes:
+  if axes == CONTEXT:
+    return None
+  if isinstance(axes, tuple) and CONTEXT in axes:
+    rest = tuple(a for a in axes if a != CONTEXT)
+    return rest or None
+  return axes
+
+
 def sharding(
   logical: Logical, mesh: jax.sharding.Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES
 ) -> NamedSharding:
-  return NamedSharding(mesh, spec(logical, rules))
+  return NamedSharding(mesh, spec(logical, for_mesh(mesh, rules)))
 
 
 def flax_rules(
@@ -88,7 +111,7 @@ def constrain(x: jax.Array, logical: Logical, rules: Mapping[str, MeshAxes] = LO
     raise ShardingError(
       f'constrain: {x.ndim}-d array {x.shape} given {len(logical)} axes {logical}.'
     )
-  return jax.lax.with_sharding_constraint(x, spec(logical, rules))
+  return jax.lax.with_sharding_constraint(x, spec(logical, for_mesh(mesh, rules)))
 
 
 def axis_size(mesh: jax.sharding.Mesh, axes: MeshAxes) -> int:
@@ -113,6 +136,7 @@ def check_divisible(
   """Raises ShardingError naming the dimension of `what` that the mesh does not divide."""
   if len(shape) != len(logical):
     raise ShardingError(f'{what}: shape {tuple(shape)} has {len(shape)} dims, logical {logical}.')
+  rules = for_mesh(mesh, rules)
   for dim, (size, name) in enumerate(zip(shape, logical)):
     n = axis_size(mesh, mesh_axes(name, rules))
     if size % n:

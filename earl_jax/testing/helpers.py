@@ -40,9 +40,9 @@ def run_module(
   )
 
 
-def small_mesh(dp: int = 1, tp: int = 1, fsdp: int = 1) -> jax.sharding.Mesh:
-  """A mesh over the first dp * fsdp * tp devices."""
-  pc = ParallelConfig(dp=dp, fsdp=fsdp, tp=tp)
+def small_mesh(dp: int = 1, tp: int = 1, fsdp: int = 1, cp: int = 1) -> jax.sharding.Mesh:
+  """A mesh over the first dp * fsdp * cp * tp devices."""
+  pc = ParallelConfig(dp=dp, fsdp=fsdp, tp=tp, cp=cp)
   return mesh_lib.make_mesh(pc, mesh_lib.canonical_devices()[: pc.num_devices])
 
 

@@ -98,14 +98,14 @@ def test_layouts_over_different_device_orders_or_sets_are_rejected():
   devices = mesh_lib.canonical_devices()
   a = Layout.parse('dp8', host)
   reversed_mesh = Mesh(
-    np.array(devices[::-1]).reshape(8, 1, 1), mesh_lib.MESH_AXES, axis_types=a.mesh.axis_types
+    np.array(devices[::-1]).reshape(8, 1, 1, 1), mesh_lib.MESH_AXES, axis_types=a.mesh.axis_types
   )
   b = Layout.rows(reversed_mesh, host)
   with pytest.raises(LayoutError, match=r'device order.*devices \[0, 1, 2.*devices \[7, 6, 5'):
     check_compatible(a, b)
   four = Layout.rows(mesh_lib.make_mesh(ParallelConfig(dp=4), devices[:4]), _host(rows=8))
   other = Layout.rows(mesh_lib.make_mesh(ParallelConfig(dp=4), devices[4:]), _host(rows=8))
-  with pytest.raises(LayoutError, match=r'device set.*\(data=4 x fsdp=1 x tensor=1\)'):
+  with pytest.raises(LayoutError, match=r'device set.*\(data=4 x fsdp=1 x context=1 x tensor=1\)'):
     check_compatible(four, other)
 
 

@@ -72,7 +72,12 @@ def test_background_precompile_switch_and_refusal():
       entry = future.result()
       assert move.result() is entry
       # Lowering in the background thread never touched this thread's mesh.
-      assert dict(jax.sharding.get_abstract_mesh().shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
+      assert dict(jax.sharding.get_abstract_mesh().shape) == {
+        'data': 8,
+        'fsdp': 1,
+        'context': 1,
+        'tensor': 1,
+      }
     assert entry.background and exe.log[-1]['thread'].startswith('earl-precompile')
     assert exe.resharder.is_prepared(params, entry.program.tree_shardings)
     params, got, record = switch(Stage.ROLLOUT, params, exe, DP2TP4, 64, 8, source=DP8, step=3)

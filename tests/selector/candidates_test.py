@@ -46,5 +46,9 @@ def test_errors_name_the_problem():
     stage_candidates(
       Stage.ROLLOUT, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=4)]
     )
+  with pytest.raises(ShardingError, match=r'dp2\.tp1\.cp4 splits each sequence over cp=4'):
+    stage_candidates(
+      Stage.TRAIN, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=2, cp=4)]
+    )
   with unchecked(), pytest.raises(ValueError, match="Unknown stage 'decode'"):
     stage_candidates('decode', ModelConfig.preset('tiny'), num_devices=8)

@@ -11,17 +11,34 @@ from earl_jax.sharding import mesh as mesh_lib
 def test_every_mesh_uses_the_canonical_order_with_tensor_fastest():
   a = mesh_lib.make_mesh(ParallelConfig(dp=2, tp=4))
   b = mesh_lib.make_mesh(ParallelConfig(dp=8))
-  assert a.axis_names == ('data', 'fsdp', 'tensor')
-  assert dict(a.shape) == {'data': 2, 'fsdp': 1, 'tensor': 4}
+  assert a.axis_names == ('data', 'fsdp', 'context', 'tensor')
+  assert dict(a.shape) == {'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4}
   assert mesh_lib.same_devices(a, b)
-  assert [d.id for d in a.devices[0, 0]] == [0, 1, 2, 3]  # one TP group = consecutive devices
+  assert [d.id for d in a.devices[0, 0, 0]] == [0, 1, 2, 3]  # one TP group = consecutive devices
   assert all(t == jax.sharding.AxisType.Auto for t in a.axis_types)
   assert mesh_lib.parallel_config_of(a) == ParallelConfig(dp=2, tp=4)
+  # A context-parallel ring: consecutive TP groups (here of one device).
+  c = mesh_lib.make_mesh(ParallelConfig(dp=2, cp=4))
+  assert [d.id for d in c.devices[1, 0, :, 0]] == [4, 5, 6, 7]
+  assert mesh_lib.parallel_config_of(c) == ParallelConfig(dp=2, cp=4)
+
+
+def test_context_parallel_names_parse_and_round_trip():
+  for text, want in (
+    ('dp2.cp4', ParallelConfig(dp=2, cp=4)),
+    ('dp2.tp2.cp2', ParallelConfig(dp=2, tp=2, cp=2)),
+    ('dp1.fsdp2.tp1.cp4', ParallelConfig(fsdp=2, cp=4)),
+  ):
+    assert ParallelConfig.parse(text) == want
+    assert ParallelConfig.parse(want.name) == want
+  assert ParallelConfig(dp=2, cp=4).name == 'dp2.tp1.cp4'
+  assert ParallelConfig(dp=8).name == 'dp8.tp1'  # no 'cp1': every name of before stays
+  assert ParallelConfig(dp=2, cp=4).batch_shards == 2
 
 
 def test_wrong_device_count():
   with pytest.raises(
-    mesh_lib.ShardingError, match=r'dp=2 x fsdp=1 x tp=2 = 4 devices\) does not match the 8'
+    mesh_lib.ShardingError, match=r'dp=2 x fsdp=1 x cp=1 x tp=2 = 4 devices\) does not match the 8'
   ):
     mesh_lib.make_mesh(ParallelConfig(dp=2, tp=2))
 

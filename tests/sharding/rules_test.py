@@ -12,10 +12,30 @@ from earl_jax.testing import small_mesh
 
 
 def test_spec_of_logical_names():
-  assert rules.spec(('batch', 'seq', 'act_embed')) == P(('data', 'fsdp'), None, None)
+  assert rules.spec(('batch', 'seq', 'act_embed')) == P(('data', 'fsdp'), 'context', None)
   assert rules.spec(('embed', 'heads', 'head_dim')) == P('fsdp', 'tensor', None)
   with pytest.raises(ShardingError, match="Logical axis 'nope' has no rule"):
     rules.spec(('nope',))
+
+
+def test_tokens_split_over_context_only_where_the_mesh_has_it():
+  """A cp = 1 mesh keeps the specs it always had (no 'context' named); a cp > 1 mesh splits
+  each sequence, its KV cache's slots included."""
+  dp8, cp4 = small_mesh(dp=8), small_mesh(dp=2, cp=4)
+  assert rules.sharding(('batch', 'seq'), dp8).spec == P(('data', 'fsdp'), None)
+  assert rules.sharding(('batch', 'seq'), cp4).spec == P(('data', 'fsdp'), 'context')
+  cache = ('cache_batch', 'cache_kv_heads', 'cache_seq', 'head_dim')
+  assert rules.sharding(cache, cp4).spec == P(('data', 'fsdp'), 'tensor', 'context', None)
+  assert rules.sharding(('embed', 'heads'), cp4).spec == P('fsdp', 'tensor')  # weights: whole
+  x = jnp.ones((4, 16, 8))
+  with jax.set_mesh(cp4):
+    y = jax.jit(lambda x: rules.constrain(x + 1, ('batch', 'seq', 'act_embed')))(x)
+  assert y.addressable_data(0).shape == (2, 4, 8)
+  with pytest.raises(
+    ShardingError, match=r'dimension 1 \(seq\) has size 6, which the mesh axes context'
+  ):
+    rules.check_divisible((4, 6), ('batch', 'seq'), cp4, what='tokens')
+  rules.check_divisible((4, 6), ('batch', 'seq'), small_mesh(dp=4), what='tokens')  # cp = 1
 
 
 def test_constrain_applies_under_a_mesh_and_not_without():
