@@ -111,15 +111,19 @@ def sequence_positions(T: int, C: int, *, zigzag: bool) -> Int[np.ndarray, ' T']
   return zigzag_order(T, C) if zigzag else np.arange(T, dtype=np.int32)
 
 
-def sequence_spec(mesh: Mesh, axis: str, ndim: int) -> P:
-  """P(batch axes, axis, None, ...): the batch over every other mesh axis, T over `axis`."""
-  rest = tuple(a for a in mesh.axis_names if a != axis)
+def sequence_spec(mesh: Mesh, axis: str, ndim: int, head_axis: str | None = None) -> P:
+  """P(batch axes, axis, [head_axis], None, ...): T over `axis`, the kv heads (dimension 2 of
+  a q, k, v or output; none in [B, T] segment ids) over `head_axis` when given, and the batch
+  over every other mesh axis."""
+  rest = tuple(a for a in mesh.axis_names if a not in (axis, head_axis))
   batch = rest[0] if len(rest) == 1 else (rest or None)
-  return P(batch, axis, *([None] * (ndim - 2)))
+  if head_axis is None or ndim < 3:
+    return P(batch, axis, *([None] * (ndim - 2)))
+  return P(batch, axis, head_axis, *([None] * (ndim - 3)))
 
 
-def _check_batch(B: int, mesh: Mesh, axis: str) -> None:
-  shards = math.prod(n for a, n in mesh.shape.items() if a != axis)
+def _check_batch(B: int, mesh: Mesh, axis: str, head_axis: str | None = None) -> None:
+  shards = math.prod(n for a, n in mesh.shape.items() if a not in (axis, head_axis))
   if B % shards:
     raise ValueError(
       f'Batch {B} does not split over the {shards} devices of the mesh axes other than '
@@ -135,6 +139,7 @@ def _sequence_shard_map(
   ndims: Sequence[int],
   *,
   check_vma: bool = True,
+  head_axis: str | None = None,
 ) -> Array:
   """shard_map of `per_device` over arrays split by `sequence_spec`; output specced like the
   first. A None array (no segment ids) is not passed to shard_map and reaches `per_device` as
@@ -147,7 +152,7 @@ def _sequence_shard_map(
       full[i] = x
     return per_device(*full)
 
-  specs = tuple(sequence_spec(mesh, axis, ndims[i]) for i in keep)
+  specs = tuple(sequence_spec(mesh, axis, ndims[i], head_axis) for i in keep)
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=check_vma)(
     *(arrays[i] for i in keep)
   )
@@ -410,12 +415,15 @@ def ring_attention(
   axis: str,
   zigzag: bool = True,
   block: int = 128,
+  head_axis: str | None = None,
 ) -> Float[Array, 'B T K Q Dh']:
   """Causal grouped-query attention with the sequence split over `axis` (module doc).
 
   Inputs are in layout order (zig-zag order when `zigzag`, see `to_zigzag`), sharded or not;
-  the output is in the same order, with spec `sequence_spec(mesh, axis, 5)`. Per device:
-  q, out [B_local, T / C, K, Q, Dh], k, v [B_local, T / C, K, Dh], segment_ids [B_local, T / C].
+  the output is in the same order, with spec `sequence_spec(mesh, axis, 5, head_axis)` (the
+  model's layout: kv heads over 'tensor' with `head_axis='tensor'`). Per device: q, out
+  [B_local, T / C, K_local, Q, Dh], k, v [B_local, T / C, K_local, Dh], segment_ids
+  [B_local, T / C].
   Each visit is computed in tiles of b = gcd(block, T / C) (gcd(block, T / 2C) with zig-zag,
   so that a tile never straddles two chunks).
 
@@ -425,7 +433,7 @@ def ring_attention(
   """
   B, T = q.shape[:2]
   C = mesh.shape[axis]
-  _check_batch(B, mesh, axis)
+  _check_batch(B, mesh, axis, head_axis)
   sequence_positions(T, C, zigzag=zigzag)  # validates T
   if block < 1:
     raise ValueError(f'Ring attention needs a positive block, got {block}.')
@@ -438,7 +446,13 @@ def ring_attention(
   # varying-axes check rejects as loop carries; the backward pass is written out (custom_vjp),
   # so no collective is transposed by jax.
   return _sequence_shard_map(
-    per_device, mesh, axis, (q, k, v, segment_ids), (5, 4, 4, 2), check_vma=False
+    per_device,
+    mesh,
+    axis,
+    (q, k, v, segment_ids),
+    (5, 4, 4, 2),
+    check_vma=False,
+    head_axis=head_axis,
   )
 
 

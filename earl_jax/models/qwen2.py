@@ -30,7 +30,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from earl_jax.config import ModelConfig
-from earl_jax.models import attention
+from earl_jax.models import attention, context_attention
+from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding import rules
 
 # Logit of a token outside a restricted vocabulary: finite, so exp() is 0 and 0 * it is not NaN.
@@ -214,6 +215,22 @@ def causal_attention(
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='xla')
     return jax.nn.dot_product_attention(q, k, v, mask=mask(0, T)[:, None], implementation='xla')
   qg = q.reshape(B, T, K, H // K, Dh)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and dict(mesh.shape).get(mesh_lib.CONTEXT, 1) > 1:
+    # Context parallelism: each device holds T / C tokens of its rows; the kv shards go around
+    # the 'context' ring (contiguous order), the kv heads stay split over 'tensor'.
+    out = context_attention.ring_attention(
+      qg,
+      k,
+      v,
+      segment_ids,
+      mesh=mesh,
+      axis=mesh_lib.CONTEXT,
+      zigzag=False,
+      block=block if block > 0 else T,
+      head_axis=mesh_lib.TENSOR,
+    )
+    return out.reshape(B, T, H, Dh).astype(q.dtype)
   if block <= 0 or block >= T or T % block:
     out = _attend(qg, k, v, mask(0, T))
     return out.reshape(B, T, H, Dh).astype(q.dtype)

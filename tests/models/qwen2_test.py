@@ -57,8 +57,9 @@ def test_matches_hf_reference_logits(reference, checkpoint, key, dp, tp):
 def test_context_parallel_layouts_match_the_reference_in_values_and_gradients(
   reference, dp, tp, cp
 ):
-  """Each sequence split over 'context' (XLA places the attention's exchanges): the HF
-  reference's logits, and the gradients of a weighted log-prob sum equal to the unsplit mesh's."""
+  """Each sequence split over 'context' (ring attention around it, kv heads over 'tensor'): the
+  HF reference's logits, and the gradients of a weighted log-prob sum equal to the unsplit
+  mesh's."""
   mesh = small_mesh(dp=dp, tp=tp, cp=cp)
   _, graphdef, state = hf_import.load(fixture_path('qwen2_tiny'), mesh)
   n = reference['tokens'].shape[0]
@@ -67,6 +68,9 @@ def test_context_parallel_layouts_match_the_reference_in_values_and_gradients(
     logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, tokens)
   np.testing.assert_allclose(np.asarray(logits)[:n], reference['logits_untied'], atol=1e-4, rtol=0)
   assert logits.sharding.spec[1] == 'context'  # the tokens really are split
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(_full_logits, static_argnums=0).lower(graphdef, state, tokens).as_text()
+  assert 'collective_permute' in hlo  # the kv shards go around the ring
   T = tokens.shape[1]
   assert logits.addressable_data(0).shape[1] == T // cp
 
@@ -86,8 +90,11 @@ def test_context_parallel_layouts_match_the_reference_in_values_and_gradients(
   with jax.set_mesh(one):
     value1, grads1 = jax.jit(jax.value_and_grad(loss1))(state1)
   np.testing.assert_allclose(float(value), float(value1), rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):  # f32 sums in another order
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+  # Within 1e-5 of each leaf's scale: f32 sums in another order, as between any two layouts
+  # (dp2 against dp4 differ by 3.3e-5 on gradients up to 37).
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(b))))
 
 
 @pytest.mark.parametrize('dp,tp', [(1, 1), (2, 4)])
@@ -380,12 +387,16 @@ def test_cudnn_on_packed_rows_is_xlas_attention_with_the_segment_mask():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize('impl,block', [('blockwise', 8), ('blockwise', 0), ('dot_product', 0)])
-def test_packed_rows_equal_unpacked_sequences_in_values_and_gradients(impl, block):
+@pytest.mark.parametrize(
+  'impl,block,cp',
+  [('blockwise', 8, 1), ('blockwise', 0, 1), ('dot_product', 0, 1), ('blockwise', 4, 4)],
+)
+def test_packed_rows_equal_unpacked_sequences_in_values_and_gradients(impl, block, cp):
   """Three sequences packed side by side into one row (segment ids, positions from 0 in each)
-  give every token the log-prob it has alone in its own row, and the same parameter gradients."""
+  give every token the log-prob it has alone in its own row, and the same parameter gradients;
+  with cp = 4 each row is split over a ring of 4 devices, the segments across its shards."""
   cfg = ModelConfig.preset('tiny').replace(attention_impl=impl, attention_block=block)
-  mesh = small_mesh()
+  mesh = small_mesh(cp=cp)
   graphdef, params = qwen2.init_model(cfg, mesh, seed=5)
   rng = np.random.default_rng(0)
   T, lengths = 32, (5, 9, 14)
