@@ -179,6 +179,12 @@ def estimate(
     chunk: P, prompt tokens a rollout call prefills before decoding (0: decode only).
     micro_batches: gradient-accumulation slices (train).
     coefficients: activation array counts (defaults: XLA:CPU, this model code).
+
+  With context parallelism (`parallel.cp` > 1) a device holds T / cp tokens of each of its
+  rows, and the experience and train activations scale with those. Measured against XLA on the
+  main job's model (docs/results/model-and-tests.md): train within 1-27%; experience 11-47%
+  under XLA's figure (its log-prob chunks gather more of each row than T / cp), so CP layouts
+  are not selector candidates yet.
   """
   # One piece (about 60 lines of code): the three stages' terms read the same ten per-device
   # dimensions computed first; split apart, every part would take all of them as arguments.
@@ -192,6 +198,7 @@ def estimate(
   F_l = math.ceil(model.intermediate_size / parallel.tp)
   V_l = math.ceil(model.vocab_size / parallel.tp)
   D, Dh, L, T = model.hidden_size, model.head_dim, model.num_layers, bucket
+  T_l = math.ceil(T / parallel.cp)  # the tokens of a row one device holds (context parallelism)
   weights = weight_bytes_per_device(model, parallel)
   # Under fsdp the weights are gathered before use. Decode hoists the gathers out of its token
   # loop (the whole model lives gathered); a forward / backward gathers about a layer at a time.
@@ -210,23 +217,23 @@ def estimate(
     activations = kv_copies + max(decode, prefill)
     io = B_l * (P * 4 + 4) + B_l * (2 * N * 4 + 16)  # the prompt in, the Generation out
   elif stage == Stage.EXPERIENCE:
-    C = min(model.logprob_chunk, T) if T % min(model.logprob_chunk, T) == 0 else T
+    C = min(model.logprob_chunk, T_l) if T_l % min(model.logprob_chunk, T_l) == 0 else T_l
     activations = (
-      c.experience_scores * attention_score_bytes(model, B_l, H_l, T)
-      + c.experience_act_d * B_l * T * D * act
+      c.experience_scores * attention_score_bytes(model, B_l, H_l, T_l)
+      + c.experience_act_d * B_l * T_l * D * act
       + c.experience_logits * B_l * C * V_l * f32
-      + c.experience_act_f * B_l * T * F_l * act
+      + c.experience_act_f * B_l * T_l * F_l * act
     )
-    io = B_l * T * (4 + 4)  # tokens in, log-probs out
+    io = B_l * T_l * (4 + 4)  # tokens in, log-probs out
   else:
     Bm = math.ceil(B_l / micro_batches)
     optimizer = 2 * weights  # AdamW moments, sharded like the parameters
     gradients = int((c.update_copies + (1 if micro_batches > 1 else 0)) * weights)
     activations = (
-      c.train_scores * attention_score_bytes(model, Bm, H_l, T)
-      + L * Bm * T * (c.train_act_d * D + c.train_act_f * F_l) * act
+      c.train_scores * attention_score_bytes(model, Bm, H_l, T_l)
+      + L * Bm * T_l * (c.train_act_d * D + c.train_act_f * F_l) * act
     )
-    io = B_l * T * (4 * 6 + 1 * 2) + B_l * 16  # the Batch fields
+    io = B_l * T_l * (4 * 6 + 1 * 2) + B_l * 16  # the Batch fields
   return Estimate(
     weights=weights,
     optimizer=optimizer,

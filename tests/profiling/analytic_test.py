@@ -64,6 +64,10 @@ GAME_GRID = [
   (Stage.ROLLOUT, ParallelConfig(dp=2, tp=4), 256, 64),
   (Stage.ROLLOUT, ParallelConfig(fsdp=8), 512, 64),
   (Stage.TRAIN, ParallelConfig(fsdp=8), 512, 64),
+  # Context parallelism: each device holds T / cp tokens of its rows (ring attention).
+  (Stage.TRAIN, ParallelConfig(dp=2, cp=4), 1024, 64),
+  (Stage.TRAIN, ParallelConfig(dp=2, tp=2, cp=2), 4096, 8),
+  (Stage.EXPERIENCE, ParallelConfig(dp=2, tp=2, cp=2), 4096, 8),
 ]
 
 
