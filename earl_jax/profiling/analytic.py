@@ -183,8 +183,8 @@ def estimate(
   With context parallelism (`parallel.cp` > 1) a device holds T / cp tokens of each of its
   rows, and the experience and train activations scale with those. Measured against XLA on the
   main job's model (docs/results/model-and-tests.md): train within 1-27%; experience 11-47%
-  under XLA's figure (its log-prob chunks gather more of each row than T / cp), so CP layouts
-  are not selector candidates yet.
+  under XLA's figure (a ring tile holds all B_local rows, cp times dp's at the same tokens), so
+  CP layouts are not selector candidates yet.
   """
   # One piece (about 60 lines of code): the three stages' terms read the same ten per-device
   # dimensions computed first; split apart, every part would take all of them as arguments.
