@@ -158,6 +158,14 @@ def _sequence_shard_map(
   )
 
 
+def ring_tile(block: int, cp: int) -> int:
+  """The tile the model's ring attention uses over cp devices: `block` / sqrt(cp), down to a
+  power of two (at least 8). A context-parallel layout holds cp times the rows per device that
+  a data-parallel one of its devices does, and a tile [B_local, K, Q, b, b] holds every local
+  row, so this keeps a tile's bytes near the data-parallel layout's."""
+  return max(8, 1 << int(math.log2(max(block / math.sqrt(cp), 1))))
+
+
 # Ring attention, per device: b x b tiles of each visit, a forward and a backward ring pass.
 
 

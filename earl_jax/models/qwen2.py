@@ -216,9 +216,12 @@ def causal_attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask(0, T)[:, None], implementation='xla')
   qg = q.reshape(B, T, K, H // K, Dh)
   mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and dict(mesh.shape).get(mesh_lib.CONTEXT, 1) > 1:
-    # Context parallelism: each device holds T / C tokens of its rows; the kv shards go around
-    # the 'context' ring (contiguous order), the kv heads stay split over 'tensor'.
+  cp = 1 if mesh.empty else dict(mesh.shape).get(mesh_lib.CONTEXT, 1)
+  if cp > 1:
+    # Context parallelism: each device holds T / cp tokens of its rows; the kv shards go around
+    # the 'context' ring (contiguous order), the kv heads stay split over 'tensor', in tiles
+    # sized for the rows a device holds (`ring_tile`).
+    tile = context_attention.ring_tile(block if block > 0 else T, cp)
     out = context_attention.ring_attention(
       qg,
       k,
@@ -227,7 +230,7 @@ def causal_attention(
       mesh=mesh,
       axis=mesh_lib.CONTEXT,
       zigzag=False,
-      block=block if block > 0 else T,
+      block=tile,
       head_axis=mesh_lib.TENSOR,
     )
     return out.reshape(B, T, H, Dh).astype(q.dtype)

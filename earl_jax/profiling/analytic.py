@@ -88,11 +88,18 @@ class Coefficients:
 
 
 def attention_score_bytes(
-  model: ModelConfig, rows_per_device: int, heads_per_device: int, T: int
+  model: ModelConfig, rows_per_device: int, heads_per_device: int, T: int, cp: int = 1
 ) -> int:
   """f32 bytes of one attention score array for a [B, T] chunk on one device: one [b, b] tile
-  of the blockwise attention (its loops hold one tile at a time), or [T, T] for a dense block."""
+  of the blockwise attention (its loops hold one tile at a time), or [T, T] for a dense block;
+  with cp > 1 (T is then a device's T / cp tokens) one tile of the ring attention
+  (`context_attention.ring_tile`)."""
   b = model.attention_block
+  if cp > 1:
+    from earl_jax.models.context_attention import ring_tile
+
+    b = math.gcd(ring_tile(b if b > 0 else T, cp), T)
+    return rows_per_device * heads_per_device * b * b * 4
   if model.attention_impl == 'blockwise' and 0 < b < T and T % b == 0:
     area = b * b
   else:
@@ -181,10 +188,9 @@ def estimate(
     coefficients: activation array counts (defaults: XLA:CPU, this model code).
 
   With context parallelism (`parallel.cp` > 1) a device holds T / cp tokens of each of its
-  rows, and the experience and train activations scale with those. Measured against XLA on the
-  main job's model (docs/results/model-and-tests.md): train within 1-27%; experience 11-47%
-  under XLA's figure (a ring tile holds all B_local rows, cp times dp's at the same tokens), so
-  CP layouts are not selector candidates yet.
+  rows: the experience and train activations scale with those, and the attention scores are one
+  tile of the ring (`context_attention.ring_tile`). Measured against XLA on the main job's model
+  (docs/results/model-and-tests.md): 12-32% under on every CP cell.
   """
   # One piece (about 60 lines of code): the three stages' terms read the same ten per-device
   # dimensions computed first; split apart, every part would take all of them as arguments.
@@ -219,7 +225,7 @@ def estimate(
   elif stage == Stage.EXPERIENCE:
     C = min(model.logprob_chunk, T_l) if T_l % min(model.logprob_chunk, T_l) == 0 else T_l
     activations = (
-      c.experience_scores * attention_score_bytes(model, B_l, H_l, T_l)
+      c.experience_scores * attention_score_bytes(model, B_l, H_l, T_l, parallel.cp)
       + c.experience_act_d * B_l * T_l * D * act
       + c.experience_logits * B_l * C * V_l * f32
       + c.experience_act_f * B_l * T_l * F_l * act
@@ -230,7 +236,7 @@ def estimate(
     optimizer = 2 * weights  # AdamW moments, sharded like the parameters
     gradients = int((c.update_copies + (1 if micro_batches > 1 else 0)) * weights)
     activations = (
-      c.train_scores * attention_score_bytes(model, Bm, H_l, T_l)
+      c.train_scores * attention_score_bytes(model, Bm, H_l, T_l, parallel.cp)
       + L * Bm * T_l * (c.train_act_d * D + c.train_act_f * F_l) * act
     )
     io = B_l * T_l * (4 * 6 + 1 * 2) + B_l * 16  # the Batch fields
