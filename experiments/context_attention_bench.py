@@ -12,9 +12,10 @@ ways. The kernels (`earl_jax.models.context_attention`):
   blockwise    the baseline, on `dpN` (N = all devices): each device holds whole sequences and
                runs `models.attention.blockwise_causal_attention` (tiles of gcd(T, --block)).
   ring         `ring_attention`, contiguous shards (the last device does the most causal work),
-               each visit in tiles of gcd(T / Y, --block).
+               each visit in tiles of gcd(T / Y, ring_tile(--block, Y)): as the model runs it,
+               the tile shrunk by sqrt(Y) for the Y times more rows a device holds.
   ring_zigzag  `ring_attention` in zig-zag order (balanced; the inputs are placed in that order),
-               tiles of gcd(T / 2Y, --block).
+               tiles of gcd(T / 2Y, ring_tile(--block, Y)).
   ulysses      `ulysses_attention`: all-to-alls to whole sequences of K / Y kv heads, then the
                blockwise attention (tiles of gcd(T, --block)); only where Y divides K.
 
@@ -76,8 +77,8 @@ _HEAD_DIM = flags.DEFINE_integer('head_dim', 32, 'Head dimension Dh.', lower_bou
 _BLOCK = flags.DEFINE_integer(
   'block',
   next(f.default for f in dataclasses.fields(ModelConfig) if f.name == 'attention_block'),
-  'Tile of every kernel: gcd(T, block) for the baseline and Ulysses, gcd(shard, block) for a '
-  "ring visit; default: the model's attention_block.",
+  'Tile of every kernel: gcd(T, block) for the baseline and Ulysses, gcd(shard, '
+  "ring_tile(block, cp)) for a ring visit; default: the model's attention_block.",
   lower_bound=1,
 )
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'q, k, v dtype.')
@@ -167,13 +168,15 @@ def skip_reason(kernel: str, dp: int, cp: int, B: int, T: int, K: int) -> str | 
 
 def attention_fn(kernel: str, mesh: Mesh, block: int):
   """(q, k, v) -> out, in the kernel's layout order, split by `ca.sequence_spec`."""
-  if kernel == 'ring':
+  if kernel in ('ring', 'ring_zigzag'):
+    tile = ca.ring_tile(block, mesh.shape[CONTEXT])  # the model's tile (`qwen2.causal_attention`)
     return functools.partial(
-      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=False, block=block
-    )
-  if kernel == 'ring_zigzag':
-    return functools.partial(
-      ca.ring_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, zigzag=True, block=block
+      ca.ring_attention,
+      segment_ids=None,
+      mesh=mesh,
+      axis=CONTEXT,
+      zigzag=kernel == 'ring_zigzag',
+      block=tile,
     )
   if kernel == 'ulysses':
     return functools.partial(
