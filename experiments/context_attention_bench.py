@@ -45,7 +45,6 @@ import functools
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -316,14 +315,10 @@ def table(T: int, rows: list[dict], skipped: list[dict], setting: str, baseline:
 
 
 def device_description() -> dict[str, Any]:
-  devices = jax.devices()
-  info = {
-    'platform': devices[0].platform,
-    'device_kind': devices[0].device_kind,
-    'num_devices': len(devices),
-    'machine': platform.machine(),
-    'host_cpus': os.cpu_count(),
-  }
+  """The profile's description of the machine (`profiler.hardware`) and the load at the start."""
+  from earl_jax.profiling.profiler import hardware
+
+  info = hardware()
   if hasattr(os, 'getloadavg'):
     info['load_average_at_start'] = list(os.getloadavg())
   return info

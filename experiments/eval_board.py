@@ -54,11 +54,9 @@ def main(argv):
   mesh = code_eval.eval_mesh()
   policy = code_eval.load_policy(source, mesh)
   seed = config.eval_seed if _SEED.value is None else _SEED.value
-  records = {}
-  for opponent in opponents:
-    records[opponent] = board_eval.play(
-      config, policy, mesh, opponent=opponent, episodes=_EPISODES.value, seed=seed
-    )
+  records = board_eval.play(
+    config, policy, mesh, opponents=opponents, episodes=_EPISODES.value, seed=seed
+  )
   text = board_eval.table(records)
   print(f'{policy.description}, {_EPISODES.value} greedy games each (seed {seed}):\n{text}')
   run = _CHECKPOINT.value.rstrip('/')

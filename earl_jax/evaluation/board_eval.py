@@ -10,10 +10,11 @@ moves a game.
 
   mesh = code_eval.eval_mesh()
   policy = code_eval.load_policy(PolicySource(checkpoint='runs/default'), mesh)
-  records = [play(config, policy, mesh, opponent=o, episodes=512) for o in base.OPPONENTS]
+  records = play(config, policy, mesh, opponents=base.OPPONENTS, episodes=512, seed=0)
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -60,33 +61,38 @@ def play(
   policy: Policy,
   mesh: jax.sharding.Mesh,
   *,
-  opponent: str,
+  opponents: Sequence[str],
   episodes: int,
   seed: int,
-) -> dict[str, float]:
-  """`episodes` greedy games of `policy` against `opponent` on `config.eval_env`.
+) -> dict[str, dict[str, float]]:
+  """`episodes` greedy games of `policy` against each of `opponents` on `config.eval_env`, on
+  one set of compiled programs.
 
   Returns:
-    The evaluation's record (`metrics.eval_record`: eval/win_rate, eval/invalid_rate,
-    eval/distinct_moves_mean, ...) with eval/loss_rate, eval/turns_mean and 'games'.
+    opponent -> the evaluation's record (`metrics.eval_record`: eval/win_rate,
+    eval/invalid_rate, eval/distinct_moves_mean, ...) with eval/loss_rate, eval/turns_mean and
+    'games'.
   """
   from earl_jax.programs import Executables, StageSpec
   from earl_jax.rollout import engine
+  from earl_jax.train.assembly import greedy_rollout
 
-  env = dataclasses.replace(config.eval_env, opponent=opponent)
-  rollout = dataclasses.replace(
-    config.rollout,
-    num_episodes=episodes,
-    group_size=1,
-    sampling=dataclasses.replace(config.rollout.sampling, greedy=True),
-  )
+  rollout = greedy_rollout(config, episodes)
   spec = StageSpec.for_rollout(rollout, policy.tokenizer, policy.model.vocab_size)
+  records = {}
   with Executables(policy.model, spec=spec, devices=list(mesh.devices.flat)) as programs:
-    runner = engine.RolloutEngine(
-      policy.model, policy.tokenizer, env, rollout, config.buckets, programs=programs
-    )
-    traj = runner.run(policy.params, mesh, seed=seed, greedy=True)
-  stats = EpisodeStats.gather(traj)
+    for opponent in opponents:
+      env = dataclasses.replace(config.eval_env, opponent=opponent)
+      runner = engine.RolloutEngine(
+        policy.model, policy.tokenizer, env, rollout, config.buckets, programs=programs
+      )
+      records[opponent] = _record(
+        EpisodeStats.gather(runner.run(policy.params, mesh, seed=seed, greedy=True))
+      )
+  return records
+
+
+def _record(stats: EpisodeStats) -> dict[str, float]:
   record = metrics.eval_record(stats)
   record['eval/loss_rate'] = stats.outcome_rates().get('loss', 0.0)
   record['eval/turns_mean'] = float(np.mean(stats.turns))

@@ -216,7 +216,7 @@ def causal_attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask(0, T)[:, None], implementation='xla')
   qg = q.reshape(B, T, K, H // K, Dh)
   mesh = jax.sharding.get_abstract_mesh()
-  cp = 1 if mesh.empty else dict(mesh.shape).get(mesh_lib.CONTEXT, 1)
+  cp = mesh_lib.context_size(mesh)
   if cp > 1:
     # Context parallelism: each device holds T / cp tokens of its rows; the kv shards go around
     # the 'context' ring (contiguous order), the kv heads stay split over 'tensor', in tiles

@@ -65,7 +65,7 @@ def stage_candidates(
       if p.cp > 1:
         raise mesh_lib.ShardingError(
           f'Candidate {p} splits each sequence over cp={p.cp} devices: context-parallel '
-          'layouts are not selector candidates yet (the memory model and the profile do not '
+          'layouts are not selector candidates yet (the profile and the dispatcher do not '
           'cover them); expected layouts with cp=1.'
         )
       reason = why_invalid(p, model, rows)

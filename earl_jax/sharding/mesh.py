@@ -70,6 +70,12 @@ def parallel_config_of(mesh: Mesh) -> ParallelConfig:
   return ParallelConfig(dp=shape[DATA], fsdp=shape[FSDP], tp=shape[TENSOR], cp=shape[CONTEXT])
 
 
+def context_size(mesh: Mesh | jax.sharding.AbstractMesh) -> int:
+  """How many devices split each sequence on `mesh` (its 'context' axis; 1 on an empty mesh or
+  one without the axis)."""
+  return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT, 1)
+
+
 def same_devices(a: Mesh, b: Mesh) -> bool:
   """Whether two meshes hold the same devices in the same (flattened) order."""
   return list(a.devices.flat) == list(b.devices.flat)

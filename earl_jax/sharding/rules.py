@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from earl_jax.sharding.mesh import CONTEXT, DATA, FSDP, TENSOR, ShardingError
+from earl_jax.sharding.mesh import CONTEXT, DATA, FSDP, TENSOR, ShardingError, context_size
 
 MeshAxes = str | tuple[str, ...] | None
 Logical = Sequence[str | None]
@@ -71,7 +71,7 @@ def for_mesh(
   tokens are not split, and the table names no 'context' axis, so that every layout without it
   keeps the specs it has always had (P(('data', 'fsdp'), None), not P(('data', 'fsdp'),
   'context'): the same placement, but not an equal spec)."""
-  if dict(mesh.shape).get(CONTEXT, 1) > 1:
+  if context_size(mesh) > 1:
     return rules
   return {name: _without_context(axes) for name, axes in rules.items()}
 

@@ -148,6 +148,17 @@ class Engines:
   sampled: engine.RolloutEngine | None
 
 
+def greedy_rollout(config: ExperimentConfig, num_episodes: int) -> engine.RolloutConfig:
+  """The greedy evaluation's rollout: `num_episodes` groups of one, the run's slots and
+  sampling otherwise (greedy)."""
+  return dataclasses.replace(
+    config.rollout,
+    num_episodes=num_episodes,
+    group_size=1,
+    sampling=dataclasses.replace(config.rollout.sampling, greedy=True),
+  )
+
+
 def make_engines(
   config: ExperimentConfig,
   model: ModelConfig,
@@ -158,14 +169,13 @@ def make_engines(
   train = engine.RolloutEngine(
     model, tok, config.env, config.rollout, config.buckets, programs=executables
   )
-  eval_rollout = dataclasses.replace(
-    config.rollout,
-    num_episodes=config.eval_episodes,
-    group_size=1,
-    sampling=dataclasses.replace(config.rollout.sampling, greedy=True),
-  )
   evaluation = engine.RolloutEngine(
-    model, tok, config.eval_env, eval_rollout, config.buckets, programs=executables
+    model,
+    tok,
+    config.eval_env,
+    greedy_rollout(config, config.eval_episodes),
+    config.buckets,
+    programs=executables,
   )
   sampled = None
   if config.eval_samples:

@@ -32,12 +32,15 @@ def test_a_checkpoint_replays_its_runs_evaluation_and_plays_every_opponent(tmp_p
   )
   episodes = config.eval_episodes
   again = board_eval.play(
-    config, policy, mesh, opponent='random', episodes=episodes, seed=config.eval_seed
-  )
+    config, policy, mesh, opponents=('random',), episodes=episodes, seed=config.eval_seed
+  )['random']
   for key in ('win_rate', 'invalid_rate', 'draw_rate', 'return_mean', 'distinct_moves_mean'):
     assert again[f'eval/{key}'] == pytest.approx(last[f'eval/{key}']), key
-  for opponent in ('greedy', 'minimax'):
-    r = board_eval.play(config, policy, mesh, opponent=opponent, episodes=16, seed=5)
+  others = board_eval.play(
+    config, policy, mesh, opponents=('greedy', 'minimax'), episodes=16, seed=5
+  )
+  assert list(others) == ['greedy', 'minimax']
+  for r in others.values():
     assert r['games'] == 16
     outcomes = (
       r['eval/win_rate'] + r['eval/draw_rate'] + r['eval/loss_rate'] + r['eval/invalid_rate']
