@@ -381,6 +381,7 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
   tp, fsdp, dp = parallel.tp, parallel.fsdp, parallel.dp
   B_l = math.ceil(rows / parallel.batch_shards)
   H_l = math.ceil(model.num_heads / tp)
+  K_l = math.ceil(model.num_kv_heads / tp)
   F_l = math.ceil(model.intermediate_size / tp)
   D, Dh, L = model.hidden_size, model.head_dim, model.num_layers
   gathered = weight_bytes_per_device(model, dataclasses.replace(parallel, fsdp=1))
@@ -398,23 +399,34 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
     )
     collectives = (2 * L * passes if tp > 1 else 0) + (L if fsdp > 1 else 0)
     return _Work(flops, memory_bytes, link, collectives, attention)
-  # A forward over [B_l, T] (causal attention: half the score tiles), once or for the update.
-  T = bucket
-  attention = B_l * 2 * L * H_l * Dh * T * T
-  flops = B_l * T * matmul + attention
-  memory_bytes = gathered + 4 * L * B_l * T * (D + F_l) * act
-  link = (2 * L * B_l * T * D * act * reduce if tp > 1 else 0) + gathered * (fsdp - 1) / fsdp
-  collectives = (2 * L if tp > 1 else 0) + (L if fsdp > 1 else 0)
+  # A forward over [B_l, T_l] (T_l = T / cp tokens of each row per device). Causal attention
+  # computes half the score tiles; on cp > 1, ring attention visits cp key/value shards in turn
+  # (contiguous order), and each visit waits for the device with the most work: a half tile
+  # (the diagonal), then a whole one (cp - 1 times). Each visit passes a K/V shard on.
+  T_l = bucket // parallel.cp
+  attention = B_l * 4 * L * H_l * Dh * T_l * T_l * (parallel.cp - 0.5)
+  flops = B_l * T_l * matmul + attention
+  memory_bytes = gathered + 4 * L * B_l * T_l * (D + F_l) * act
+  ring = (parallel.cp - 1) * L * 2 * B_l * T_l * K_l * Dh * act
+  link = (
+    (2 * L * B_l * T_l * D * act * reduce if tp > 1 else 0) + gathered * (fsdp - 1) / fsdp + ring
+  )
+  collectives = (2 * L if tp > 1 else 0) + (L if fsdp > 1 else 0) + (parallel.cp - 1) * L
   if stage == Stage.EXPERIENCE:
-    return _Work(flops, memory_bytes, link, collectives, attention)
-  # The update: forward and backward (about 3x the forward), every micro-batch; then AdamW
-  # over the local shard (weights, gradients and two moments read and written).
+    return _Work(flops, memory_bytes + ring, link, collectives, attention)
+  # The update: forward and backward (about 3x the forward; the backward ring passes K/V and
+  # their gradients), every micro-batch; then AdamW over the local shard (weights, gradients and
+  # two moments read and written), after the gradients are reduced over every replica of the
+  # weights (dp x cp).
   local = weight_bytes_per_device(model, parallel)
-  grads = (2 * (dp - 1) / dp) * local + (gathered * (fsdp - 1) / fsdp)
+  replicas = dp * parallel.cp
+  grads = (2 * (replicas - 1) / replicas) * local + (gathered * (fsdp - 1) / fsdp)
   return _Work(
     flops=3 * flops + 12 * local / _BYTES[model.param_dtype],
-    memory_bytes=3 * memory_bytes + 8 * local,
-    link_bytes=2 * link + grads,
-    collectives=micro_batches * 2 * collectives + (1 if dp > 1 else 0) + (L if fsdp > 1 else 0),
+    memory_bytes=3 * memory_bytes + 8 * local + 3 * ring,
+    link_bytes=2 * link + ring + grads,
+    collectives=micro_batches * 2 * collectives
+    + (1 if replicas > 1 else 0)
+    + (L if fsdp > 1 else 0),
     attention_flops=3 * attention,
   )

@@ -53,7 +53,7 @@ from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables, background_pool
 from earl_jax.selector import selector as selector_lib
-from earl_jax.selector.candidates import candidates_for, fsdp_stages
+from earl_jax.selector.candidates import candidates_for, cp_stages, fsdp_stages
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
@@ -72,6 +72,8 @@ class ProfileGrid:
     candidates: restrict the layouts (default: every valid factorisation of the devices).
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       an fsdp layout in `candidates` is dropped for the other stages.
+    with_cp: the stages whose candidates include context-parallel (cp > 1) layouts (True:
+      experience and train); a cp layout in `candidates` is dropped for the other stages.
     measure: how each cell is timed.
     spec: static stage settings (sampling, prompt chunk, micro-batches, optimizer).
   """
@@ -83,6 +85,7 @@ class ProfileGrid:
   stage_rows: Mapping[Stage, int] = dataclasses.field(default_factory=dict)
   candidates: tuple[ParallelConfig, ...] | None = None
   with_fsdp: bool | tuple[Stage | str, ...] = True
+  with_cp: bool | tuple[Stage | str, ...] = False
   measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
   spec: builders.StageSpec = dataclasses.field(default_factory=builders.StageSpec)
 
@@ -91,6 +94,7 @@ class ProfileGrid:
       raise ConfigError('ProfileGrid.stages is empty.')
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
+    object.__setattr__(self, 'with_cp', cp_stages(self.with_cp))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
       raise ConfigError(f'ProfileGrid.rows must be positive ints, got {rows}.')
@@ -131,6 +135,7 @@ def grid_for(
     budget_bytes=budget_bytes,
     candidates=config.layouts,
     with_fsdp=config.with_fsdp,
+    with_cp=config.with_cp,
     measure=config.profile.measure,
     spec=spec,
   )
@@ -235,7 +240,14 @@ def default_candidates(
   n = num_devices or len(mesh_lib.canonical_devices())
   return {
     s: candidates_for(
-      s, model, num_devices=n, rows=config.rows, with_fsdp=config.with_fsdp, only=config.candidates
+      s,
+      model,
+      num_devices=n,
+      rows=config.rows,
+      lengths=config.buckets.lengths,
+      with_fsdp=config.with_fsdp,
+      with_cp=config.with_cp,
+      only=config.candidates,
     )
     for s in config.stages
   }

@@ -190,18 +190,36 @@ _TOKEN_FIELDS = (
 def pack(batch: Batch, packing: PackPlan, mesh: jax.sharding.Mesh) -> Batch:
   """The batch (on `mesh`'s train layout, `Batch.shardings`) packed as `packing` says.
 
-  Per shard: token fields [b, T] -> [r, T] by a local gather; the plan's tables [r, T] arrive
-  sharded like the rows. No collective: every rank packs the rows it holds. Row fields become
-  those of the packed rows (see the module docstring).
+  Per shard: token fields [b, T] -> [r, T] by a local gather over whole rows; the plan's tables
+  [r, T] arrive sharded like the rows. No collective moves rows: every rank packs the rows it
+  holds. On a context-parallel mesh, where each device holds T / cp tokens of its rows, the
+  gather reads the whole rows (gathered over the 'context' ring of the rows' devices, since a
+  sequence may move anywhere in its packed row) and each device keeps its T / cp tokens of the
+  result. Row fields become those of the packed rows (see the module docstring).
   """
   row_axes = rules.spec(('batch',))[0]
   rows_sharding = NamedSharding(mesh, P(row_axes, None))
+  shardings = Batch.shardings(mesh)
   R, T = packing.src_row.shape
-  src_row, src_col, segment_ids, positions = (
+  src_row, src_col = (
     mesh_lib.put_rows(table, np.arange(R), (R, T), rows_sharding)
-    for table in (packing.src_row, packing.src_col, packing.segment_ids, packing.positions)
+    for table in (packing.src_row, packing.src_col)
   )
-  moved = _gather_token_fields(batch, src_row, src_col, mesh, rows_sharding.spec)
+  segment_ids, positions = (
+    mesh_lib.put_rows(table, np.arange(R), (R, T), sharding)
+    for table, sharding in (
+      (packing.segment_ids, shardings.segment_ids),
+      (packing.positions, shardings.positions),
+    )
+  )
+  moved = _gather_token_fields(
+    batch,
+    src_row,
+    src_col,
+    mesh,
+    rows_sharding.spec,
+    [getattr(shardings, name) for name in _TOKEN_FIELDS],
+  )
   out = Batch.zeros(R, T).replace(
     **dict(zip(_TOKEN_FIELDS, moved)),
     segment_ids=segment_ids,
@@ -221,15 +239,21 @@ def pack(batch: Batch, packing: PackPlan, mesh: jax.sharding.Mesh) -> Batch:
       for name, values in host_rows.items()
     }
   )
-  for x, want in zip(jax.tree.leaves(out), jax.tree.leaves(Batch.shardings(mesh))):
+  for x, want in zip(jax.tree.leaves(out), jax.tree.leaves(shardings)):
     assert x.sharding.is_equivalent_to(want, x.ndim), (x.sharding, want)
   return out
 
 
 def _gather_token_fields(
-  batch: Batch, src_row: jax.Array, src_col: jax.Array, mesh: jax.sharding.Mesh, spec: P
+  batch: Batch,
+  src_row: jax.Array,
+  src_col: jax.Array,
+  mesh: jax.sharding.Mesh,
+  spec: P,
+  out_shardings: list[NamedSharding],
 ) -> list[jax.Array]:
-  """The token fields of `batch` gathered into the packed rows, shard by shard (`_gather`)."""
+  """The token fields of `batch` gathered into the packed rows, shard by shard (`_gather`), on
+  whole rows (`spec`), then laid out on `out_shardings`."""
 
   def kernel(fields, src_row, src_col):
     return [_gather(x, src_row, src_col) for x in fields]
@@ -240,5 +264,6 @@ def _gather_token_fields(
       mesh=mesh,
       in_specs=([spec] * len(_TOKEN_FIELDS), spec, spec),
       out_specs=[spec] * len(_TOKEN_FIELDS),
-    )
+    ),
+    out_shardings=out_shardings,
   )([getattr(batch, name) for name in _TOKEN_FIELDS], src_row, src_col)

@@ -1,8 +1,13 @@
 """Candidate parallel layouts of a stage: every factorisation of its devices the model allows.
 
-A candidate is a `ParallelConfig(dp, fsdp, tp)` whose product is the stage's device count and that
-divides what it splits: heads, KV heads, MLP width and vocabulary by tp; the hidden size by fsdp;
-the rows (responses) of the stage by dp x fsdp.
+A candidate is a `ParallelConfig(dp, fsdp, tp, cp)` whose product is the stage's device count and
+that divides what it splits: heads, KV heads, MLP width and vocabulary by tp; the hidden size by
+fsdp; the rows (responses) of the stage by dp x fsdp; every bucket length by cp.
+
+Context-parallel layouts (cp > 1: each row's tokens split over a ring of devices) are candidates
+of the experience and train stages, whose forward passes run ring attention on them
+(`models.context_attention`). The rollout's decode does not run on a sequence-sharded cache yet,
+so it has none.
 
   cands = candidates.stage_candidates(Stage.ROLLOUT, cfg, num_devices=8, rows=(8, 16, 32))
   [c.name for c in cands]          # ['dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', ...]
@@ -11,18 +16,27 @@ the rows (responses) of the stage by dp x fsdp.
 from collections.abc import Sequence
 
 from earl_jax.config import ModelConfig, ParallelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import STAGES, Stage
 
+# The stages whose programs run on context-parallel layouts.
+CONTEXT_PARALLEL_STAGES: tuple[Stage, ...] = (Stage.EXPERIENCE, Stage.TRAIN)
+
 
 def why_invalid(
-  parallel: ParallelConfig, model: ModelConfig, rows: Sequence[int] = ()
+  parallel: ParallelConfig,
+  model: ModelConfig,
+  rows: Sequence[int] = (),
+  lengths: Sequence[int] = (),
 ) -> str | None:
-  """None when `parallel` is a valid layout of `model` for every row count, else the reason."""
+  """None when `parallel` is a valid layout of `model` for every row count and bucket length,
+  else the reason."""
   try:
     mesh_lib.check_model_fits(parallel, model)
     for n in rows:
       mesh_lib.check_batch_fits(parallel, n, what='responses')
+    mesh_lib.check_context_fits(parallel, lengths)
   except mesh_lib.ShardingError as e:
     return str(e)
   return None
@@ -34,7 +48,9 @@ def stage_candidates(
   *,
   num_devices: int,
   rows: Sequence[int] = (),
+  lengths: Sequence[int] = (),
   with_fsdp: bool = True,
+  with_cp: bool = False,
   only: Sequence[ParallelConfig] | None = None,
 ) -> list[ParallelConfig]:
   """Every valid layout of `num_devices` devices for `stage` of `model`.
@@ -44,17 +60,21 @@ def stage_candidates(
     model: the model whose dimensions the layout must divide.
     num_devices: the stage's device count (the product of every candidate).
     rows: row counts (responses) the layout must split over data x fsdp.
+    lengths: the bucket lengths a context-parallel layout must split over cp.
     with_fsdp: include fsdp > 1 layouts.
+    with_cp: include cp > 1 layouts (experience and train only).
     only: restrict to these layouts (each must be valid, else ShardingError naming why).
 
   Returns:
-    Candidates sorted by (tp, fsdp, dp), the order of `mesh.factorizations`.
+    Candidates sorted by (cp, tp, fsdp, dp), the order of `mesh.factorizations`.
 
   Raises:
     ShardingError: no layout is valid (the message names each layout's problem), or a layout
       in `only` is invalid.
   """
   stage = Stage.parse(stage)
+  if with_cp and stage not in CONTEXT_PARALLEL_STAGES:
+    raise ConfigError(_no_cp(stage))
   if only is not None:
     out = []
     for p in only:
@@ -62,20 +82,16 @@ def stage_candidates(
         raise mesh_lib.ShardingError(
           f'Candidate {p} uses {p.num_devices} devices; the {stage} stage has {num_devices}.'
         )
-      if p.cp > 1:
-        raise mesh_lib.ShardingError(
-          f'Candidate {p} splits each sequence over cp={p.cp} devices: context-parallel '
-          'layouts are not selector candidates yet (the profile and the dispatcher do not '
-          'cover them); expected layouts with cp=1.'
-        )
-      reason = why_invalid(p, model, rows)
+      if p.cp > 1 and stage not in CONTEXT_PARALLEL_STAGES:
+        raise mesh_lib.ShardingError(f'Candidate {p}: {_no_cp(stage)}')
+      reason = why_invalid(p, model, rows, lengths)
       if reason is not None:
         raise mesh_lib.ShardingError(f'Candidate {p} is not valid for {stage}: {reason}')
       out.append(p)
-    return sorted(set(out), key=lambda p: (p.tp, p.fsdp, p.dp))
+    return sorted(set(out), key=mesh_lib.layout_order)
   out, problems = [], []
-  for p in mesh_lib.factorizations(num_devices, with_fsdp=with_fsdp):
-    reason = why_invalid(p, model, rows)
+  for p in mesh_lib.factorizations(num_devices, with_fsdp=with_fsdp, with_cp=with_cp):
+    reason = why_invalid(p, model, rows, lengths)
     if reason is None:
       out.append(p)
     else:
@@ -88,11 +104,36 @@ def stage_candidates(
   return out
 
 
+def _no_cp(stage: Stage) -> str:
+  return (
+    f'the {stage} stage has no context-parallel (cp > 1) layouts: its decode does not run on a '
+    'sequence-sharded cache yet; expected cp=1 there (context parallelism is for '
+    + ' and '.join(str(s) for s in CONTEXT_PARALLEL_STAGES)
+    + ').'
+  )
+
+
 def fsdp_stages(with_fsdp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
   """The stages a `with_fsdp` setting names (True: every stage, False: none)."""
   if isinstance(with_fsdp, bool):
     return tuple(STAGES) if with_fsdp else ()
   return tuple(Stage.parse(s) for s in with_fsdp)
+
+
+def cp_stages(with_cp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
+  """The stages a `with_cp` setting names (True: every stage that has context-parallel layouts,
+  False: none).
+
+  Raises:
+    ConfigError: a stage named that has none (the rollout).
+  """
+  if isinstance(with_cp, bool):
+    return CONTEXT_PARALLEL_STAGES if with_cp else ()
+  stages = tuple(Stage.parse(s) for s in with_cp)
+  for s in stages:
+    if s not in CONTEXT_PARALLEL_STAGES:
+      raise ConfigError(f'with_cp names {s}: {_no_cp(s)}')
+  return stages
 
 
 def candidates_for(
@@ -103,12 +144,21 @@ def candidates_for(
   rows: Sequence[int],
   with_fsdp: Sequence[Stage],
   only: Sequence[ParallelConfig] | None,
+  with_cp: Sequence[Stage] = (),
+  lengths: Sequence[int] = (),
 ) -> list[ParallelConfig]:
-  """A stage's candidates: `only` (fsdp layouts kept for the `with_fsdp` stages), or every
-  valid layout of the devices."""
-  fsdp = stage in with_fsdp
+  """A stage's candidates: `only` (fsdp layouts kept for the `with_fsdp` stages, cp layouts for
+  the `with_cp` stages), or every valid layout of the devices."""
+  fsdp, cp = stage in with_fsdp, stage in with_cp
   if only is not None:
-    only = [c for c in only if fsdp or c.fsdp == 1]
+    only = [c for c in only if (fsdp or c.fsdp == 1) and (cp or c.cp == 1)]
   return stage_candidates(
-    stage, model, num_devices=num_devices, rows=rows, with_fsdp=fsdp, only=only
+    stage,
+    model,
+    num_devices=num_devices,
+    rows=rows,
+    lengths=lengths,
+    with_fsdp=fsdp,
+    with_cp=cp,
+    only=only,
   )

@@ -71,7 +71,7 @@ from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
 from earl_jax.profiling import analytic, cost_model
 from earl_jax.profiling.analytic import ProgramShapes
 from earl_jax.profiling.table import Cell, Profile, ProfileSettings
-from earl_jax.selector.candidates import candidates_for, fsdp_stages
+from earl_jax.selector.candidates import candidates_for, cp_stages, fsdp_stages
 from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
@@ -94,6 +94,9 @@ class SelectorConfig:
       one.
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       the default lets the train stage shard parameters and moments over every device.
+    with_cp: the stages whose candidates include context-parallel (cp > 1) layouts, which split
+      each row's tokens over a ring of devices (True: experience and train, the stages whose
+      programs run ring attention; False: none).
     profile: what the profile measures, and when (`profiler.grid_for` turns it into a
       `ProfileGrid`; `profiler.run` and `schedule.ProfileScheduler` measure it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
@@ -107,6 +110,7 @@ class SelectorConfig:
   budget_mib: float | None = None
   candidates: tuple[str, ...] | None = None
   with_fsdp: bool | tuple[Stage | str, ...] = (Stage.TRAIN,)
+  with_cp: bool | tuple[Stage | str, ...] = (Stage.EXPERIENCE, Stage.TRAIN)
   profile: ProfileSettings = dataclasses.field(default_factory=ProfileSettings)
   initial_context: int | None = None
 
@@ -133,6 +137,7 @@ class SelectorConfig:
     if self.budget_mib is not None and not self.budget_mib > 0:
       raise ConfigError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
     object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
+    object.__setattr__(self, 'with_cp', cp_stages(self.with_cp))
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
       if not self.candidates:
@@ -307,8 +312,11 @@ def context_statistic(lengths: Sequence[int], statistic: str) -> float:
 
 
 def fewest_splits_score(config: ParallelConfig) -> float:
-  """The analytic ranking: fewer model-parallel splits first, tensor before fsdp at equal size."""
-  return 1.0 / (config.tp * config.fsdp) - 1e-3 * (config.fsdp - 1)
+  """The analytic ranking: fewer model-parallel splits first, tensor before fsdp at equal size;
+  context-parallel layouts after every other (until measured they are the last resort: their
+  ring passes K/V shards at every layer), fewest splits first among them."""
+  score = 1.0 / (config.tp * config.fsdp) - 1e-3 * (config.fsdp - 1)
+  return score if config.cp == 1 else 1e-3 * score / config.cp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -588,6 +596,8 @@ class Selector:
         num_devices=self.num_devices,
         rows=self.rows,
         with_fsdp=self.config.with_fsdp,
+        with_cp=self.config.with_cp,
+        lengths=self.buckets.lengths,
         only=self.config.layouts,
       )
       for s in stages

@@ -92,18 +92,30 @@ def abstract_arrays(tree):
   )
 
 
-def factorizations(n: int, *, with_fsdp: bool = True) -> list[ParallelConfig]:
-  """Every (dp, fsdp, tp) with dp * fsdp * tp == n, sorted by (tp, fsdp, dp)."""
+def factorizations(
+  n: int, *, with_fsdp: bool = True, with_cp: bool = False
+) -> list[ParallelConfig]:
+  """Every (dp, fsdp, cp, tp) with dp * fsdp * cp * tp == n (fsdp = 1 unless `with_fsdp`, cp = 1
+  unless `with_cp`), sorted by (cp, tp, fsdp, dp): the layouts without context parallelism first,
+  in the order they had before it existed."""
   out = []
-  for tp in range(1, n + 1):
-    if n % tp:
+  for cp in range(1, n + 1) if with_cp else (1,):
+    if n % cp:
       continue
-    rest = n // tp
-    for fsdp in range(1, rest + 1) if with_fsdp else (1,):
-      if rest % fsdp:
+    for tp in range(1, n // cp + 1):
+      if (n // cp) % tp:
         continue
-      out.append(ParallelConfig(dp=rest // fsdp, fsdp=fsdp, tp=tp))
-  return sorted(out, key=lambda p: (p.tp, p.fsdp, p.dp))
+      rest = n // cp // tp
+      for fsdp in range(1, rest + 1) if with_fsdp else (1,):
+        if rest % fsdp:
+          continue
+        out.append(ParallelConfig(dp=rest // fsdp, fsdp=fsdp, tp=tp, cp=cp))
+  return sorted(out, key=layout_order)
+
+
+def layout_order(p: ParallelConfig) -> tuple[int, int, int, int]:
+  """The order candidates are listed in: (cp, tp, fsdp, dp)."""
+  return (p.cp, p.tp, p.fsdp, p.dp)
 
 
 def check_model_fits(parallel: ParallelConfig, model: ModelConfig) -> None:
@@ -132,6 +144,19 @@ def check_batch_fits(parallel: ParallelConfig, batch: int, *, what: str = 'batch
       f'{what}={batch} is not divisible by the {parallel.batch_shards} batch shards of '
       f'{parallel} (dp={parallel.dp} x fsdp={parallel.fsdp}); use a multiple of '
       f'{parallel.batch_shards}.'
+    )
+
+
+def check_context_fits(
+  parallel: ParallelConfig, lengths: Sequence[int], *, what: str = 'bucket'
+) -> None:
+  """Raises ShardingError when a sequence length does not split over the layout's cp devices
+  (each device holds T / cp contiguous tokens of every row)."""
+  bad = [t for t in lengths if t % parallel.cp]
+  if bad:
+    raise ShardingError(
+      f'{what} lengths {bad} do not split over the cp={parallel.cp} devices of {parallel} '
+      f'(each holds T / cp tokens of a row): expected lengths that are multiples of {parallel.cp}.'
     )
 
 

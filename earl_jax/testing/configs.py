@@ -68,6 +68,8 @@ def staged_profile(config, winners: dict[str, str], needs: dict[str, dict[str, i
       num_devices=8,
       rows=rows,
       with_fsdp=config.selector.with_fsdp,
+      with_cp=config.selector.with_cp,
+      lengths=config.buckets.lengths,
       only=config.selector.layouts,
     )
     for s in STAGES

@@ -127,9 +127,11 @@ def trainer_run(
   dynamic_sampling_rounds: int = 0,
   ratio: str = 'token',
   estimator: str = 'grpo',
+  candidates: tuple[str, ...] = ('dp8', 'dp4.tp2', 'dp2.tp4'),
 ) -> dict:
-  """The smoke preset on this process group, with the stages on the `winners` layouts; returns
-  its metrics rows and summary (every process returns what it holds). `dynamic_sampling_rounds`:
+  """The smoke preset on this process group, with the stages on the `winners` layouts (among
+  `candidates`); returns its metrics rows and summary (every process returns what it holds).
+  `dynamic_sampling_rounds`:
   with it, groups of 2 and `estimator`'s advantages (a grouped one), flat groups replaced from
   up to this many rounds. `ratio`: the loss's importance ratio ('sequence': GSPO's)."""
   import dataclasses
@@ -145,7 +147,7 @@ def trainer_run(
   config = configs.smoke_experiment(steps=steps, checkpoint_every=2, eval_every=2, seed=1)
   config = dataclasses.replace(
     config,
-    selector=dataclasses.replace(config.selector, candidates=('dp8', 'dp4.tp2', 'dp2.tp4')),
+    selector=dataclasses.replace(config.selector, candidates=candidates),
   )
   if dynamic_sampling_rounds:
     config = dataclasses.replace(

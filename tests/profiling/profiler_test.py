@@ -22,6 +22,7 @@ CFG = ModelConfig.preset('tiny')
 SPEC = builders.StageSpec(sampling=SamplingConfig(max_new_tokens=4))
 TABLE = BucketConfig(lengths=(32, 2048))  # K/V dominates the memory at 2048
 DP8, DP2TP4 = ParallelConfig(dp=8), ParallelConfig(dp=2, tp=4)
+DP2CP4 = ParallelConfig(dp=2, cp=4)
 MiB = memory.MiB
 
 
@@ -144,16 +145,20 @@ def test_a_budget_below_every_layout_names_the_smallest_need(exe, budget):
 
 
 def test_experience_and_train_are_profiled_in_tokens_per_second(exe):
+  """Every layout of the two stages is measured, the context-parallel one (ring attention over
+  4 devices) included."""
   config = dataclasses.replace(
     _config(None),
     stages=(Stage.EXPERIENCE, Stage.TRAIN),
     buckets=BucketConfig(lengths=(32,)),
     measure=MeasureConfig(repeats=3, rounds=1),
+    candidates=(DP8, DP2TP4, DP2CP4),
+    with_cp=True,
   )
   prof = profiler.run(CFG, config, executables=exe)
-  assert len(prof.cells) == 4
+  assert len(prof.cells) == 6
   for stage in (Stage.EXPERIENCE, Stage.TRAIN):
-    for c in (DP8, DP2TP4):
+    for c in (DP8, DP2TP4, DP2CP4):
       cell = prof.cell(stage, 32, 8, c)
       assert not cell.oom and cell.measured and cell.peak_bytes > 0
       # Every one of the rows x bucket tokens counts, per device and second.

@@ -58,7 +58,9 @@ def test_plan_errors_and_row_multiples():
   assert packing.packed_rows_per_rank(3, 8, 2, 4) == 4  # 2 x 3 rows do not divide 4 shards
 
 
-@pytest.mark.parametrize('parallel', ['dp8', 'dp2.tp4', 'dp4.fsdp2', 'dp1.tp8'])
+@pytest.mark.parametrize(
+  'parallel', ['dp8', 'dp2.tp4', 'dp4.fsdp2', 'dp1.tp8', 'dp2.cp4', 'dp1.tp2.cp4']
+)
 def test_pack_on_device_equals_the_host_reference(parallel):
   B, T = 16, 32
   mesh = mesh_lib.make_mesh(ParallelConfig.parse(parallel))
@@ -86,7 +88,8 @@ def test_pack_on_device_equals_the_host_reference(parallel):
   np.testing.assert_array_equal(np.asarray(out.segment_ids), p.segment_ids)
   np.testing.assert_array_equal(np.asarray(out.positions), p.positions)
   assert np.asarray(out.lengths).sum() == lengths.sum()
-  assert out.tokens.sharding.is_equivalent_to(Batch.shardings(mesh).tokens, 2)
+  for name in ('tokens', 'segment_ids', 'positions'):  # on a cp mesh: T split over the ring
+    assert getattr(out, name).sharding.is_equivalent_to(getattr(Batch.shardings(mesh), name), 2)
 
 
 def test_the_packed_update_is_the_unpacked_update():

@@ -3,7 +3,8 @@
 import pytest
 
 from earl_jax.config import ModelConfig, ParallelConfig
-from earl_jax.selector.candidates import stage_candidates
+from earl_jax.errors import ConfigError
+from earl_jax.selector.candidates import candidates_for, cp_stages, stage_candidates
 from earl_jax.sharding.mesh import ShardingError
 from earl_jax.stage import STAGES, Stage
 from earl_jax.testing.typecheck import unchecked
@@ -46,9 +47,59 @@ def test_errors_name_the_problem():
     stage_candidates(
       Stage.ROLLOUT, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=4)]
     )
-  with pytest.raises(ShardingError, match=r'dp2\.tp1\.cp4 splits each sequence over cp=4'):
+  with pytest.raises(ShardingError, match=r'dp2\.tp1\.cp4: the rollout stage has no context'):
     stage_candidates(
-      Stage.TRAIN, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=2, cp=4)]
+      Stage.ROLLOUT, ModelConfig.preset('tiny'), num_devices=8, only=[ParallelConfig(dp=2, cp=4)]
+    )
+  with pytest.raises(ShardingError, match=r'lengths \[100\] do not split over the cp=8'):
+    stage_candidates(
+      Stage.TRAIN,
+      ModelConfig.preset('tiny'),
+      num_devices=8,
+      lengths=(128, 100),
+      only=[ParallelConfig(cp=8)],
     )
   with unchecked(), pytest.raises(ValueError, match="Unknown stage 'decode'"):
     stage_candidates('decode', ModelConfig.preset('tiny'), num_devices=8)
+
+
+def test_context_parallel_layouts_for_experience_and_train():
+  """cp > 1 layouts come after every cp = 1 layout, and only where each bucket splits over cp."""
+  tiny = ModelConfig.preset('tiny')  # K = 4
+  for stage in (Stage.EXPERIENCE, Stage.TRAIN):
+    names = [
+      c.name
+      for c in stage_candidates(
+        stage, tiny, num_devices=8, lengths=(128, 256), with_fsdp=False, with_cp=True
+      )
+    ]
+    assert names == [
+      'dp8.tp1',
+      'dp4.tp2',
+      'dp2.tp4',
+      'dp4.tp1.cp2',
+      'dp2.tp2.cp2',
+      'dp1.tp4.cp2',
+      'dp2.tp1.cp4',
+      'dp1.tp2.cp4',
+      'dp1.tp1.cp8',
+    ]
+  # A bucket of 132 tokens splits over cp=2 and cp=4, not cp=8.
+  cps = {
+    c.cp for c in stage_candidates(Stage.TRAIN, tiny, num_devices=8, lengths=(132,), with_cp=True)
+  }
+  assert cps == {1, 2, 4}
+  with pytest.raises(ConfigError, match='the rollout stage has no context-parallel'):
+    stage_candidates(Stage.ROLLOUT, tiny, num_devices=8, with_cp=True)
+  with pytest.raises(ConfigError, match='with_cp names rollout'):
+    cp_stages(('rollout', 'train'))
+  assert cp_stages(True) == (Stage.EXPERIENCE, Stage.TRAIN)
+
+
+def test_candidates_for_drops_cp_layouts_of_other_stages():
+  tiny = ModelConfig.preset('tiny')
+  only = [ParallelConfig(dp=8), ParallelConfig(dp=2, cp=4)]
+  kwargs = {'num_devices': 8, 'rows': (8,), 'with_fsdp': (), 'only': only, 'lengths': (128,)}
+  assert candidates_for(Stage.ROLLOUT, tiny, with_cp=(Stage.TRAIN,), **kwargs) == only[:1]
+  assert candidates_for(Stage.TRAIN, tiny, with_cp=(Stage.TRAIN,), **kwargs) == only
+  assert candidates_for(Stage.EXPERIENCE, tiny, with_cp=(Stage.TRAIN,), **kwargs) == only[:1]

@@ -49,6 +49,14 @@ def test_factorizations_of_eight():
   assert all(p.num_devices == 8 for p in f)
   assert len(set(f)) == len(f)
   assert [p.tp for p in mesh_lib.factorizations(8, with_fsdp=False)] == [1, 2, 4, 8]
+  with_cp = mesh_lib.factorizations(8, with_cp=True)
+  assert len(with_cp) == 20  # ordered 4-tuples with product 8
+  assert with_cp[:10] == f and all(p.cp > 1 for p in with_cp[10:])
+  assert [p.name for p in mesh_lib.factorizations(8, with_fsdp=False, with_cp=True)][-3:] == [
+    'dp2.tp1.cp4',
+    'dp1.tp2.cp4',
+    'dp1.tp1.cp8',
+  ]
 
 
 def test_model_fit_names_every_bad_dimension():

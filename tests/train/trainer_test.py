@@ -1,6 +1,7 @@
 """The EARL loop end to end: every stage runs, resume is exact, bad input is refused early."""
 
 import dataclasses
+import functools
 import os
 import shutil
 import struct
@@ -311,6 +312,18 @@ def _compare(rows, ref):
         assert abs(a[k] - b[k]) <= 1e-5, (a['step'], k, a[k], b[k])
 
 
+def _one_and_two_processes(tmp_path, **kwargs) -> tuple[dict, list[dict]]:
+  """`mp_bodies.trainer_run` on this process's 8 devices, then on 2 processes x 4 devices."""
+  ref = mp_bodies.trainer_run(str(tmp_path / 'one'), **kwargs)
+  two = multiprocess.run(
+    'earl_jax.testing.mp_bodies:trainer_run',
+    num_processes=2,
+    devices_per_process=4,
+    kwargs={'workdir': str(tmp_path / 'two'), **kwargs},
+  )
+  return ref, two
+
+
 @pytest.mark.multiprocess
 def test_two_processes_equal_one_and_resume_there(tmp_path):
   """2 processes x 4 devices: 3 steps (a checkpoint), then --resume for 1 more, equal the same
@@ -361,13 +374,7 @@ def test_dynamic_sampling_and_gspo_on_two_processes_equal_one(tmp_path, estimato
     'ratio': ratio,
     'estimator': estimator,
   }
-  ref = mp_bodies.trainer_run(str(tmp_path / 'one'), **kwargs)
-  two = multiprocess.run(
-    'earl_jax.testing.mp_bodies:trainer_run',
-    num_processes=2,
-    devices_per_process=4,
-    kwargs={'workdir': str(tmp_path / 'two'), **kwargs},
-  )
+  ref, two = _one_and_two_processes(tmp_path, **kwargs)
   rows = two[0]['rows']
   _compare(rows, ref['rows'])
   steps = rows[1:]
@@ -401,6 +408,39 @@ def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
     {k: v for k, v in r.items() if not k.startswith(('plan/', 'dispatch/'))} for r in one['rows']
   ]
   _compare(staged['rows'], ref)
+
+
+CP_CANDIDATES = ('dp8', 'dp4.tp2', 'dp2.tp4', 'dp2.cp4', 'dp1.tp2.cp4')
+CP_WINNERS = {'rollout': 'dp4.tp2', 'experience': 'dp2.cp4', 'train': 'dp1.tp2.cp4'}
+
+
+def test_context_parallel_stages_train_like_one_layout(tmp_path):
+  """Experience on dp2.cp4 and train on dp1.tp2.cp4 (each row's tokens over a ring of 4
+  devices, ring attention in both forwards) give the same run as every stage on the rollout's
+  layout: the dispatcher lays the rows' tokens onto the ring, and nothing else changes."""
+  run = functools.partial(mp_bodies.trainer_run, steps=3, resume=False, candidates=CP_CANDIDATES)
+  one = run(str(tmp_path / 'one'), winners=dict.fromkeys(CP_WINNERS, 'dp4.tp2'))
+  cp = run(str(tmp_path / 'cp'), winners=CP_WINNERS)
+  for r in cp['rows'][1:]:
+    assert r['plan/experience'].startswith('dp2.tp1.cp4@')
+    assert r['plan/train'].startswith('dp1.tp2.cp4@')
+    assert r['dispatch/rollout_experience/bytes'] > 0
+    assert r['dispatch/experience_train/bytes'] > 0
+  ref = [
+    {k: v for k, v in r.items() if not k.startswith(('plan/', 'dispatch/'))} for r in one['rows']
+  ]
+  _compare(cp['rows'], ref)
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_stages_on_two_processes_equal_one(tmp_path):
+  """2 processes x 4 devices with experience and train on context-parallel layouts equal the same
+  seed's run on 8 devices: the experience's dp2.cp4 rings lie within a process, the train's
+  dp1.tp2.cp4 rings (devices 0, 2, 4, 6 and 1, 3, 5, 7) span both, so K/V shards cross processes."""
+  kwargs = {'steps': 2, 'resume': False, 'winners': CP_WINNERS, 'candidates': CP_CANDIDATES}
+  ref, two = _one_and_two_processes(tmp_path, **kwargs)
+  _compare(two[0]['rows'], ref['rows'])
+  assert all(r['plan/train'].startswith('dp1.tp2.cp4@') for r in two[0]['rows'][1:])
 
 
 def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_path):
