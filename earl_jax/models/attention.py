@@ -19,6 +19,8 @@ Shapes (dimension letters as in `earl_jax.config`; Q = H / K query heads per KV 
   out      [B, T, K, Q, Dh]   (q's dtype)
   lse      [B, K, Q, T]       f32 log-sum-exp of each query's scaled scores (saved for backward)
   one tile [B, K, Q, b, b]    f32
+
+`write_rows` is the KV cache's row-wise scatter (qwen2's cache and `context_decode`'s split one).
 """
 
 import functools
@@ -198,3 +200,16 @@ def cudnn_supported(dtype=jnp.bfloat16, device: jax.Device | None = None) -> boo
   except Exception:  # cuDNN's refusals surface as several exception types
     return False
   return True
+
+
+def write_rows(
+  cache: Float[Array, 'B K S Dh'], positions: Int[Array, 'B T'], x: Float[Array, 'B T K Dh']
+) -> Float[Array, 'B K S Dh']:
+  """cache[b, :, positions[b, t]] = x[b, t] (a KV cache's K or V); positions past the capacity
+  are dropped.
+
+  Written per row (vmap), so the scatter has a batching dimension and a batch-sharded cache is
+  updated locally on every shard, with no collective.
+  """
+  write = lambda c, p, u: c.at[:, p].set(u.swapaxes(0, 1).astype(c.dtype), mode='drop')  # noqa: E731
+  return jax.vmap(write)(cache, positions, x)

@@ -2,15 +2,18 @@
 
 The cache is qwen2's `KVCache` layout, one layer at a time: k, v [B, K, S, Dh], slot j of row b
 holding the token at position j. Over the mesh axis `axis` (C devices) the slots are split in
-contiguous slices: device i holds slots [i * s, (i + 1) * s), s = S / C. Every other mesh axis
-splits the batch, as in `context_attention`: on a ('data', 'context') mesh the cache spec is
-`cache_spec` = P('data', None, 'context', None), and q, the output and the positions are
-P('data', None, ...) (replicated over `axis`).
+contiguous slices: device i holds slots [i * s, (i + 1) * s), s = S / C. The kv heads may be
+split over `head_axis` (the model's 'tensor'); every other mesh axis splits the batch, as in
+`context_attention`: on a ('data', 'context') mesh the cache spec is `cache_spec` =
+P('data', None, 'context', None), and q, the output and the positions are P('data', None, ...)
+(replicated over `axis`); with head_axis='tensor' the cache is P(batch, 'tensor', 'context',
+None) and q P(batch, None, 'tensor', None, None).
 
 Masking. Exactly `qwen2.Attention._attend_cache`'s rule: a query at position p sees slot j iff
-j <= p. The N new tokens of row b are already written at positions lengths[b] - N .. lengths[b]
-- 1 (`decode_positions`), so query n sees slots j <= lengths[b] - N + n; slots past it may hold
-stale values and are never read. N = 1 is a decode step; N > 1 a chunk (e.g. a new turn).
+j <= p; the queries' positions are given. In a decode step the N new tokens of row b sit at
+positions lengths[b] - N .. lengths[b] - 1 (`decode_positions`), so query n sees slots
+j <= lengths[b] - N + n; slots past it may hold stale values and are never read. N = 1 is a
+decode step; N > 1 a chunk (a prompt's, or a new turn's).
 
 Split-K combine (flash decoding). Device i scores its queries against its own slots only and
 keeps, per query (in f32): the local max m_i of the masked scores, the local sum l_i of
@@ -23,7 +26,7 @@ Why no NaN. Masked scores are set to finfo(f32).min, a finite number (not -inf),
 A device whose slice holds no visible slot for a query has m_i = min and exp(min - min) = 1 on
 its slots, so l_i and o_i are finite; if some other device sees a slot, M is a real score and
 a_i = exp(min - M) = 0, so that device adds nothing. A query that sees no slot at all (only when
-lengths[b] < N) gets every a_i = 1: the mean of v over the cache, exactly what qwen2's softmax
+a negative position) gets every a_i = 1: the mean of v over the cache, exactly what qwen2's softmax
 over all-min scores returns. No inf - inf, no 0 / 0.
 
 Writes (`sharded_cache_write`). The N new tokens (replicated over `axis`) reach every device of
@@ -34,10 +37,11 @@ with N = T (pad positions with any value >= S, which every device drops): it dif
 that a prompt arriving split over `axis` (from ring attention) is all-gathered by shard_map to
 the T new k, v per device, the size of the prompt's k, v, never of the cache.
 
-Per-device shapes (b = B / the product of the other axes' sizes, s = S / C, J = Q * N):
-  q, out            [b, N, K, Q, Dh]      (out in f32, as qwen2's cache attention returns it)
-  cache_k, cache_v  [b, K, s, Dh]         positions [b, N]      new_k, new_v [b, N, K, Dh]
-  scores            [b, K, J, s]          m_i, l_i [b, K, J]    o_i [b, K, J, Dh]
+Per-device shapes (b = B / the product of the batch axes' sizes, s = S / C, k = K / the size of
+`head_axis` (K without one), J = Q * N):
+  q, out            [b, N, k, Q, Dh]      (out in f32, as qwen2's cache attention returns it)
+  cache_k, cache_v  [b, k, s, Dh]         positions [b, N]      new_k, new_v [b, N, k, Dh]
+  scores            [b, k, J, s]          m_i, l_i [b, k, J]    o_i [b, k, J, Dh]
 """
 
 import functools
@@ -50,8 +54,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from earl_jax.models import attention
 from earl_jax.models import context_attention as ca
-from earl_jax.models import qwen2
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -59,23 +63,29 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 # Specs and checks.
 
 
-def batch_spec(mesh: Mesh, axis: str, ndim: int) -> P:
-  """P(batch axes, None, ...): the batch over every mesh axis but `axis`, replicated over it."""
-  return P(ca.sequence_spec(mesh, axis, 2)[0], *([None] * (ndim - 1)))
+def batch_spec(mesh: Mesh, axis: str, ndim: int, head_axis: str | None = None) -> P:
+  """P(batch axes, None, ...): the batch over every mesh axis but `axis` and `head_axis`,
+  replicated over `axis`; with `head_axis`, dimension 2 (the kv heads of a [B, N, K, ...] array)
+  over it."""
+  batch = ca.sequence_spec(mesh, axis, 2, head_axis)[0]
+  if head_axis is None or ndim < 3:
+    return P(batch, *([None] * (ndim - 1)))
+  return P(batch, None, head_axis, *([None] * (ndim - 3)))
 
 
-def cache_spec(mesh: Mesh, axis: str) -> P:
-  """The spec of a [B, K, S, Dh] cache: the batch as in `batch_spec`, the slots S over `axis`."""
-  return P(ca.sequence_spec(mesh, axis, 2)[0], None, axis, None)
+def cache_spec(mesh: Mesh, axis: str, head_axis: str | None = None) -> P:
+  """The spec of a [B, K, S, Dh] cache: the batch as in `batch_spec`, the kv heads over
+  `head_axis` (when given), the slots S over `axis`."""
+  return P(ca.sequence_spec(mesh, axis, 2, head_axis)[0], head_axis, axis, None)
 
 
-def _check(B: int, S: int, mesh: Mesh, axis: str) -> None:
+def _check(B: int, S: int, mesh: Mesh, axis: str, head_axis: str | None) -> None:
   if S % mesh.shape[axis]:
     raise ValueError(
       f'A cache of S = {S} slots does not split over the C = {mesh.shape[axis]} devices of '
       f'axis {axis!r}: C must divide S.'
     )
-  ca._check_batch(B, mesh, axis)
+  ca._check_batch(B, mesh, axis, head_axis)
 
 
 def decode_positions(lengths: Int[Array, ' B'], N: int) -> Int[Array, 'B N']:
@@ -147,29 +157,31 @@ def sharded_decode_attention(
   q: Float[Array, 'B N K Q Dh'],
   cache_k: Float[Array, 'B K S Dh'],
   cache_v: Float[Array, 'B K S Dh'],
-  lengths: Int[Array, ' B'],
+  positions: Int[Array, 'B N'],
   *,
   mesh: Mesh,
   axis: str,
+  head_axis: str | None = None,
 ) -> Float[Array, 'B N K Q Dh']:
-  """Attention of N new queries per row to a cache split along its slots over `axis`.
+  """Attention of N new queries per row, at `positions`, to a cache split along its slots over
+  `axis` (and its kv heads over `head_axis`, when given).
 
-  The new tokens' k, v are already written (`sharded_cache_write`) and counted in `lengths`;
-  query n of row b sits at position lengths[b] - N + n and sees slots <= it (module doc).
-  Inputs sharded or not; the cache is taken in `cache_spec`. Returns f32, spec
-  `batch_spec(mesh, axis, 5)` (replicated over `axis`). Per device: q, out [b, N, K, Q, Dh],
-  cache [b, K, S / C, Dh].
+  The new tokens' k, v are already written (`sharded_cache_write`); query n of row b sees slots
+  <= positions[b, n] (module doc; `decode_positions` gives a decode step's). Inputs sharded or
+  not; the cache is taken in `cache_spec`. Returns f32, spec `batch_spec(mesh, axis, 5,
+  head_axis)` (replicated over `axis`). Per device: q, out [b, N, k, Q, Dh], cache
+  [b, k, S / C, Dh], positions [b, N].
 
   Raises:
     ValueError: C does not divide S, or the batch does not split over the other mesh axes.
   """
-  _check(q.shape[0], cache_k.shape[2], mesh, axis)
-  positions = decode_positions(lengths, q.shape[1])
-  rows = batch_spec(mesh, axis, 5)
+  _check(q.shape[0], cache_k.shape[2], mesh, axis, head_axis)
+  rows = batch_spec(mesh, axis, 5, head_axis)
+  cache = cache_spec(mesh, axis, head_axis)
   return jax.shard_map(
     functools.partial(_decode_per_device, axis=axis),
     mesh=mesh,
-    in_specs=(rows, cache_spec(mesh, axis), cache_spec(mesh, axis), batch_spec(mesh, axis, 2)),
+    in_specs=(rows, cache, cache, batch_spec(mesh, axis, 2, head_axis)),
     out_specs=rows,
   )(q, cache_k, cache_v, positions)
 
@@ -191,7 +203,7 @@ def _write_per_device(
   s = cache_k.shape[2]
   local = positions - lax.axis_index(axis) * s
   local = jnp.where((local >= 0) & (local < s), local, s)
-  return qwen2._write_rows(cache_k, local, new_k), qwen2._write_rows(cache_v, local, new_v)
+  return attention.write_rows(cache_k, local, new_k), attention.write_rows(cache_v, local, new_v)
 
 
 def sharded_cache_write(
@@ -203,23 +215,25 @@ def sharded_cache_write(
   *,
   mesh: Mesh,
   axis: str,
+  head_axis: str | None = None,
 ) -> tuple[Float[Array, 'B K S Dh'], Float[Array, 'B K S Dh']]:
-  """cache[b, :, positions[b, n]] = new[b, n] on a cache split along its slots over `axis`.
+  """cache[b, :, positions[b, n]] = new[b, n] on a cache split along its slots over `axis` (and
+  its kv heads over `head_axis`, when given).
 
   Each device writes only the positions in its slice; positions outside [0, S) are dropped
   everywhere (qwen2 drops those >= S). Also the prefill: N = T prompt tokens (module doc).
   Returns the caches in `cache_spec` (donate them in the caller's jit to update in place).
-  Per device: cache [b, K, S / C, Dh], new [b, N, K, Dh], positions [b, N].
+  Per device: cache [b, k, S / C, Dh], new [b, N, k, Dh], positions [b, N].
 
   Raises:
     ValueError: C does not divide S, or the batch does not split over the other mesh axes.
   """
-  _check(cache_k.shape[0], cache_k.shape[2], mesh, axis)
-  cache, rows = cache_spec(mesh, axis), batch_spec(mesh, axis, 4)
+  _check(cache_k.shape[0], cache_k.shape[2], mesh, axis, head_axis)
+  cache, rows = cache_spec(mesh, axis, head_axis), batch_spec(mesh, axis, 4, head_axis)
   return jax.shard_map(
     functools.partial(_write_per_device, axis=axis),
     mesh=mesh,
-    in_specs=(cache, cache, rows, rows, batch_spec(mesh, axis, 2)),
+    in_specs=(cache, cache, rows, rows, batch_spec(mesh, axis, 2, head_axis)),
     out_specs=(cache, cache),
   )(cache_k, cache_v, new_k, new_v, positions)
 

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from earl_jax.config import ModelConfig
-from earl_jax.models import attention, context_attention
+from earl_jax.models import attention, context_attention, context_decode
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.sharding import rules
 
@@ -153,18 +153,6 @@ class KVCache:
     return jax.jit(
       lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings
     )()
-
-
-def _write_rows(
-  cache: Float[Array, 'B K S Dh'], positions: Int[Array, 'B T'], x: Float[Array, 'B T K Dh']
-) -> Float[Array, 'B K S Dh']:
-  """cache[b, :, positions[b, t]] = x[b, t]; positions past the capacity are dropped.
-
-  Written per row (vmap), so the scatter has a batching dimension and a batch-sharded cache is
-  updated locally on every shard, with no collective.
-  """
-  write = lambda c, p, u: c.at[:, p].set(u.swapaxes(0, 1).astype(c.dtype), mode='drop')  # noqa: E731
-  return jax.vmap(write)(cache, positions, x)
 
 
 def _attend(q, k, v, mask):
@@ -312,9 +300,22 @@ class Attention(nnx.Module):
     Q = H // K
     k_cache, v_cache = kv
     S = k_cache.shape[2]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh_lib.context_size(mesh) > 1:
+      # Context parallelism: each device holds S / cp slots of the cache (its kv heads split
+      # over 'tensor'); it writes the new tokens that fall in its slots and attends to those,
+      # and the partial softmax statistics combine over the 'context' axis (split-K).
+      split = {'mesh': mesh, 'axis': mesh_lib.CONTEXT, 'head_axis': mesh_lib.TENSOR}
+      k_cache, v_cache = context_decode.sharded_cache_write(
+        k_cache, v_cache, k, v, positions, **split
+      )
+      out = context_decode.sharded_decode_attention(
+        q.reshape(B, T, K, Q, Dh), k_cache, v_cache, positions, **split
+      )
+      return out.reshape(B, T, H, Dh), (k_cache, v_cache)
     # Positions past the capacity are dropped (padding of a chunk that ends near the end).
-    k_cache = _write_rows(k_cache, positions, k)
-    v_cache = _write_rows(v_cache, positions, v)
+    k_cache = attention.write_rows(k_cache, positions, k)
+    v_cache = attention.write_rows(v_cache, positions, v)
     k_cache = rules.constrain(k_cache, KVCache.LOGICAL)
     v_cache = rules.constrain(v_cache, KVCache.LOGICAL)
     # Queries as [B, K, J, Dh] with J = Q * T: both matmuls batch over (B, K) and contract over

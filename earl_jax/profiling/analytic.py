@@ -154,10 +154,12 @@ def weight_bytes_per_device(model: ModelConfig, parallel: ParallelConfig) -> int
 def kv_cache_bytes_per_device(
   model: ModelConfig, parallel: ParallelConfig, bucket: int, rows: int
 ) -> int:
-  """K and V of every layer for `rows` x `bucket` tokens: rows split by dp x fsdp, heads by tp."""
+  """K and V of every layer for `rows` x `bucket` tokens: rows split by dp x fsdp, heads by tp,
+  slots by cp."""
   B_l = math.ceil(rows / parallel.batch_shards)
   K_l = math.ceil(model.num_kv_heads / parallel.tp)
-  return 2 * model.num_layers * B_l * bucket * K_l * model.head_dim * _BYTES[model.dtype]
+  S_l = math.ceil(bucket / parallel.cp)
+  return 2 * model.num_layers * B_l * S_l * K_l * model.head_dim * _BYTES[model.dtype]
 
 
 def estimate(
@@ -216,10 +218,15 @@ def estimate(
   if stage == Stage.ROLLOUT:
     kv = kv_cache_bytes_per_device(model, parallel, bucket, rows)
     N, P = decode_tokens, chunk
-    kv_copies = c.decode_kv_copies * 2 * B_l * T * K_l * Dh * f32  # f32 K/V of one layer
-    decode = 2 * B_l * H_l * T * f32 + c.decode_logits * B_l * V_l * f32 + 4 * B_l * (D + F_l) * act
+    # With cp > 1 a device holds T_l = T / cp slots of each row's cache and scores its queries
+    # against those only; the prompt's P tokens are split over cp outside attention.
+    kv_copies = c.decode_kv_copies * 2 * B_l * T_l * K_l * Dh * f32  # f32 K/V of one layer
+    decode = (
+      2 * B_l * H_l * T_l * f32 + c.decode_logits * B_l * V_l * f32 + 4 * B_l * (D + F_l) * act
+    )
     # The prefill runs first: scores and probabilities of P queries against the whole cache.
-    prefill = 2 * B_l * H_l * P * T * f32 + 4 * B_l * P * (D + F_l) * act
+    P_l = math.ceil(P / parallel.cp)
+    prefill = 2 * B_l * H_l * P * T_l * f32 + 4 * B_l * P_l * (D + F_l) * act
     activations = kv_copies + max(decode, prefill)
     io = B_l * (P * 4 + 4) + B_l * (2 * N * 4 + 16)  # the prompt in, the Generation out
   elif stage == Stage.EXPERIENCE:
@@ -389,15 +396,24 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
   reduce = 2 * (tp - 1) / tp  # bytes sent per byte of a ring all-reduce
   if stage == Stage.ROLLOUT:
     # Prefill of P tokens, then N decode steps, each attending to the whole cache of `bucket`.
+    # With cp > 1 each device attends to its bucket / cp slots (split-K), runs the prompt's
+    # P / cp tokens through the weights but every decode token whole, and combines the
+    # queries' softmax statistics over the ring: three all-reduces a layer and pass.
+    cp = parallel.cp
     passes, tokens = decode_tokens + 1, chunk + decode_tokens
-    attention = B_l * tokens * 4 * L * H_l * Dh * bucket
-    flops = B_l * tokens * matmul + attention
+    attention = B_l * tokens * 4 * L * H_l * Dh * math.ceil(bucket / cp)
+    flops = B_l * (math.ceil(chunk / cp) + decode_tokens) * matmul + attention
     kv = kv_cache_bytes_per_device(model, parallel, bucket, rows)
     memory_bytes = passes * (gathered + kv)
-    link = (2 * L * B_l * tokens * D * act * reduce if tp > 1 else 0) + (
-      gathered * (fsdp - 1) / fsdp
+    combine = (cp - 1) / cp * 2 * L * B_l * tokens * H_l * (Dh + 2) * 4 if cp > 1 else 0
+    link = (
+      (2 * L * B_l * tokens * D * act * reduce if tp > 1 else 0)
+      + gathered * (fsdp - 1) / fsdp
+      + combine
     )
-    collectives = (2 * L * passes if tp > 1 else 0) + (L if fsdp > 1 else 0)
+    collectives = (
+      (2 * L * passes if tp > 1 else 0) + (L if fsdp > 1 else 0) + (3 * L * passes if cp > 1 else 0)
+    )
     return _Work(flops, memory_bytes, link, collectives, attention)
   # A forward over [B_l, T_l] (T_l = T / cp tokens of each row per device). Causal attention
   # computes half the score tiles; on cp > 1, ring attention visits cp key/value shards in turn

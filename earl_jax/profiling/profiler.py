@@ -53,7 +53,7 @@ from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables, background_pool
 from earl_jax.selector import selector as selector_lib
-from earl_jax.selector.candidates import candidates_for, cp_stages, fsdp_stages
+from earl_jax.selector.candidates import candidates_for, named_stages
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 
@@ -72,8 +72,8 @@ class ProfileGrid:
     candidates: restrict the layouts (default: every valid factorisation of the devices).
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       an fsdp layout in `candidates` is dropped for the other stages.
-    with_cp: the stages whose candidates include context-parallel (cp > 1) layouts (True:
-      experience and train); a cp layout in `candidates` is dropped for the other stages.
+    with_cp: the stages whose candidates include context-parallel (cp > 1) layouts (True: all,
+      False: none); a cp layout in `candidates` is dropped for the other stages.
     measure: how each cell is timed.
     spec: static stage settings (sampling, prompt chunk, micro-batches, optimizer).
   """
@@ -93,8 +93,8 @@ class ProfileGrid:
     if not self.stages:
       raise ConfigError('ProfileGrid.stages is empty.')
     object.__setattr__(self, 'stages', tuple(Stage.parse(s) for s in self.stages))
-    object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
-    object.__setattr__(self, 'with_cp', cp_stages(self.with_cp))
+    object.__setattr__(self, 'with_fsdp', named_stages(self.with_fsdp))
+    object.__setattr__(self, 'with_cp', named_stages(self.with_cp))
     rows = tuple(self.rows)
     if not rows or any(not isinstance(r, int) or r <= 0 for r in rows):
       raise ConfigError(f'ProfileGrid.rows must be positive ints, got {rows}.')

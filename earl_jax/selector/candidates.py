@@ -5,9 +5,9 @@ that divides what it splits: heads, KV heads, MLP width and vocabulary by tp; th
 fsdp; the rows (responses) of the stage by dp x fsdp; every bucket length by cp.
 
 Context-parallel layouts (cp > 1: each row's tokens split over a ring of devices) are candidates
-of the experience and train stages, whose forward passes run ring attention on them
-(`models.context_attention`). The rollout's decode does not run on a sequence-sharded cache yet,
-so it has none.
+of every stage: the experience and train forwards run ring attention on them
+(`models.context_attention`), the rollout decodes on a KV cache split along its slots
+(`models.context_decode`).
 
   cands = candidates.stage_candidates(Stage.ROLLOUT, cfg, num_devices=8, rows=(8, 16, 32))
   [c.name for c in cands]          # ['dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8', ...]
@@ -16,12 +16,8 @@ so it has none.
 from collections.abc import Sequence
 
 from earl_jax.config import ModelConfig, ParallelConfig
-from earl_jax.errors import ConfigError
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import STAGES, Stage
-
-# The stages whose programs run on context-parallel layouts.
-CONTEXT_PARALLEL_STAGES: tuple[Stage, ...] = (Stage.EXPERIENCE, Stage.TRAIN)
 
 
 def why_invalid(
@@ -62,7 +58,7 @@ def stage_candidates(
     rows: row counts (responses) the layout must split over data x fsdp.
     lengths: the bucket lengths a context-parallel layout must split over cp.
     with_fsdp: include fsdp > 1 layouts.
-    with_cp: include cp > 1 layouts (experience and train only).
+    with_cp: include cp > 1 layouts.
     only: restrict to these layouts (each must be valid, else ShardingError naming why).
 
   Returns:
@@ -73,8 +69,6 @@ def stage_candidates(
       in `only` is invalid.
   """
   stage = Stage.parse(stage)
-  if with_cp and stage not in CONTEXT_PARALLEL_STAGES:
-    raise ConfigError(_no_cp(stage))
   if only is not None:
     out = []
     for p in only:
@@ -82,8 +76,6 @@ def stage_candidates(
         raise mesh_lib.ShardingError(
           f'Candidate {p} uses {p.num_devices} devices; the {stage} stage has {num_devices}.'
         )
-      if p.cp > 1 and stage not in CONTEXT_PARALLEL_STAGES:
-        raise mesh_lib.ShardingError(f'Candidate {p}: {_no_cp(stage)}')
       reason = why_invalid(p, model, rows, lengths)
       if reason is not None:
         raise mesh_lib.ShardingError(f'Candidate {p} is not valid for {stage}: {reason}')
@@ -104,36 +96,11 @@ def stage_candidates(
   return out
 
 
-def _no_cp(stage: Stage) -> str:
-  return (
-    f'the {stage} stage has no context-parallel (cp > 1) layouts: its decode does not run on a '
-    'sequence-sharded cache yet; expected cp=1 there (context parallelism is for '
-    + ' and '.join(str(s) for s in CONTEXT_PARALLEL_STAGES)
-    + ').'
-  )
-
-
-def fsdp_stages(with_fsdp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
-  """The stages a `with_fsdp` setting names (True: every stage, False: none)."""
-  if isinstance(with_fsdp, bool):
-    return tuple(STAGES) if with_fsdp else ()
-  return tuple(Stage.parse(s) for s in with_fsdp)
-
-
-def cp_stages(with_cp: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
-  """The stages a `with_cp` setting names (True: every stage that has context-parallel layouts,
-  False: none).
-
-  Raises:
-    ConfigError: a stage named that has none (the rollout).
-  """
-  if isinstance(with_cp, bool):
-    return CONTEXT_PARALLEL_STAGES if with_cp else ()
-  stages = tuple(Stage.parse(s) for s in with_cp)
-  for s in stages:
-    if s not in CONTEXT_PARALLEL_STAGES:
-      raise ConfigError(f'with_cp names {s}: {_no_cp(s)}')
-  return stages
+def named_stages(setting: bool | Sequence[Stage | str]) -> tuple[Stage, ...]:
+  """The stages a `with_fsdp` or `with_cp` setting names (True: every stage, False: none)."""
+  if isinstance(setting, bool):
+    return tuple(STAGES) if setting else ()
+  return tuple(Stage.parse(s) for s in setting)
 
 
 def candidates_for(

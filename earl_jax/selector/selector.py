@@ -71,7 +71,7 @@ from earl_jax.memory_budget import InfeasibleError, MiB, fits, resolve_budget
 from earl_jax.profiling import analytic, cost_model
 from earl_jax.profiling.analytic import ProgramShapes
 from earl_jax.profiling.table import Cell, Profile, ProfileSettings
-from earl_jax.selector.candidates import candidates_for, cp_stages, fsdp_stages
+from earl_jax.selector.candidates import candidates_for, named_stages
 from earl_jax.stage import STAGES, Stage
 
 Statistic = Literal['mean', 'max', 'p95']
@@ -95,8 +95,8 @@ class SelectorConfig:
     with_fsdp: the stages whose candidates include fsdp > 1 layouts (True: all, False: none);
       the default lets the train stage shard parameters and moments over every device.
     with_cp: the stages whose candidates include context-parallel (cp > 1) layouts, which split
-      each row's tokens over a ring of devices (True: experience and train, the stages whose
-      programs run ring attention; False: none).
+      each row's tokens (and the rollout's KV cache slots) over a ring of devices (True: all,
+      False: none). They rank after every other layout until measured.
     profile: what the profile measures, and when (`profiler.grid_for` turns it into a
       `ProfileGrid`; `profiler.run` and `schedule.ProfileScheduler` measure it).
     initial_context: context length assumed before any statistics (None: the smallest bucket).
@@ -110,7 +110,7 @@ class SelectorConfig:
   budget_mib: float | None = None
   candidates: tuple[str, ...] | None = None
   with_fsdp: bool | tuple[Stage | str, ...] = (Stage.TRAIN,)
-  with_cp: bool | tuple[Stage | str, ...] = (Stage.EXPERIENCE, Stage.TRAIN)
+  with_cp: bool | tuple[Stage | str, ...] = True
   profile: ProfileSettings = dataclasses.field(default_factory=ProfileSettings)
   initial_context: int | None = None
 
@@ -136,8 +136,8 @@ class SelectorConfig:
       raise ConfigError(f'SelectorConfig.patience must be an int >= 1, got {self.patience!r}.')
     if self.budget_mib is not None and not self.budget_mib > 0:
       raise ConfigError(f'SelectorConfig.budget_mib must be positive, got {self.budget_mib}.')
-    object.__setattr__(self, 'with_fsdp', fsdp_stages(self.with_fsdp))
-    object.__setattr__(self, 'with_cp', cp_stages(self.with_cp))
+    object.__setattr__(self, 'with_fsdp', named_stages(self.with_fsdp))
+    object.__setattr__(self, 'with_cp', named_stages(self.with_cp))
     if self.candidates is not None:
       object.__setattr__(self, 'candidates', tuple(self.candidates))
       if not self.candidates:

@@ -167,7 +167,10 @@ def local_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> np.ndar
   several processes is local to each of them.
   """
   rows: set[int] = set()
-  for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+  # Only dimension 0 matters: the others are probed at the device count, which every split of
+  # them divides (a [B, T] sharding split over 'context' asked about (B, 1)).
+  probe = (shape[0], *([len(sharding.device_set)] * (len(shape) - 1)))
+  for index in sharding.addressable_devices_indices_map(probe).values():
     start, stop, _ = index[0].indices(shape[0])
     rows.update(range(start, stop))
   return np.array(sorted(rows), np.int64)

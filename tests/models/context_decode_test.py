@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from earl_jax.models import attention, qwen2
 from earl_jax.models import context_decode as cd
-from earl_jax.models import qwen2
 
 B, S, K, Q, Dh = 4, 64, 2, 2, 8
 AXIS = 'context'
@@ -64,7 +64,7 @@ def test_decode_attention_matches_qwen2_and_is_replicated_over_the_context_axis(
   np.testing.assert_allclose(np.asarray(reference), np.asarray(expected), atol=TOL, rtol=0)
 
   sk, sv = put_cache(mesh, cache_k, cache_v)
-  out = jitted(cd.sharded_decode_attention, mesh)(q, sk, sv, lengths)
+  out = jitted(cd.sharded_decode_attention, mesh)(q, sk, sv, positions)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=TOL, rtol=0)
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, cd.batch_spec(mesh, AXIS, 5)), 5)
@@ -79,8 +79,8 @@ def test_cache_write_straddling_slices_matches_qwen2_and_touches_only_owning_sha
   # Across the 16 and 32 boundaries, the first slice, and past the capacity (dropped).
   positions = jnp.asarray([[14, 15, 16, 17], [30, 31, 32, 33], [0, 1, 2, 3], [62, 63, 64, 65]])
   dense = (
-    qwen2._write_rows(cache_k, positions, new_k),
-    qwen2._write_rows(cache_v, positions, new_v),
+    attention.write_rows(cache_k, positions, new_k),
+    attention.write_rows(cache_v, positions, new_v),
   )
   before = put_cache(mesh, cache_k, cache_v)
   after = jitted(cd.sharded_cache_write, mesh)(*before, new_k, new_v, positions)
@@ -164,13 +164,12 @@ def test_greedy_decode_with_the_sharded_cache_matches_qwen2_dense_decode():
     cache = cd.sharded_cache_write(
       *cache, model.wk[tokens], model.wv[tokens], positions, mesh=mesh, axis=AXIS
     )
-    lengths = positions[:, -1] + 1
-    out = cd.sharded_decode_attention(model.wq[tokens], *cache, lengths, mesh=mesh, axis=AXIS)
+    out = cd.sharded_decode_attention(model.wq[tokens], *cache, positions, mesh=mesh, axis=AXIS)
     return next_token(model, out), cache
 
   zeros = jnp.zeros((B, K, S, Dh), jnp.float32)
   dense_prefill = jax.jit(
-    lambda ck, cv, k, v, p: (qwen2._write_rows(ck, p, k), qwen2._write_rows(cv, p, v))
+    lambda ck, cv, k, v, p: (attention.write_rows(ck, p, k), attention.write_rows(cv, p, v))
   )
   dense = greedy_decode(model, dense_prefill, dense_step, (zeros, zeros), prompt, prompt_lengths)
   sharded = greedy_decode(
@@ -186,11 +185,11 @@ def test_greedy_decode_with_the_sharded_cache_matches_qwen2_dense_decode():
 
 
 def test_indivisible_slots_or_batch_raise_clear_errors():
-  q, lengths = jnp.zeros((B, 1, K, Q, Dh)), jnp.full((B,), 1, jnp.int32)
+  q = jnp.zeros((B, 1, K, Q, Dh))
   new, positions = jnp.zeros((B, 1, K, Dh)), jnp.zeros((B, 1), jnp.int32)
   odd_slots = jnp.zeros((B, K, 36, Dh))  # 36 slots over 8 devices
   with pytest.raises(ValueError, match=r'S = 36 slots .* C = 8 devices'):
-    cd.sharded_decode_attention(q, odd_slots, odd_slots, lengths, mesh=make_mesh(1, 8), axis=AXIS)
+    cd.sharded_decode_attention(q, odd_slots, odd_slots, positions, mesh=make_mesh(1, 8), axis=AXIS)
   with pytest.raises(ValueError, match=r'S = 36 slots .* C = 8 devices'):
     cd.sharded_cache_write(
       odd_slots, odd_slots, new, new, positions, mesh=make_mesh(1, 8), axis=AXIS
@@ -198,7 +197,7 @@ def test_indivisible_slots_or_batch_raise_clear_errors():
   odd_rows = jnp.zeros((3, K, S, Dh))  # 3 rows over data = 2
   with pytest.raises(ValueError, match='Batch 3 does not split'):
     cd.sharded_decode_attention(
-      q[:3], odd_rows, odd_rows, lengths[:3], mesh=make_mesh(2, 4), axis=AXIS
+      q[:3], odd_rows, odd_rows, positions[:3], mesh=make_mesh(2, 4), axis=AXIS
     )
   with pytest.raises(ValueError, match='Batch 3 does not split'):
     cd.sharded_cache_write(
@@ -214,7 +213,8 @@ def test_queries_that_see_no_slot_stay_finite_like_qwen2():
   q = normal(rng, (B, N, K, Q, Dh))
   cache_k, cache_v = normal(rng, (B, K, S, Dh)), normal(rng, (B, K, S, Dh))
   lengths = jnp.asarray([0, 1, 2, S], jnp.int32)
-  out = jitted(cd.sharded_decode_attention, mesh)(q, *put_cache(mesh, cache_k, cache_v), lengths)
+  positions = cd.decode_positions(lengths, N)
+  out = jitted(cd.sharded_decode_attention, mesh)(q, *put_cache(mesh, cache_k, cache_v), positions)
   reference = cd.reference_decode_attention(q, cache_k, cache_v, lengths)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=TOL, rtol=0)
@@ -222,3 +222,30 @@ def test_queries_that_see_no_slot_stay_finite_like_qwen2():
   np.testing.assert_allclose(
     np.asarray(out[0]), np.broadcast_to(mean_v[:, None], (N, K, Q, Dh)), atol=TOL
   )
+
+
+def test_kv_heads_split_over_a_head_axis_too():
+  """The model's layout: rows over 'data', slots over 'context', kv heads over 'tensor'. The
+  write and the attention keep each device's K / 2 heads, and match qwen2's cache path."""
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ('data', AXIS, 'tensor'))
+  split = {'mesh': mesh, 'axis': AXIS, 'head_axis': 'tensor'}
+  N, rng = 2, np.random.default_rng(7)
+  q = normal(rng, (B, N, K, Q, Dh))
+  cache_k, cache_v = normal(rng, (B, K, S, Dh)), normal(rng, (B, K, S, Dh))
+  k_new, v_new = normal(rng, (B, N, K, Dh)), normal(rng, (B, N, K, Dh))
+  positions = cd.decode_positions(jnp.asarray(LENGTHS), N)
+  expected, (want_k, want_v) = qwen2_attend_cache(N, q, k_new, v_new, positions, cache_k, cache_v)
+  sharding = NamedSharding(mesh, cd.cache_spec(mesh, AXIS, 'tensor'))
+  caches = [jax.device_put(c, sharding) for c in (cache_k, cache_v)]
+
+  @jax.jit
+  def step(q, cache_k, cache_v, k_new, v_new, positions):
+    cache_k, cache_v = cd.sharded_cache_write(cache_k, cache_v, k_new, v_new, positions, **split)
+    return cd.sharded_decode_attention(q, cache_k, cache_v, positions, **split), cache_k, cache_v
+
+  out, got_k, got_v = step(q, *caches, k_new, v_new, positions)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=TOL, rtol=0)
+  np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+  np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+  assert got_k.addressable_data(0).shape == (B // 2, K // 2, S // 2, Dh)
+  assert out.addressable_data(0).shape == (B // 2, N, K // 2, Q, Dh)

@@ -68,6 +68,9 @@ GAME_GRID = [
   (Stage.TRAIN, ParallelConfig(dp=2, cp=4), 1024, 64),
   (Stage.TRAIN, ParallelConfig(dp=2, tp=2, cp=2), 4096, 8),
   (Stage.EXPERIENCE, ParallelConfig(dp=2, tp=2, cp=2), 4096, 8),
+  # ... and the rollout's K/V cache splits its slots over cp (split-K decode attention).
+  (Stage.ROLLOUT, ParallelConfig(dp=1, tp=2, cp=4), 4096, 16),
+  (Stage.ROLLOUT, ParallelConfig(cp=8), 1536, 64),
 ]
 
 
@@ -136,3 +139,18 @@ def test_the_time_terms_of_a_context_parallel_layout(stage):
     assert comm_cp > comm_dp
   grows = lambda c: terms[c, 1024][3] - terms[c, 256][3]  # noqa: E731
   assert grows(ring) > 0 and grows(dp8) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_time_terms_of_a_context_parallel_rollout():
+  """Decode on a cache split over cp: a device scores its queries against bucket / cp slots of
+  cp times the rows (the same score work as data parallelism, balanced), runs the prompt's
+  chunk / cp tokens through the weights but each decode token whole, and combines the softmax
+  statistics over the ring."""
+  model = ModelConfig.preset('tiny-game')
+  N, P = 4, 64
+  kw = {'decode_tokens': N, 'chunk': P}
+  dp8 = analytic.call_terms(Stage.ROLLOUT, model, ParallelConfig(dp=8), 1024, 8, **kw)
+  ring = analytic.call_terms(Stage.ROLLOUT, model, ParallelConfig(dp=2, cp=4), 1024, 8, **kw)
+  assert ring[1] == pytest.approx(dp8[1], rel=1e-9)  # attention
+  assert ring[0] / dp8[0] == pytest.approx(4 * (P / 4 + N) / (P + N), rel=1e-9)  # weights
+  assert dp8[3] == 0 and ring[3] > 0

@@ -21,9 +21,15 @@ def _generate_fn(graphdef, cfg, mesh, B, S, eot_id, config):
   return jax.jit(run)
 
 
-def test_greedy_matches_hf_generate():
+@pytest.mark.parametrize(
+  'layout',
+  [{'dp': 2, 'tp': 2}, {'dp': 2, 'cp': 4}, {'dp': 1, 'tp': 2, 'cp': 4}, {'dp': 1, 'cp': 8}],
+)
+def test_greedy_matches_hf_generate(layout):
+  """Greedy decode equals HF's generate token for token, on a cache split over 'context' too
+  (each device holds S / cp slots; its prefill writes and decode attention are split-K)."""
   ref = np.load(fixture_path('qwen2_tiny_reference.npz'))
-  mesh = small_mesh(dp=2, tp=2)
+  mesh = small_mesh(**layout)
   cfg, graphdef, state = hf_import.load(fixture_path('qwen2_tiny'), mesh)
   prompt = np.zeros((2, 32), np.int32)
   prompt[0] = ref['tokens'][0]
@@ -36,6 +42,8 @@ def test_greedy_matches_hf_generate():
   assert np.asarray(gen.num_tokens).tolist() == [8, 8]
   assert not np.asarray(gen.stopped).any()
   assert np.asarray(cache.lengths).tolist() == [40, 28]
+  cp = layout.get('cp', 1)
+  assert cache.k[0].sharding.shard_shape(cache.k[0].shape)[2] == 64 // cp
 
 
 def test_recorded_logprobs_match_full_forward_and_stop_at_eot():

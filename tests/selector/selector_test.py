@@ -21,6 +21,7 @@ from earl_jax.selector.selector import (
   StepStats,
   context_statistic,
 )
+from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.stage import Stage
 from earl_jax.testing.typecheck import unchecked
 
@@ -700,3 +701,48 @@ def test_no_switch_to_a_layout_the_model_alone_rates_within_its_uncertainty():
       sel.use_profile(profile(cell(DP8, 128, 150.0)))
       d = sel.decide(Stage.ROLLOUT, _stats(100))
       assert d.config == DP8 and d.switched and d.measured
+
+
+@pytest.mark.parametrize('stage', [Stage.EXPERIENCE, Stage.TRAIN])
+def test_context_parallelism_is_chosen_exactly_where_nothing_else_fits(stage):
+  """One group of 4 responses on 8 devices: no layout without CP splits a row, so past some
+  bucket every one of them is over budget; a CP layout (each row over a ring of devices) fits
+  there and is chosen, and below it a layout without CP is. Without CP candidates the same
+  decision is refused, naming the smallest need. (The rollout's K/V cache splits over tp as
+  well as over cp up to the model's 4 KV heads, so there CP adds a layout only past them:
+  `candidates_test`.)"""
+  cfg, table, rows = ModelConfig.preset('tiny-game'), BucketConfig(lengths=(1024, 8192)), 4
+  lay = {
+    cp: [
+      c
+      for c in mesh_lib.factorizations(8, with_fsdp=False, with_cp=True)
+      if (c.cp > 1) == cp and rows % c.batch_shards == 0 and cfg.num_kv_heads % c.tp == 0
+    ]
+    for cp in (False, True)
+  }
+  need = lambda c, t: analytic.estimate(stage, cfg, c, t, rows, chunk=16).total  # noqa: E731
+  flat, ring = (min(need(c, 8192) for c in lay[cp]) for cp in (False, True))
+  assert ring < flat and max(need(c, 1024) for c in lay[False]) < (ring + flat) / 2
+  config = SelectorConfig(
+    profile=ProfileSettings(stages=()),
+    budget_mib=(ring + flat) / 2 / MiB,
+    safety_margin=0.0,
+    with_fsdp=False,
+  )
+  sel = Selector(config, model=cfg, buckets=table, rows=rows, spec=StageSpec(chunk=16))
+  short = sel.decide(stage, _stats(900, n=rows))
+  assert short.config.cp == 1 and short.bucket == 1024
+  long = sel.decide(stage, _stats(8000, n=rows))
+  assert long.config.cp > 1 and long.bucket == 8192 and need(long.config, 8192) <= ring * 1.5
+  refused = long.reason.split('infeasible: ')[1].split(', ')
+  assert {c.name for c in lay[False]} <= set(refused) and long.config.name not in refused
+  without = Selector(
+    dataclasses.replace(config, with_cp=False),
+    model=cfg,
+    buckets=table,
+    rows=rows,
+    spec=StageSpec(chunk=16),
+  )
+  without.decide(stage, _stats(900, n=rows))
+  with pytest.raises(memory.InfeasibleError, match='8192'):
+    without.decide(stage, _stats(8000, n=rows))

@@ -411,19 +411,21 @@ def test_stages_on_different_layouts_train_like_one_layout(tmp_path):
 
 
 CP_CANDIDATES = ('dp8', 'dp4.tp2', 'dp2.tp4', 'dp2.cp4', 'dp1.tp2.cp4')
-CP_WINNERS = {'rollout': 'dp4.tp2', 'experience': 'dp2.cp4', 'train': 'dp1.tp2.cp4'}
+CP_WINNERS = {'rollout': 'dp2.cp4', 'experience': 'dp1.tp2.cp4', 'train': 'dp2.cp4'}
 
 
 def test_context_parallel_stages_train_like_one_layout(tmp_path):
-  """Experience on dp2.cp4 and train on dp1.tp2.cp4 (each row's tokens over a ring of 4
-  devices, ring attention in both forwards) give the same run as every stage on the rollout's
-  layout: the dispatcher lays the rows' tokens onto the ring, and nothing else changes."""
+  """Every stage on a context-parallel layout (each row's tokens over a ring of 4 devices): the
+  rollout decodes on dp2.cp4 with its KV cache split along the slots, the experience forward
+  (ring attention) runs on dp1.tp2.cp4 and the update on dp2.cp4. The run equals every stage
+  on dp4.tp2: the dispatcher lays the rows' tokens onto each ring, and nothing else changes."""
   run = functools.partial(mp_bodies.trainer_run, steps=3, resume=False, candidates=CP_CANDIDATES)
   one = run(str(tmp_path / 'one'), winners=dict.fromkeys(CP_WINNERS, 'dp4.tp2'))
   cp = run(str(tmp_path / 'cp'), winners=CP_WINNERS)
   for r in cp['rows'][1:]:
-    assert r['plan/experience'].startswith('dp2.tp1.cp4@')
-    assert r['plan/train'].startswith('dp1.tp2.cp4@')
+    assert r['plan/rollout'].startswith('dp2.tp1.cp4@')
+    assert r['plan/experience'].startswith('dp1.tp2.cp4@')
+    assert r['plan/train'].startswith('dp2.tp1.cp4@')
     assert r['dispatch/rollout_experience/bytes'] > 0
     assert r['dispatch/experience_train/bytes'] > 0
   ref = [
@@ -434,13 +436,14 @@ def test_context_parallel_stages_train_like_one_layout(tmp_path):
 
 @pytest.mark.multiprocess
 def test_context_parallel_stages_on_two_processes_equal_one(tmp_path):
-  """2 processes x 4 devices with experience and train on context-parallel layouts equal the same
-  seed's run on 8 devices: the experience's dp2.cp4 rings lie within a process, the train's
-  dp1.tp2.cp4 rings (devices 0, 2, 4, 6 and 1, 3, 5, 7) span both, so K/V shards cross processes."""
+  """2 processes x 4 devices with every stage on a context-parallel layout equal the same seed's
+  run on 8 devices: the dp2.cp4 rings of the rollout and the update lie within a process, the
+  experience's dp1.tp2.cp4 rings (devices 0, 2, 4, 6 and 1, 3, 5, 7) span both, so K/V shards
+  cross processes."""
   kwargs = {'steps': 2, 'resume': False, 'winners': CP_WINNERS, 'candidates': CP_CANDIDATES}
   ref, two = _one_and_two_processes(tmp_path, **kwargs)
   _compare(two[0]['rows'], ref['rows'])
-  assert all(r['plan/train'].startswith('dp1.tp2.cp4@') for r in two[0]['rows'][1:])
+  assert all(r['plan/experience'].startswith('dp1.tp2.cp4@') for r in two[0]['rows'][1:])
 
 
 def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_path):
