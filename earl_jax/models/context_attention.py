@@ -94,6 +94,13 @@ def zigzag_inverse(T: int, C: int) -> Int[np.ndarray, ' T']:
   return np.argsort(zigzag_order(T, C)).astype(np.int32)
 
 
+def uses_zigzag(T: int, C: int) -> bool:
+  """Whether a [B, T] forward over C > 1 context devices runs in zig-zag order: wherever 2C
+  divides T (each device then holds a chunk from each end, the causal work balanced); else the
+  contiguous order. The model (`qwen2.Qwen2.__call__`) and its attention decide by this rule."""
+  return C > 1 and T % (2 * C) == 0
+
+
 def to_zigzag(x: Shaped[Array, 'B T *rest'], C: int) -> Shaped[Array, 'B T *rest']:
   """[B, T, ...] in sequence order -> the same in zig-zag order for C devices."""
   return jnp.take(x, zigzag_order(x.shape[1], C), axis=1)

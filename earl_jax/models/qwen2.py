@@ -206,9 +206,10 @@ def causal_attention(
   mesh = jax.sharding.get_abstract_mesh()
   cp = mesh_lib.context_size(mesh)
   if cp > 1:
-    # Context parallelism: each device holds T / cp tokens of its rows; the kv shards go around
-    # the 'context' ring (contiguous order), the kv heads stay split over 'tensor', in tiles
-    # sized for the rows a device holds (`ring_tile`).
+    # Context parallelism: each device holds T / cp tokens of its rows, in zig-zag order where
+    # 2 cp divides T (`Qwen2.__call__` put them so), else contiguous; the kv shards go around
+    # the 'context' ring, the kv heads stay split over 'tensor', in tiles sized for the rows a
+    # device holds (`ring_tile`).
     tile = context_attention.ring_tile(block if block > 0 else T, cp)
     out = context_attention.ring_attention(
       qg,
@@ -217,7 +218,7 @@ def causal_attention(
       segment_ids,
       mesh=mesh,
       axis=mesh_lib.CONTEXT,
-      zigzag=False,
+      zigzag=context_attention.uses_zigzag(T, cp),
       block=tile,
       head_axis=mesh_lib.TENSOR,
     )
@@ -411,8 +412,19 @@ class Qwen2(nnx.Module):
     With a cache the new K/V are written at `positions` and `cache.lengths` is left unchanged
     (the caller knows how many of the T tokens are real). Without one, `segment_ids` marks the
     sequences packed side by side in a row (attention stays within a segment).
+
+    On a context-parallel mesh (cp > 1) without a cache, the tokens, positions and segment ids
+    are put in zig-zag order first where 2 cp divides T (`context_attention.uses_zigzag`), so
+    that each device holds a chunk from each end of the sequence and the ring attention's causal
+    work is balanced; the hidden states come back in sequence order.
     """
     dtype = dtype_of(self.cfg.dtype)
+    cp = mesh_lib.context_size(jax.sharding.get_abstract_mesh())
+    zigzag = cache is None and context_attention.uses_zigzag(tokens.shape[1], cp)
+    if zigzag:
+      tokens, positions = (context_attention.to_zigzag(a, cp) for a in (tokens, positions))
+      if segment_ids is not None:
+        segment_ids = context_attention.to_zigzag(segment_ids, cp)
     # Gather the table over FSDP first (as for every weight), so the lookup is a local gather on
     # the vocab shard plus a reduction over 'tensor'.
     table = rules.constrain(self.embed_tokens[...], ('vocab', None))
@@ -428,6 +440,8 @@ class Qwen2(nnx.Module):
       new_v.append(v)
     h = self.norm(x)
     if cache is None:
+      if zigzag:
+        h = rules.constrain(context_attention.from_zigzag(h, cp), ('batch', 'seq', 'act_embed'))
       return h, None
     return h, dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v))
 

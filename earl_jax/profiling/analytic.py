@@ -417,10 +417,15 @@ def _work(stage, model, parallel, bucket, rows, decode_tokens, chunk, micro_batc
     return _Work(flops, memory_bytes, link, collectives, attention)
   # A forward over [B_l, T_l] (T_l = T / cp tokens of each row per device). Causal attention
   # computes half the score tiles; on cp > 1, ring attention visits cp key/value shards in turn
-  # (contiguous order), and each visit waits for the device with the most work: a half tile
-  # (the diagonal), then a whole one (cp - 1 times). Each visit passes a K/V shard on.
+  # and each visit waits for the device with the most work. In zig-zag order (where 2 cp
+  # divides T, `uses_zigzag`) every device does the same: cp / 2 blocks of T_l x T_l in all. In
+  # the contiguous order the last device does a half block (the diagonal), then a whole one
+  # (cp - 1 times). Each visit passes a K/V shard on.
+  from earl_jax.models.context_attention import uses_zigzag
+
   T_l = bucket // parallel.cp
-  attention = B_l * 4 * L * H_l * Dh * T_l * T_l * (parallel.cp - 0.5)
+  blocks = parallel.cp / 2 if uses_zigzag(bucket, parallel.cp) else parallel.cp - 0.5
+  attention = B_l * 4 * L * H_l * Dh * T_l * T_l * blocks
   flops = B_l * T_l * matmul + attention
   memory_bytes = gathered + 4 * L * B_l * T_l * (D + F_l) * act
   ring = (parallel.cp - 1) * L * 2 * B_l * T_l * K_l * Dh * act

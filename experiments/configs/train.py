@@ -75,10 +75,11 @@ def default() -> ExperimentConfig:
     # Every stage ranked by measurements of its own program, each figure the median of 3 calls
     # after a warm-up (measured between steps as the run reaches a bucket, cached), and by the
     # cost model fitted to them where a layout is not measured yet; the train stage with an
-    # fsdp layout among its candidates.
+    # fsdp layout among its candidates, every stage with a context-parallel one (each row over
+    # a ring of 4 devices; measured where the model puts it near the best).
     selector=SelectorConfig(
       statistic='max',
-      candidates=('dp8', 'dp4.tp2', 'dp2.tp4', 'fsdp8'),
+      candidates=('dp8', 'dp4.tp2', 'dp2.tp4', 'fsdp8', 'dp2.cp4'),
       with_fsdp=(Stage.TRAIN,),
       profile=ProfileSettings(
         stages=STAGES,

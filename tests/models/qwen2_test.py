@@ -8,7 +8,7 @@ from flax import nnx
 
 from earl_jax import buckets
 from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
-from earl_jax.models import hf_import, qwen2
+from earl_jax.models import context_attention, hf_import, qwen2
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.testing import fixture_path, logprob_fn, small_mesh
 
@@ -53,20 +53,25 @@ def test_matches_hf_reference_logits(reference, checkpoint, key, dp, tp):
   assert q.addressable_data(0).shape == (cfg.hidden_size, cfg.num_heads // tp, cfg.head_dim)
 
 
-@pytest.mark.parametrize('dp,tp,cp', [(2, 1, 4), (2, 2, 2)])
+@pytest.mark.parametrize('dp,tp,cp,pad', [(2, 1, 4, 0), (2, 2, 2, 0), (2, 1, 4, 4)])
 def test_context_parallel_layouts_match_the_reference_in_values_and_gradients(
-  reference, dp, tp, cp
+  reference, dp, tp, cp, pad
 ):
   """Each sequence split over 'context' (ring attention around it, kv heads over 'tensor'): the
   HF reference's logits, and the gradients of a weighted log-prob sum equal to the unsplit
-  mesh's."""
+  mesh's. T = 32 runs in zig-zag order (2 cp divides it); padded to 36 over cp = 4, in the
+  contiguous order."""
   mesh = small_mesh(dp=dp, tp=tp, cp=cp)
   _, graphdef, state = hf_import.load(fixture_path('qwen2_tiny'), mesh)
   n = reference['tokens'].shape[0]
-  tokens = jnp.asarray(_rows_for(mesh, reference['tokens']))
+  tokens = np.pad(_rows_for(mesh, reference['tokens']), ((0, 0), (0, pad)), constant_values=7)
+  assert context_attention.uses_zigzag(tokens.shape[1], cp) == (pad == 0)
+  tokens = jnp.asarray(tokens)
   with jax.set_mesh(mesh):
     logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, tokens)
-  np.testing.assert_allclose(np.asarray(logits)[:n], reference['logits_untied'], atol=1e-4, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(logits)[:n, :32], reference['logits_untied'], atol=1e-4, rtol=0
+  )
   assert logits.sharding.spec[1] == 'context'  # the tokens really are split
   with jax.set_mesh(mesh):
     hlo = jax.jit(_full_logits, static_argnums=0).lower(graphdef, state, tokens).as_text()

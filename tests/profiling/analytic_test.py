@@ -121,21 +121,22 @@ def test_qwen25_72b_on_8xh100_tp4_runs_out_before_tp8():
 
 @pytest.mark.parametrize('stage', [Stage.EXPERIENCE, Stage.TRAIN])
 def test_the_time_terms_of_a_context_parallel_layout(stage):
-  """Ring attention over cp devices (contiguous order): each device holds T / cp tokens of cp
-  times the rows, and every visit waits for the device with the most causal work, so its score
-  FLOPs are (cp - 1/2) / (cp / 2) those of data parallelism; the weights' FLOPs are the same, and
-  the K/V shards it passes on grow with the bucket."""
+  """Ring attention over cp devices: each device holds T / cp tokens of cp times the rows. In
+  zig-zag order (2 cp divides T) the causal work is balanced: the score FLOPs are those of data
+  parallelism. In the contiguous order (T = 4 (mod 8) here) every visit waits for the device
+  with the most, (cp - 1/2) / (cp / 2) as much. The weights' FLOPs are the same, and the K/V
+  shards it passes on grow with the bucket."""
   model = ModelConfig.preset('tiny-game')
   dp8, ring = ParallelConfig(dp=8), ParallelConfig(dp=2, cp=4)
   terms = {
     (c, T): analytic.call_terms(stage, model, c, T, 8, chunk=16)
     for c in (dp8, ring)
-    for T in (256, 1024)
+    for T in (256, 1024, 260)
   }
-  for T in (256, 1024):
+  for T, ratio in ((256, 1.0), (1024, 1.0), (260, 3.5 / 2)):
     (mm_dp, att_dp, _, comm_dp), (mm_cp, att_cp, _, comm_cp) = terms[dp8, T], terms[ring, T]
     assert mm_cp == pytest.approx(mm_dp, rel=1e-9)
-    assert att_cp / att_dp == pytest.approx(3.5 / 2, rel=1e-9)
+    assert att_cp / att_dp == pytest.approx(ratio, rel=1e-9)
     assert comm_cp > comm_dp
   grows = lambda c: terms[c, 1024][3] - terms[c, 256][3]  # noqa: E731
   assert grows(ring) > 0 and grows(dp8) == pytest.approx(0.0, abs=1e-12)
