@@ -70,6 +70,8 @@ MAX_MINIMAX_DEPTH = 9
 # Thoughts before a move; the last searches one ply more (a few batched searches per step; a
 # 6-ply search of 64 Connect Four boards takes about 0.1-0.5 s).
 MAX_THINK_DEPTH = 5
+# Random opening moves per side, one fewer than a winning line has stones.
+MAX_OPENING_MOVES = {'connect_four': 3, 'tic_tac_toe': 2}
 # The replies that think instead of moving, and that play the move thought of
 # (`EnvConfig.think_depth`).
 THINK = 't'
@@ -127,6 +129,12 @@ class EnvConfig:
       the budget is spent, and the search stops where it is. So a policy turns tokens into better moves: every thought is one more
       round of context and one more ply, and the episodes of a policy that learns to think grow
       inside each move, as an LLM's reasoning grows inside its turn.
+    opening_moves: uniformly random legal moves each side plays before the agent's first reply
+      (exploring starts: the episodes start from varied positions, so a policy meets full
+      columns and blocked lines in more ways than its own play would lead it to). Drawn from
+      the reset seed, after the first-move coin and in turn from the side that moves first;
+      0 (the default) draws nothing. At most `MAX_OPENING_MOVES`, fewer than any line needs,
+      so an opening never ends a game. For training episodes; an evaluation's config keeps 0.
   """
 
   game: GameName = 'connect_four'
@@ -143,6 +151,7 @@ class EnvConfig:
   show_illegal: bool = False
   parse: ParseMode = 'strict'
   think_depth: int = 0
+  opening_moves: int = 0
 
   def __post_init__(self):
     _check_choice('game', self.game, GAMES)
@@ -162,6 +171,13 @@ class EnvConfig:
     if not isinstance(think, int) or isinstance(think, bool) or not 0 <= think <= MAX_THINK_DEPTH:
       raise ConfigError(
         f'EnvConfig.think_depth must be an int in [0, {MAX_THINK_DEPTH}], got {think!r}.'
+      )
+    opening = self.opening_moves
+    most = MAX_OPENING_MOVES[self.game]
+    if not isinstance(opening, int) or isinstance(opening, bool) or not 0 <= opening <= most:
+      raise ConfigError(
+        f'EnvConfig.opening_moves must be an int in [0, {most}] for {self.game} (a side that '
+        f'plays more could win in the opening), got {opening!r}.'
       )
     check_float32(
       self, 'win_reward', 'draw_reward', 'loss_reward', 'invalid_penalty', 'legal_move_reward'

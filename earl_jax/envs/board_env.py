@@ -173,6 +173,8 @@ class BoardGameEnv(base.TextEnv):
         'never': np.ones(n, dtype=bool),
         'random': coins < 0.5,
       }[self.config.agent_first]
+    if start_boards is None and self.config.opening_moves:
+      boards = self._opening(boards, opponent_first, rng)
     last_opponent = np.full(n, -1, dtype=np.int64)
     first = np.flatnonzero(opponent_first)
     if first.size:
@@ -191,6 +193,23 @@ class BoardGameEnv(base.TextEnv):
     self._illegal = np.zeros(n, dtype=bool)
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
+
+  def _opening(
+    self, boards: Int8[np.ndarray, 'B R W'], opponent_first: Bool[np.ndarray, ' B'], rng
+  ) -> Int8[np.ndarray, 'B R W']:
+    """`opening_moves` uniformly random legal moves by each side, in turn from the side that
+    moves first (one [n, 2k, A] draw, shared by the episodes of a group)."""
+    game, k = self.game, self.config.opening_moves
+    noise = self._draw(rng, (self._batch, 2 * k, game.num_actions))
+    for ply in range(2 * k):
+      opponent = opponent_first if ply % 2 == 0 else ~opponent_first
+      scores = np.where(game.legal_mask(boards), noise[:, ply], -1.0)
+      moves = scores.argmax(axis=1)
+      for side, rows in ((base.OPPONENT, opponent), (base.AGENT, ~opponent)):
+        idx = np.flatnonzero(rows)
+        if idx.size:
+          boards[idx] = game.play(boards[idx], moves[idx], side)
+    return boards
 
   def _draw(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     """Uniform draws of `shape` ([n, ...] for the whole batch), one per group of episodes and

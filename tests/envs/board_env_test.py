@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from earl_jax.envs import base, board_env, connect_four, opponents, registry, tic_tac_toe
+from earl_jax.errors import ConfigError
 
 C4, TTT = connect_four.ConnectFour(), tic_tac_toe.TicTacToe()
 
@@ -361,6 +362,32 @@ def test_agent_first_modes():
   # A fair coin per episode: 100 expected, binomial sd 7.1, so 60..140 is over 5 sigma.
   assert 60 < agent_first.sum() < 140
   assert [text.count('O') for text in obs] == (~agent_first).astype(int).tolist()
+
+
+@pytest.mark.parametrize('game', ['connect_four', 'tic_tac_toe'])
+def test_random_openings_start_the_episodes_from_varied_positions(game):
+  """k random moves a side before the agent's first reply, in turn from the first mover (who
+  then plays its real move if it is the opponent): the agent to move, no game over, the same
+  openings for the same seed and within a group, and without openings the draws of before."""
+  n, k = 64, base.MAX_OPENING_MOVES[game]
+  env = _env(game=game, opening_moves=k)
+  env.reset(n, seed=3, group_size=2)
+  x, o = _counts(env.boards)
+  first = env.agent_first
+  assert (x == k).all() and (o == np.where(first, k, k + 1)).all()
+  g = env.game
+  assert not (g.winner(env.boards) != 0).any() and not g.is_full(env.boards).any()
+  boards = env.boards.copy()
+  assert len({b.tobytes() for b in boards}) > n // 4  # varied, not one opening
+  assert (boards[0::2] == boards[1::2]).all()  # a group shares its opening
+  env.reset(n, seed=3, group_size=2)
+  assert (env.boards == boards).all()
+  # The openings are drawn after the first-move coins: the same episodes move first.
+  plain = _env(game=game)
+  plain.reset(n, seed=3, group_size=2)
+  assert (plain.agent_first == first).all()
+  with pytest.raises(ConfigError, match=rf'opening_moves must be an int in \[0, {k}\]'):
+    base.EnvConfig(game=game, opening_moves=k + 1)
 
 
 def test_tic_tac_toe_observations():
