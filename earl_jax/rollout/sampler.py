@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from earl_jax.errors import ConfigError
@@ -44,12 +45,18 @@ class SamplingConfig:
     top_p: nucleus mass in (0, 1]; 1 disables truncation.
     max_new_tokens: the per-turn token limit (the end-of-turn token counts).
     greedy: argmax instead of sampling (temperature still scales the recorded log-probs).
+    explore: the probability that a sampled token is instead drawn uniformly from the allowed
+      tokens (the reply tokens, or the whole vocabulary), uncorrected: its recorded log-prob is
+      the policy's, so the update treats it as the policy's own sample. A rare good action then
+      gets the full gradient of log p at its small p, which a policy that has collapsed onto
+      one action never samples itself. 0 (the default) draws nothing more. Never with `greedy`.
   """
 
   temperature: float = 1.0
   top_p: float = 1.0
   max_new_tokens: int = 8
   greedy: bool = False
+  explore: float = 0.0
 
   def __post_init__(self):
     if not MIN_TEMPERATURE <= self.temperature < float('inf'):
@@ -62,6 +69,8 @@ class SamplingConfig:
       raise ConfigError(f'SamplingConfig.top_p must be in (0, 1], got {self.top_p}.')
     if self.max_new_tokens < 1:
       raise ConfigError(f'SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}.')
+    if not 0.0 <= self.explore < 1.0:
+      raise ConfigError(f'SamplingConfig.explore must be in [0, 1), got {self.explore}.')
 
 
 def prefill(
@@ -119,8 +128,33 @@ def sample_token(
       token = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
     else:
       token = jax.random.categorical(key, masked, axis=-1)
+    if config.explore > 0:
+      token = _explore(token, key, config.explore, scaled.shape[-1], token_ids)
   token = token.astype(jnp.int32)
   return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _explore(
+  token: Int[Array, ' B'],
+  key: jax.Array,
+  rate: float,
+  vocab_size: int,
+  token_ids: tuple[int, ...] | None,
+) -> Int[Array, ' B']:
+  """`token` with probability 1 - `rate` per row, else a uniform draw from `token_ids` (or the
+  whole vocabulary), from keys folded off the sampling key (a per-row key stays per row)."""
+  allowed = jnp.asarray(token_ids if token_ids is not None else np.arange(vocab_size), jnp.int32)
+
+  def draw(k, shape):
+    coin_key, pick_key = jax.random.split(jax.random.fold_in(k, 0x5EED))
+    coin = jax.random.uniform(coin_key, shape) < rate
+    return coin, allowed[jax.random.randint(pick_key, shape, 0, allowed.shape[0])]
+
+  if key.ndim:
+    coin, pick = jax.vmap(lambda k: draw(k, ()))(key)
+  else:
+    coin, pick = draw(key, token.shape)
+  return jnp.where(coin, pick, token)
 
 
 # Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so

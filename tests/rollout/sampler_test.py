@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from earl_jax.config import ModelConfig
+from earl_jax.errors import ConfigError
 from earl_jax.models import hf_import, qwen2
 from earl_jax.rollout import sampler
 from earl_jax.testing import fixture_path, small_mesh
@@ -158,3 +159,26 @@ def test_a_rows_draws_depend_on_its_own_key_only():
     sampler.row_keys(jax.random.key(9), episodes, turns + 1),
   ):
     assert not np.array_equal(np.asarray(sampler.sample_token(logits, other, config)[0]), tokens)
+
+
+@pytest.mark.parametrize('per_row', [False, True])
+def test_exploration_draws_uniformly_from_the_allowed_tokens_uncorrected(per_row):
+  """With `explore`, a share of the rows take a uniform draw from the reply tokens instead of
+  the policy's; each records the policy's log-prob of what it took (no correction). Without it
+  every row takes the policy's token."""
+  B, allowed = 4096, (3, 4, 5, 6)
+  logits = jnp.zeros((B, 16)).at[:, 3].set(30.0)  # the policy: token 3, almost surely
+  key = jax.random.key(4)
+  keys = sampler.row_keys(key, jnp.arange(B), jnp.zeros(B, jnp.int32)) if per_row else key
+  plain = sampler.SamplingConfig()
+  tokens, logp = sampler.sample_token(logits, keys, sampler.SamplingConfig(explore=0.4), allowed)
+  tokens, logp = np.asarray(tokens), np.asarray(logp)
+  assert set(np.unique(tokens)) == set(allowed)
+  # 0.4 explore, 3 of 4 uniform draws land off token 3: 0.3 of the rows (sd 0.007).
+  assert abs((tokens != 3).mean() - 0.3) < 0.03
+  want = jax.nn.log_softmax(sampler.restrict_logits(logits, allowed), axis=-1)
+  np.testing.assert_allclose(logp, np.take_along_axis(np.asarray(want), tokens[:, None], 1)[:, 0])
+  assert (logp[tokens != 3] < -20).all()  # the policy's own log-prob, not the uniform 1/4
+  assert (np.asarray(sampler.sample_token(logits, keys, plain, allowed)[0]) == 3).all()
+  with pytest.raises(ConfigError, match=r'explore must be in \[0, 1\)'):
+    sampler.SamplingConfig(explore=1.0)
