@@ -48,6 +48,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -87,6 +88,12 @@ _MESHES = flags.DEFINE_list(
   "('data', 'context') meshes dpX.cpY (dpN alone: the data-parallel baseline).",
 )
 _KERNELS = flags.DEFINE_list('kernels', list(KERNELS), f'Any of {", ".join(KERNELS)}.')
+_BASELINE_BLOCKS = flags.DEFINE_list(
+  'baseline_blocks',
+  [],
+  "The baseline again at these tiles, as rows 'blockwise@<b>' (e.g. 64,32: the rings' tiles "
+  'ring_tile(128, cp) for cp = 2, 4 and 8): what a smaller tile alone gains.',
+)
 _REPS = flags.DEFINE_integer('reps', 5, 'Timed calls per run.', lower_bound=1)
 _WARMUP = flags.DEFINE_integer('warmup', 1, 'Untimed calls before timing.', lower_bound=0)
 _GRAD = flags.DEFINE_bool(
@@ -104,13 +111,13 @@ MiB = 1 << 20
 # Flags.
 
 
-def parse_lengths(texts: list[str]) -> list[int]:
+def parse_lengths(texts: list[str], *, flag: str = '--lengths') -> list[int]:
   try:
     lengths = [int(x) for x in texts]
   except ValueError:
-    raise UserError(f'--lengths {",".join(texts)}: expected integers') from None
+    raise UserError(f'{flag} {",".join(texts)}: expected integers') from None
   if not lengths or min(lengths) < 1:
-    raise UserError(f'--lengths {",".join(texts)}: expected positive lengths')
+    raise UserError(f'{flag} {",".join(texts)}: expected positive lengths')
   return lengths
 
 
@@ -142,14 +149,24 @@ def make_mesh(dp: int, cp: int) -> Mesh:
   return Mesh(np.array(devices, dtype=object).reshape(dp, cp), (DATA, CONTEXT))
 
 
-def runs_of(mesh_names: list[str], kernels: list[str], devices: int) -> list[tuple[str, str]]:
-  """(mesh, kernel) pairs: the baseline on a dpN mesh first, then the kernels on the others, in
-  flag order."""
+def runs_of(
+  mesh_names: list[str], kernels: list[str], devices: int, baseline_blocks: Sequence[int] = ()
+) -> list[tuple[str, str]]:
+  """(mesh, kernel) pairs: the baseline on a dpN mesh first (then at each of `baseline_blocks`,
+  'blockwise@<b>'), then the kernels on the others, in flag order."""
   out = []
   for name in mesh_names:
     _, cp = parse_mesh(name, devices)
-    out += [(name, BASELINE)] if cp == 1 else [(name, k) for k in kernels]
-  return sorted(out, key=lambda pair: pair[1] != BASELINE)
+    if cp == 1:
+      out += [(name, BASELINE)] + [(name, f'{BASELINE}@{b}') for b in baseline_blocks]
+    else:
+      out += [(name, k) for k in kernels]
+  return sorted(out, key=lambda pair: not pair[1].startswith(BASELINE))
+
+
+def block_of(kernel: str, block: int) -> int:
+  """The tile a run asks for: `block`, or b of a 'blockwise@<b>' baseline."""
+  return int(kernel.split('@')[1]) if '@' in kernel else block
 
 
 def skip_reason(kernel: str, dp: int, cp: int, B: int, T: int, K: int) -> str | None:
@@ -181,6 +198,8 @@ def attention_fn(kernel: str, mesh: Mesh, block: int):
     return functools.partial(
       ca.ulysses_attention, segment_ids=None, mesh=mesh, axis=CONTEXT, block=block
     )
+
+  block = block_of(kernel, block)
 
   def local(q, k, v):
     T = q.shape[1]
@@ -327,6 +346,8 @@ def device_description() -> dict[str, Any]:
 def main(argv):
   del argv
   lengths = parse_lengths(_LENGTHS.value)
+  blocks = _BASELINE_BLOCKS.value
+  baseline_blocks = parse_lengths(blocks, flag='--baseline_blocks') if blocks else []
   kernels = parse_kernels(_KERNELS.value)
   for name in _MESHES.value:  # the syntax, before JAX starts
     parse_mesh(name, None)
@@ -334,7 +355,8 @@ def main(argv):
   # Compile seconds are cold: no program comes from (or goes to) the persistent cache.
   jax.config.update('jax_enable_compilation_cache', False)
   N = len(jax.devices())
-  pairs = runs_of(_MESHES.value, kernels, N)  # the product against the devices there are
+  # The product against the devices there are.
+  pairs = runs_of(_MESHES.value, kernels, N, baseline_blocks)
   baseline = next((m for m, k in pairs if k == BASELINE), f'dp{N}')
   B, K, Q, Dh = _BATCH.value, _KV_HEADS.value, _Q_PER_KV.value, _HEAD_DIM.value
   dtype = jnp.dtype(_DTYPE.value)
@@ -357,6 +379,7 @@ def main(argv):
       'dtype': _DTYPE.value,
       'meshes': list(_MESHES.value),
       'kernels': kernels,
+      'baseline_blocks': baseline_blocks,
       'reps': _REPS.value,
       'warmup': _WARMUP.value,
       'grad': _GRAD.value,

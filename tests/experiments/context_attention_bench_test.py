@@ -56,6 +56,31 @@ def test_every_applicable_run_is_timed_and_the_others_say_why(tmp_path):
   assert '| dp8 | blockwise |' in md and 'skipped: dp1.cp8 ulysses:' in md
 
 
+def test_the_baseline_at_other_tiles_is_timed_beside_it(tmp_path):
+  """`--baseline_blocks`: the data-parallel baseline again at smaller tiles, rows
+  'blockwise@<b>' right after it, compared with it like every kernel."""
+  proc = _run(
+    *TINY,
+    '--meshes=dp8,dp2.cp4',
+    '--kernels=ring',
+    '--baseline_blocks=16,8',
+    '--nograd',
+    f'--out={tmp_path}',
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads((tmp_path / 'context_attention_bench.json').read_text())
+  assert r['flags']['baseline_blocks'] == [16, 8]
+  rows = {row['kernel']: row for row in r['rows']}
+  assert list(rows) == ['blockwise', 'blockwise@16', 'blockwise@8', 'ring']
+  for k in ('blockwise@16', 'blockwise@8'):
+    assert rows[k]['mesh'] == 'dp8' and rows[k]['max_abs_diff'] < 1e-4
+    assert rows[k]['vs_baseline'] == pytest.approx(
+      rows['blockwise']['median_ms'] / rows[k]['median_ms']
+    )
+  md = (tmp_path / 'context_attention_bench.md').read_text()
+  assert '| dp8 | blockwise@8 |' in md
+
+
 @pytest.mark.parametrize(
   'meshes, error',
   [
