@@ -22,6 +22,7 @@ group ids 0.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -254,6 +255,14 @@ def _gather_token_fields(
 ) -> list[jax.Array]:
   """The token fields of `batch` gathered into the packed rows, shard by shard (`_gather`), on
   whole rows (`spec`), then laid out on `out_shardings`."""
+  program = _gather_program(mesh, spec, tuple(out_shardings))
+  return program([getattr(batch, name) for name in _TOKEN_FIELDS], src_row, src_col)
+
+
+@functools.cache
+def _gather_program(mesh: jax.sharding.Mesh, spec: P, out_shardings: tuple[NamedSharding, ...]):
+  """The jitted gather of `_gather_token_fields`, one per layout: every step packs with the same
+  function, so jit traces it once per shape instead of once per call."""
 
   def kernel(fields, src_row, src_col):
     return [_gather(x, src_row, src_col) for x in fields]
@@ -265,5 +274,5 @@ def _gather_token_fields(
       in_specs=([spec] * len(_TOKEN_FIELDS), spec, spec),
       out_specs=[spec] * len(_TOKEN_FIELDS),
     ),
-    out_shardings=out_shardings,
-  )([getattr(batch, name) for name in _TOKEN_FIELDS], src_row, src_col)
+    out_shardings=list(out_shardings),
+  )

@@ -92,6 +92,26 @@ def test_pack_on_device_equals_the_host_reference(parallel):
     assert getattr(out, name).sharding.is_equivalent_to(getattr(Batch.shardings(mesh), name), 2)
 
 
+def test_packing_traces_its_gather_once_per_shape(monkeypatch):
+  """Every step packs with the same jitted gather: a second batch of the same shape on the same
+  layout traces nothing."""
+  B, T = 16, 32
+  mesh = mesh_lib.make_mesh(ParallelConfig.parse('dp2.cp4'))
+  traced = []
+  gather = packing._gather
+  monkeypatch.setattr(packing, '_gather', lambda *a: traced.append(1) or gather(*a))
+  packing._gather_program.cache_clear()
+  lengths = _lengths(B, T, 5)
+  p = packing.plan(lengths, ranks=2, bucket=T, row_multiple=2)
+  for seed in range(2):
+    tokens = np.random.default_rng(seed).integers(1, 64, (B, T)).astype(np.int32)
+    host = Batch.zeros(B, T).replace(
+      tokens=tokens, lengths=lengths.astype(np.int32), valid=np.ones(B, bool)
+    )
+    packing.pack(jax.device_put(host, Batch.shardings(mesh)), p, mesh)
+  assert len(traced) == len(packing._TOKEN_FIELDS)
+
+
 def test_the_packed_update_is_the_unpacked_update():
   """Same episodes, same advantages: the packed batch's loss, metrics and gradient (token
   aggregation) are those of the unpacked batch, on a sharded layout."""
