@@ -94,6 +94,12 @@ class ExperimentConfig:
       still flat after the last round stays in it. Logged as sampling/rounds, dropped_groups,
       flat_left, sampled_flat_rate, extra_rollout_s and moved_episodes (those a process received
       from another). Needs rollout.group_size >= 2; 0 (the default): off.
+    series_schedule: the board game's context schedule, ((step, games), ...) with steps rising
+      from 0: from each step on, a training episode is a match of that many games in one
+      context (`EnvConfig.series_games`, which bounds them), so that the contexts grow in
+      stages across the run, as the staged context extension of DeepScaleR and Polaris raises
+      the context of RL training in stages. Logged as env/games_mean. () (the default): every
+      episode plays `env.series_games` games.
     curriculum: the online task curriculum of the code tasks (`envs.curriculum`): each step's
       tasks drawn by their recent pass rate, the tasks the policy sometimes solves the most
       (`--config.curriculum.enabled=true`); logged as curriculum/tasks_seen, solved_share,
@@ -147,6 +153,7 @@ class ExperimentConfig:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   dynamic_sampling_rounds: int = 0
+  series_schedule: tuple[tuple[int, int], ...] = ()
   curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
   eval_every: int = 10
   eval_episodes: int = 128
@@ -230,6 +237,7 @@ class ExperimentConfig:
         'dynamic sampling replaces groups whose episodes all returned the same, and a group of '
         'one always does; expected rollout.group_size >= 2, or dynamic_sampling_rounds=0.'
       )
+    _check_series_schedule(self.series_schedule, self.env)
     samples = self.eval_samples
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0 or samples == 1:
       raise ConfigError(
@@ -275,6 +283,15 @@ class ExperimentConfig:
         f'{self.buckets.max_length}; raise buckets.lengths or lower the limit.'
       )
 
+  def games_at(self, step: int) -> int | None:
+    """The games of each training episode's match at `step` (`series_schedule`; None: no
+    schedule, the environment's own `series_games`)."""
+    games = None
+    for start, count in self.series_schedule:
+      if step >= start:
+        games = count
+    return games
+
   def check_tokenizer(self, tokenizer: Tokenizer, vocab_size: int) -> None:
     """Checks what only the tokenizer can tell, before anything is written or compiled: every
     `rollout.reply_tokens` entry is one token of it, and the largest prompt bucket holds the first
@@ -316,6 +333,36 @@ class ExperimentConfig:
     d = self.to_json()
     d = _computation(d, _ignored_on_resume(d))
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_series_schedule(schedule, env) -> None:
+  """`ExperimentConfig.series_schedule`: (step, games) pairs, steps rising from 0, each games
+  in [1, env.series_games] of a board game."""
+  if not schedule:
+    return
+  expected = (
+    '((step, games), ...) with ints, steps rising from 0 and games in [1, env.series_games]'
+  )
+  pairs = [tuple(p) if isinstance(p, tuple | list) else (p,) for p in schedule]
+  if not isinstance(env, envs.EnvConfig):
+    raise ConfigError(
+      f'ExperimentConfig.series_schedule={schedule!r} schedules the games of a board game '
+      f'match; env is {type(env).__name__}: expected an EnvConfig, or series_schedule=().'
+    )
+  ok = all(
+    len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in pairs
+  )
+  steps = [p[0] for p in pairs] if ok else []
+  if (
+    not ok
+    or steps[0] != 0
+    or steps != sorted(set(steps))
+    or not all(1 <= p[1] <= env.series_games for p in pairs)
+  ):
+    raise ConfigError(
+      f'ExperimentConfig.series_schedule={schedule!r}: expected {expected} '
+      f'(env.series_games={env.series_games}).'
+    )
 
 
 # What a resume from a checkpoint may change: the fields that do not change the trained parameters

@@ -109,6 +109,8 @@ def _leaves(config, prefix=''):
 def _as_text(value) -> str:
   if value is None:
     return 'none'
+  if isinstance(value, tuple) and any(isinstance(v, tuple) for v in value):
+    return repr(value)  # pairs, as a user writes them: ((0, 1), (3, 3))
   if isinstance(value, tuple):
     return ','.join(_as_text(v) for v in value)
   return str(value.value if hasattr(value, 'value') else value)

@@ -121,11 +121,25 @@ def test_what_refuses_a_resume_is_named_field_by_field():
       'eval_samples=4 estimates the pass@k of code tasks; eval_env is EnvConfig',
     ),
     ({'eval_sample_tasks': 0}, 'ExperimentConfig.eval_sample_tasks must be a positive int, got 0'),
+    ({'series_schedule': ((0, 2),)}, r'series_schedule=\(\(0, 2\),\): expected .*series_games=1'),
+    ({'series_schedule': ((1, 1),)}, 'steps rising from 0'),
+    ({'series_schedule': ((0, 1), (0, 1))}, 'steps rising from 0'),
+    ({'series_schedule': ((0, 0),)}, r'\(\(step, games\), \.\.\.\) with ints'),
   ],
 )
 def test_bad_values_are_refused_where_they_are_written(changes, match):
   with pytest.raises(ValueError, match=match):
     smoke_experiment(**changes)
+
+
+def test_the_series_schedule_sets_the_games_of_each_step():
+  env = smoke_experiment().env.replace(series_games=8)
+  config = smoke_experiment(env=env, series_schedule=((0, 1), (3, 4), (5, 8)))
+  assert [config.games_at(s) for s in range(7)] == [1, 1, 1, 4, 4, 8, 8]
+  assert smoke_experiment().games_at(5) is None
+  code = CodeEnvConfig()
+  with pytest.raises(ConfigError, match='schedules the games of a board game match'):
+    ExperimentConfig(env=code, eval_env=code.replace(split='heldout'), series_schedule=((0, 1),))
 
 
 def test_the_default_is_a_valid_config():

@@ -72,6 +72,7 @@ MAX_MINIMAX_DEPTH = 9
 MAX_THINK_DEPTH = 5
 # Random opening moves per side, one fewer than a winning line has stones.
 MAX_OPENING_MOVES = {'connect_four': 3, 'tic_tac_toe': 2}
+MAX_SERIES_GAMES = 256
 # The replies that think instead of moving, and that play the move thought of
 # (`EnvConfig.think_depth`).
 THINK = 't'
@@ -135,6 +136,16 @@ class EnvConfig:
       the reset seed, after the first-move coin and in turn from the side that moves first;
       0 (the default) draws nothing. At most `MAX_OPENING_MOVES`, fewer than any line needs,
       so an opening never ends a game. For training episodes; an evaluation's config keeps 0.
+    series_games: the games of one episode, played one after the other in one context (a
+      match, 1 by default): when a game ends and the match goes on, the observation is the
+      final board with its outcome line followed by the next game's first observation (a fresh
+      board, a new coin for who moves first, the opponent's opening move when it starts). Each
+      game's reward comes at the step that ends it; an invalid reply forfeits its game
+      (`invalid_penalty`), and the match goes on. The agent's context grows with every game, as
+      an agent's grows with every tool call it reads: a long-context task on the same game, its
+      evaluation unchanged. `reset(..., games=g)` plays g <= series_games of them
+      (`ExperimentConfig.series_schedule`).
+      At most `MAX_SERIES_GAMES`.
   """
 
   game: GameName = 'connect_four'
@@ -152,6 +163,7 @@ class EnvConfig:
   parse: ParseMode = 'strict'
   think_depth: int = 0
   opening_moves: int = 0
+  series_games: int = 1
 
   def __post_init__(self):
     _check_choice('game', self.game, GAMES)
@@ -178,6 +190,11 @@ class EnvConfig:
       raise ConfigError(
         f'EnvConfig.opening_moves must be an int in [0, {most}] for {self.game} (a side that '
         f'plays more could win in the opening), got {opening!r}.'
+      )
+    games = self.series_games
+    if not isinstance(games, int) or isinstance(games, bool) or not 1 <= games <= MAX_SERIES_GAMES:
+      raise ConfigError(
+        f'EnvConfig.series_games must be an int in [1, {MAX_SERIES_GAMES}], got {games!r}.'
       )
     check_float32(
       self, 'win_reward', 'draw_reward', 'loss_reward', 'invalid_penalty', 'legal_move_reward'

@@ -11,13 +11,16 @@ Observations (`EnvConfig.observation`), always with the agent as 'X':
     moved since the agent's last reply (the agent moves first, or the agent's move ended the game).
 The observation of the step that ends an episode adds one line with the outcome ('win\\n',
 'loss\\n', 'draw\\n' or 'invalid\\n'), after the final board; in 'board' mode a finished Connect
-Four observation is at most 64 characters. With `EnvConfig.think_depth`, a thinking reply ('t')
+Four observation is at most 64 characters. In a match (`EnvConfig.series_games`), a game that ends
+while the match goes on is followed in the same observation by the next game's first one. With `EnvConfig.think_depth`, a thinking reply ('t')
 is answered by its hint alone ('h2:4\\n'), whatever the mode: the board has not changed; 'h'
 plays the hinted move.
 
 Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
 an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
-episode i's opponent moves depend only on (n, seed, i, its own replies). With `group_size=k`, the
+episode i's opponent moves depend only on (n, seed, i, its own replies). In a match, each step's
+draw is [n, 2A + 1] instead: the [n, A] noise, then a coin and an [n, A] noise for the opening
+of a game that starts at that step. With `group_size=k`, the
 draws are made per group of k consecutive episodes and shared inside it: the episodes of a group
 start alike and face the same opponent randomness, so they differ only by the agent's replies
 (the groups of GRPO-style baselines).
@@ -67,6 +70,9 @@ class BoardGameEnv(base.TextEnv):
     self._hints = np.zeros(0, dtype=np.int64)  # the last thought's move (-1: none since a move)
     self._played = np.zeros((0, game.num_actions), dtype=bool)  # the moves the agent played
     self._illegal = np.zeros(0, dtype=bool)  # ended by a well-formed but illegal move
+    self._games_left = np.zeros(0, dtype=np.int64)  # games of the match after the current one
+    self._games_played = np.zeros(0, dtype=np.int64)  # games played to an outcome
+    self._games_won = np.zeros(0, dtype=np.int64)
     self._outcomes: list[base.Outcome | None] = []
 
   @property
@@ -75,8 +81,10 @@ class BoardGameEnv(base.TextEnv):
 
   @property
   def max_turns(self) -> int:
-    """The agent's moves in a full game, each after up to `think_depth` thinking replies."""
-    return math.ceil(self.game.rows * self.game.cols / 2) * (1 + self.config.think_depth)
+    """The agent's moves in the full games of a match, each after up to `think_depth` thinking
+    replies."""
+    per_game = math.ceil(self.game.rows * self.game.cols / 2) * (1 + self.config.think_depth)
+    return per_game * self.config.series_games
 
   @property
   def num_envs(self) -> int:
@@ -114,12 +122,15 @@ class BoardGameEnv(base.TextEnv):
   def episode_stats(self) -> dict[str, np.ndarray]:
     """Per episode (see `base.TextEnv.episode_stats`): `distinct_moves_mean`, how many distinct
     moves the agent played (Connect Four: columns; a policy that stacks one column plays 1),
-    and `illegal_rate`, 1 when a well-formed move the board did not allow (a full column, a
+    `illegal_rate`, 1 when a well-formed move the board did not allow (a full column, a
     taken cell) ended it: of the 'invalid' outcomes, those that are not a reply that does not
-    parse."""
+    parse (in a match: some game of it); `games_mean`, the games it played to an outcome (a
+    match plays several: `EnvConfig.series_games`), and `games_won_mean`, how many it won."""
     return {
       'distinct_moves_mean': self._played.sum(axis=1).astype(np.float64),
       'illegal_rate': self._illegal.astype(np.float64),
+      'games_mean': self._games_played.astype(np.float64),
+      'games_won_mean': self._games_won.astype(np.float64),
     }
 
   def legal_mask(self) -> Bool[np.ndarray, 'B A']:
@@ -138,6 +149,7 @@ class BoardGameEnv(base.TextEnv):
     start_boards: Int8[np.ndarray, 'B R W'] | None = None,
     group_size: int = 1,
     rows: Sequence[int] | None = None,
+    games: int | None = None,
   ) -> list[str]:
     """Starts n episodes (or the subset `rows` of them).
 
@@ -150,11 +162,19 @@ class BoardGameEnv(base.TextEnv):
       group_size: episodes per group sharing their random draws (must divide n).
       rows: play only these episodes of the n (distinct, in [0, n)); each draws what it would
         draw in the full batch, so it plays the same game (see `base.TextEnv.reset`).
+      games: the games of each episode's match, in [1, `config.series_games`] (None: all of
+        them); `start_boards` sets the first game's position only.
 
     Returns:
       The first observation of each played episode.
     """
     played = base.check_reset_args(n, seed, group_size, rows)
+    most = self.config.series_games
+    games = most if games is None else games
+    if not isinstance(games, int) or isinstance(games, bool) or not 1 <= games <= most:
+      raise ValueError(
+        f'games must be an int in [1, EnvConfig.series_games={most}], got {games!r}.'
+      )
     game = self.game
     rng = np.random.default_rng(seed)
     self._group_size = group_size
@@ -191,6 +211,9 @@ class BoardGameEnv(base.TextEnv):
     self._hints = np.full(n, -1, dtype=np.int64)
     self._played = np.zeros((n, game.num_actions), dtype=bool)
     self._illegal = np.zeros(n, dtype=bool)
+    self._games_left = np.full(n, games - 1, dtype=np.int64)
+    self._games_played = np.zeros(n, dtype=np.int64)
+    self._games_won = np.zeros(n, dtype=np.int64)
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
 
@@ -258,7 +281,14 @@ class BoardGameEnv(base.TextEnv):
     """
     self._check_step(actions)
     # Drawn every step, whatever the replies: see the module docstring.
-    return self._step(actions, self._draw(self._rng, (self._batch, self.game.num_actions)))
+    return self._step(actions, self._draw(self._rng, (self._batch, self._noise_width)))
+
+  @property
+  def _noise_width(self) -> int:
+    """A step's draws per episode: the opponent's noise, and in a match the next game's coin
+    and opening noise."""
+    actions = self.game.num_actions
+    return actions if self.config.series_games == 1 else 2 * actions + 1
 
   # The per-episode state that `step` reads and writes (`step_many` batches it).
   _STATE = (
@@ -271,6 +301,9 @@ class BoardGameEnv(base.TextEnv):
     '_hints',
     '_played',
     '_illegal',
+    '_games_left',
+    '_games_played',
+    '_games_won',
   )
 
   @classmethod
@@ -287,7 +320,7 @@ class BoardGameEnv(base.TextEnv):
     for env, replies in zip(envs, actions):
       env._check_step(replies)
     first = envs[0]
-    noise = np.concatenate([e._draw(e._rng, (e._batch, e.game.num_actions)) for e in envs])
+    noise = np.concatenate([e._draw(e._rng, (e._batch, e._noise_width)) for e in envs])
     merged = cls(first.config, first.game, first.opponent)
     for name in cls._STATE:
       setattr(merged, name, np.concatenate([getattr(e, name) for e in envs]))
@@ -316,7 +349,9 @@ class BoardGameEnv(base.TextEnv):
     base.check_actions(actions, num_envs)
 
   def _step(self, actions: Sequence[str], noise: np.ndarray) -> base.StepResult:
-    """`step` with the step's noise already drawn ([B, A], the played episodes' rows)."""
+    """`step` with the step's noise already drawn ([B, A] or, in a match, [B, 2A + 1]: the
+    played episodes' rows)."""
+    noise, opening = noise[:, : self.game.num_actions], noise[:, self.game.num_actions :]
     num_envs = self.num_envs
     active = ~self._done
     parsed, think, hints = self._read_replies(actions, active, noise)
@@ -342,10 +377,17 @@ class BoardGameEnv(base.TextEnv):
     self._thoughts[think] += 1
     self._thoughts[legal] = 0
     self._hints[legal] = -1
-    self._done |= moves.won | moves.lost | drawn | invalid
+    ended = moves.won | moves.lost | drawn | invalid
+    self._games_played += ended
+    self._games_won += moves.won
+    again = ended & (self._games_left > 0)  # the match goes on with its next game
+    self._done |= ended & ~again
     infos = self._step_infos(active, parsed, legal, moves.opponent_action, turns, think, hints)
+    observations = self._step_observations(active, think, hints)
+    if again.any():
+      self._next_game(np.flatnonzero(again), opening, observations)
     return base.StepResult(
-      observations=self._step_observations(active, think, hints),
+      observations=observations,
       rewards=rewards,
       dones=self._done.copy(),
       infos=infos,
@@ -427,6 +469,35 @@ class BoardGameEnv(base.TextEnv):
     for i in np.flatnonzero(think).tolist():
       observations[i] = f'h{self._thoughts[i] + 1}:{hints[i] + 1}\n'
     return observations
+
+  def _next_game(
+    self, idx: Int[np.ndarray, ' Mc'], opening: np.ndarray, observations: list[str]
+  ) -> None:
+    """Starts the next game of the matches `idx` (their game just ended): a fresh board, the
+    coin `opening[:, 0]` for who moves first ('random'), the opponent's opening move from
+    `opening[:, 1:]`; appends the game's first observation to theirs."""
+    game = self.game
+    boards = np.zeros((idx.size, game.rows, game.cols), dtype=np.int8)
+    opponent_first = {
+      'always': np.zeros(idx.size, dtype=bool),
+      'never': np.ones(idx.size, dtype=bool),
+      'random': opening[idx, 0] < 0.5,
+    }[self.config.agent_first]
+    last_opponent = np.full(idx.size, -1, dtype=np.int64)
+    first = np.flatnonzero(opponent_first)
+    if first.size:
+      moves = self.opponent.select(boards[first], base.OPPONENT, opening[idx[first], 1:])
+      boards[first] = game.play(boards[first], moves, base.OPPONENT)
+      last_opponent[first] = moves
+    self._boards[idx] = boards
+    self._last_opponent[idx] = last_opponent
+    self._games_left[idx] -= 1
+    self._thoughts[idx] = 0
+    self._hints[idx] = -1
+    for i in idx.tolist():
+      self._outcomes[i] = None
+    for i, text in zip(idx.tolist(), self._observe(idx, [None] * idx.size)):
+      observations[i] += text
 
   def _step_infos(
     self, active, parsed, legal, opponent_action, turns, think, hints

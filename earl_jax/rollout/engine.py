@@ -358,7 +358,8 @@ class _Run:
   waiting: collections.deque  # episode indices not started yet, in id order
   counts: _Counts
   cohorts: list[_Cohort] = dataclasses.field(default_factory=list)
-  task_weights: np.ndarray | None = None  # a curriculum's, passed to every cohort's reset
+  # Passed to every cohort's reset: a curriculum's task weights, a match's games.
+  reset_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RolloutEngine:
@@ -460,6 +461,7 @@ class RolloutEngine:
     greedy: bool = False,
     capacity: int | None = None,
     task_weights: np.ndarray | None = None,
+    games: int | None = None,
   ) -> Trajectories:
     """Plays `config.num_episodes` episodes to the end on `config.slots` slots.
 
@@ -471,6 +473,8 @@ class RolloutEngine:
       greedy: argmax decoding (evaluation).
       capacity: the initial cache bucket (e.g. the selector's choice); grown as needed.
       task_weights: a curriculum's draw weight per task (`envs.curriculum`; code tasks only).
+      games: the games of each episode's match (`EnvConfig.series_games`; board games only;
+        None: the environment's own).
 
     Returns:
       This process's episodes in episode-id order (`Trajectories.row_ids` among the
@@ -479,7 +483,10 @@ class RolloutEngine:
     """
     cfg = self.config
     run = self._start(mesh, capacity, greedy or cfg.sampling.greedy, seed)
-    run.task_weights = task_weights
+    run.reset_options = {
+      **({} if task_weights is None else {'task_weights': task_weights}),
+      **({} if games is None else {'games': games}),
+    }
     episodes = _Episodes.empty(len(run.episode_ids), self.stat_names)
     while True:
       t0 = time.perf_counter()
@@ -553,13 +560,12 @@ class RolloutEngine:
     run.slots[free[: len(members)]] = members
     t0 = time.perf_counter()
     env = self._idle_envs.pop() if self._idle_envs else registry.make_env(self.env_config)
-    curriculum = {} if run.task_weights is None else {'task_weights': run.task_weights}
     observations = env.reset(
       self.config.num_episodes,
       run.seed,
       group_size=self.config.group_size,
       rows=run.episode_ids[members].tolist(),
-      **curriculum,
+      **run.reset_options,
     )
     now = time.perf_counter()
     run.timings['env_s'] += now - t0

@@ -183,6 +183,7 @@ def stage_layouts(rows: list[dict]) -> dict[str, dict[str, list]]:
       'buckets': buckets,
       'switches': switches,
       'model_only': model_only,
+      'profiled': any(f'{key}/measured' in r for r in plans),
     }
   return out
 
@@ -219,9 +220,13 @@ def plot_stage_layouts(rows: list[dict], path: str) -> str | None:
     switches = len(history['switches'])
     plural = '' if switches == 1 else 'es'
     alone = sum(history['model_only'])
+    how = (
+      f'{alone} of {len(ys)} decisions on the model alone (x)'
+      if history.get('profiled', True)
+      else 'not profiled (ranked by preference)'
+    )
     ax.set_title(
-      f'{stage}: {switches} layout switch{plural}, {alone} of {len(ys)} decisions on the '
-      'model alone (x)',
+      f'{stage}: {switches} layout switch{plural}, {how}',
       fontsize=9,
       loc='left',
     )

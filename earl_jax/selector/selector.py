@@ -916,8 +916,9 @@ class Selector:
       f'No {stage} layout fits the per-device budget of {budget / MiB:.1f} MiB at bucket '
       f'{run_bucket} with {rows} responses: the smallest need is {smallest.config.name} with '
       f'{need / MiB:.1f} MiB per device (x{1 + margin:.2f} safety margin = '
-      f'{need * (1 + margin) / MiB:.1f} MiB). Raise the budget, lower the load or '
-      f'shorten the context.'
+      f'{need * (1 + margin) / MiB:.1f} MiB). Raise the budget, lower the load'
+      + ('' if stage in self.config.with_cp else ', allow context parallelism (selector.with_cp)')
+      + ' or shorten the context.'
     )
 
   def _initial_stats(self) -> StepStats:

@@ -249,7 +249,12 @@ class Trainer:
     def play(k: int) -> Trajectories:  # the step's episodes, round k (dynamic sampling)
       seed = dynamic_sampling.round_seed(step_seed, k)
       return self.engines.train.run(
-        params, mesh, seed=seed, capacity=decision.run_bucket, task_weights=weights
+        params,
+        mesh,
+        seed=seed,
+        capacity=decision.run_bucket,
+        task_weights=weights,
+        games=cfg.games_at(self.global_step),
       )
 
     t0 = time.perf_counter()

@@ -13,6 +13,14 @@ think     Fig. 1's task (experiments/context_cap.py): the default's model and lo
           a ply of search each, then plays the move it thought of. Deeper thoughts win more, so
           its contexts grow inside each move as it learns, as an LLM's reasoning grows inside
           its turn.
+long_context  contexts to 16K tokens on 8 fake CPU devices: the default's model and loop, each
+          episode a match of Connect Four games against random in one context
+          (`EnvConfig.series_games`), more games per match in stages (`series_schedule`), so that
+          the contexts double every few steps from ~1K to ~16K; 2 episodes a step, under an
+          emulated per-device memory budget that no layout without context parallelism fits at
+          16K: the selector switches the experience and train stages to a context-parallel one
+          there (docs/results/main-job.md). `--config.selector.with_cp=false`: the same run,
+          refused at that bucket.
 smoke     a few seconds: the loop with every stage, for tests and CI.
 qwen      a real Qwen2.5 checkpoint (--config.model_dir=...), chat template, for GPUs.
 code      code RL: the 'tiny-code' model with the code tokenizer from the supervised warm start
@@ -160,6 +168,55 @@ def think() -> ExperimentConfig:
       c.selector,
       profile=dataclasses.replace(c.selector.profile, cache='.earl_cache/profile_think.json'),
     ),
+  )
+
+
+# A Connect Four match in one context: a game is ~300-1000 tokens (a turn ~60), 22 games ~14K.
+CONTEXT_BUCKETS = BucketConfig(lengths=(1024, 2048, 4096, 8192, 16384))
+
+
+def long_context() -> ExperimentConfig:
+  c = default()
+  env = EnvConfig(
+    game='connect_four',
+    opponent='random',
+    legal_move_reward=0.1,
+    show_illegal=True,
+    series_games=22,
+  )
+  return dataclasses.replace(
+    c,
+    name='long_context',
+    env=env,
+    eval_env=env.replace(series_games=1, legal_move_reward=0.0),
+    # Two matches a step, both at once: at 16K each row alone is what a device can hold, so
+    # only splitting the row's tokens (context parallelism) spreads it further.
+    rollout=dataclasses.replace(
+      c.rollout,
+      num_episodes=2,
+      num_slots=None,
+      prompt_buckets=(64, 128),
+      reply_tokens=tuple('1234567'),
+    ),
+    advantages=AdvantageConfig(estimator='reinforce_pp', credit='turn', gamma=0.9),
+    buckets=CONTEXT_BUCKETS,
+    # The games of a match about double every 3 steps: a game is ~500-600 tokens here, so the
+    # contexts reach the buckets 1K, 2K, 4K, 8K and then 16K.
+    series_schedule=((0, 1), (3, 3), (6, 6), (9, 11), (12, 22)),
+    # Every valid layout of 8 devices (data, fsdp, tensor, context), ranked by the cost model
+    # (this CPU cannot judge their speed: docs/results/model-and-tests.md), refused by XLA's
+    # memory analysis of each stage's program against an emulated budget of an accelerator.
+    selector=SelectorConfig(
+      statistic='max',
+      candidates=None,
+      with_fsdp=True,
+      budget_mib=80.0,
+      profile=ProfileSettings(stages=()),
+    ),
+    steps=15,
+    eval_every=5,
+    eval_episodes=64,
+    checkpoint_every=5,
   )
 
 
@@ -312,6 +369,7 @@ PRESETS = {
   'default': default,
   'long': long,
   'think': think,
+  'long_context': long_context,
   'smoke': smoke,
   'qwen': qwen,
   'code': code,

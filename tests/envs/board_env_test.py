@@ -691,3 +691,107 @@ def test_step_many_equals_stepping_each_environment():
     assert a.outcomes == b.outcomes and (a.thoughts == b.thoughts).all()
     for name, values in a.episode_stats().items():
       np.testing.assert_array_equal(values, b.episode_stats()[name])
+
+
+def test_a_match_plays_its_games_in_one_context():
+  """With `series_games`, every episode plays that many games one after the other: a game that
+  ends while the match goes on shows its final board and outcome, then the next game's first
+  observation; each game's reward comes at its last step, and the episode ends after the last."""
+  env = _env(series_games=3, agent_first='always')
+  first, results = _play_out(env, 6, seed=5)
+  assert first == C4.render(np.zeros((6, 6, 7), np.int8))
+  assert env.done.all() and env.max_turns == 3 * 21
+  stats = env.episode_stats()
+  np.testing.assert_array_equal(stats['games_mean'], np.full(6, 3.0))
+  outcomes = ('win', 'loss', 'draw', 'invalid')
+  for i in range(6):
+    steps = [r for r in results if not r.infos[i]['ignored']]
+    ends = [r for r in steps if r.infos[i]['outcome'] in outcomes]
+    assert len(ends) == 3 and steps[-1] is ends[-1]  # the match ends with its third game
+    assert [r.dones[i] for r in steps].count(True) == 1
+    for r in ends[:-1]:  # the final board, its outcome, then a fresh board (the agent starts)
+      text = r.observations[i]
+      outcome = r.infos[i]['outcome']
+      final, fresh = text.split(f'{outcome}\n')
+      assert final.startswith('1234567\n') and fresh == C4.render(np.zeros((1, 6, 7), np.int8))[0]
+    rewards = {'win': 1.0, 'loss': -1.0, 'draw': 0.0, 'invalid': -1.0}
+    assert sum(r.rewards[i] for r in steps) == sum(rewards[r.infos[i]['outcome']] for r in ends)
+    assert stats['games_won_mean'][i] == sum(r.infos[i]['outcome'] == 'win' for r in ends)
+    assert env.outcomes[i] == ends[-1].infos[i]['outcome']
+
+
+def test_an_invalid_reply_forfeits_its_game_and_the_match_goes_on():
+  env = _env(series_games=2, agent_first='always', invalid_penalty=-2.5)
+  start = _grid('O......\nX......\n' * 3)
+  env.reset(1, seed=0, start_boards=start[None])
+  result = env.step(['1'])  # column 1 is full
+  assert result.rewards.tolist() == [-2.5] and not result.dones[0]
+  assert result.infos[0]['outcome'] == 'invalid'
+  assert result.observations[0] == (
+    C4.render(start[None])[0] + 'invalid\n' + C4.render(np.zeros((1, 6, 7), np.int8))[0]
+  )
+  assert env.outcomes == [None] and not env.boards.any()  # the second game has started
+  assert env.episode_stats()['games_mean'].tolist() == [1.0]
+  assert env.episode_stats()['illegal_rate'].tolist() == [1.0]
+
+
+def test_a_reset_plays_fewer_games_of_the_match_and_refuses_more():
+  env = _env(series_games=4)
+  env.reset(4, seed=3, games=2)
+  rng = np.random.default_rng(0)
+  while not env.done.all():
+    env.step(_random_replies(env, rng))
+  assert env.episode_stats()['games_mean'].tolist() == [2.0] * 4
+  for games in (0, 5):
+    with pytest.raises(
+      ValueError, match=r'games must be an int in \[1, EnvConfig.series_games=4\]'
+    ):
+      env.reset(4, seed=3, games=games)
+  with pytest.raises(ConfigError, match=r'series_games must be an int in \[1, 256\], got 0'):
+    base.EnvConfig(series_games=0)
+
+
+def test_a_match_is_deterministic_and_a_subset_of_rows_plays_the_same_games():
+  """A match draws a coin and an opening every step, so that a row's games depend only on
+  (n, seed, row, its replies), as a single game's do: a process playing some rows plays them
+  exactly, and the opponent moves first in some of the later games."""
+  config = base.EnvConfig(series_games=5, opponent='random', agent_first='random')
+  full, part, again = (registry.make_env(config) for _ in range(3))
+  rows = [0, 3, 6]
+  assert part.reset(8, seed=2, group_size=2, rows=rows) == [
+    o for i, o in enumerate(full.reset(8, seed=2, group_size=2)) if i in rows
+  ]
+  again.reset(8, seed=2, group_size=2)
+  rng = np.random.default_rng(1)
+  openings = []  # the first board of every later game: empty, or the opponent's first move
+  while not full.done.all():
+    replies = [str(rng.integers(1, 8)) for _ in range(8)]
+    a, b, c = full.step(replies), part.step([replies[i] for i in rows]), again.step(replies)
+    assert b.observations == [a.observations[i] for i in rows] and c.observations == a.observations
+    np.testing.assert_array_equal(b.rewards, a.rewards[rows])
+    for text, done in zip(a.observations, a.dones):
+      if text.count('1234567\n') == 2 and not done:
+        openings.append(text.split('1234567\n')[-1].count('O'))
+  assert set(openings) == {0, 1}  # each side opened some of the later games
+  np.testing.assert_array_equal(part.episode_stats()['games_mean'], np.full(3, 5.0))
+
+
+def test_step_many_equals_stepping_each_match():
+  config = {'series_games': 3, 'agent_first': 'random'}
+  pairs = []
+  for _ in range(2):
+    envs = [_env(**config) for _ in range(2)]
+    envs[0].reset(4, 9, rows=[0, 1])
+    envs[1].reset(4, 9, rows=[2, 3])
+    pairs.append(envs)
+  rng = np.random.default_rng(0)
+  while not all(e.done.all() for e in pairs[0]):
+    texts = [[str(rng.integers(1, 8)) for _ in range(2)] for _ in range(2)]
+    batched = board_env.BoardGameEnv.step_many(pairs[0], texts)
+    alone = [env.step(t) for env, t in zip(pairs[1], texts)]
+    for a, b in zip(batched, alone):
+      assert a.observations == b.observations and a.infos == b.infos
+      np.testing.assert_array_equal(a.rewards, b.rewards)
+  for a, b in zip(*pairs):
+    for name, values in a.episode_stats().items():
+      np.testing.assert_array_equal(values, b.episode_stats()[name])

@@ -31,13 +31,16 @@ def test_stage_layouts_counts_layout_changes_not_bucket_changes():
   assert series['rollout']['buckets'] == [128, 256, 256, 512]
   assert series['train']['layouts'] == ['dp8.tp1', 'dp4.tp2', 'dp4.tp2', 'dp8.tp1']
   assert series['rollout']['model_only'] == [False] * 4  # rows without figures: measured
+  assert not series['rollout']['profiled']  # ... by the preference, which the title says
 
 
 def test_stage_layouts_marks_the_decisions_taken_on_the_model_alone(tmp_path):
   rows = _rows()
   for row, measured in zip(rows[1:], (0.0, 1.0, 0.0, 1.0)):  # rows[0]: the evaluation
     row['plan/train/measured'] = measured
-  assert plotting.stage_layouts(rows)['train']['model_only'] == [True, False, True, False]
+  series = plotting.stage_layouts(rows)
+  assert series['train']['model_only'] == [True, False, True, False]
+  assert series['train']['profiled'] and not series['rollout']['profiled']
   path = plotting.plot_stage_layouts(rows, str(tmp_path / 'stage_layouts.png'))
   assert path and (tmp_path / 'stage_layouts.png').stat().st_size > 10_000
 

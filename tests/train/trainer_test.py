@@ -473,3 +473,44 @@ def test_a_program_refused_at_compile_time_falls_back_to_the_next_layout(tmp_pat
   refused = [d for d in summary['decisions'] if 'REFUSED' in d['reason']]
   assert refused and all(d['stage'] == 'train' and d['config'] == 'dp8.tp1' for d in refused)
   assert 'needs' in refused[0]['reason'] and any('refused at compile time' in x for x in lines)
+
+
+def test_the_long_context_preset_takes_context_parallelism_exactly_where_nothing_else_fits(
+  tmp_path,
+):
+  """`long_context` at reduced size (buckets 1K and 2K, a 10 MiB per-device budget): a match of
+  one game, then of three. At 2K no train layout without context parallelism fits, and the run
+  trains there on one that splits each row's tokens; the same run without context-parallel
+  candidates is refused at that bucket in one line."""
+  from earl_jax.memory_budget import InfeasibleError
+  from experiments.configs import train as presets
+
+  base = presets.long_context()
+  config = dataclasses.replace(
+    base,
+    buckets=BucketConfig(lengths=(1024, 2048)),
+    series_schedule=((0, 1), (1, 3)),
+    steps=2,
+    eval_every=0,
+    checkpoint_every=0,
+    selector=dataclasses.replace(base.selector, budget_mib=10.0),
+  )
+  summary = trainer.Trainer(config, workdir=str(tmp_path / 'cp'), log_fn=lambda _: None).run(
+    progress=False
+  )
+  rows = metrics.read_jsonl(os.path.join(tmp_path, 'cp', 'metrics.jsonl'))
+  assert [r['env/games_mean'] for r in rows] == [1.0, 3.0]
+  assert [r['plan/train'].split('@')[1] for r in rows] == ['1024', '2048']
+  for d in summary['decisions']:
+    chosen_cp = ParallelConfig.parse(d['config']).cp > 1
+    others_fit = any(
+      o['feasible'] and ParallelConfig.parse(o['config']).cp == 1 for o in d['options']
+    )
+    assert chosen_cp == (not others_fit), d['reason']
+  trained_on = [ParallelConfig.parse(r['plan/train'].split('@')[0]) for r in rows]
+  assert [p.cp > 1 for p in trained_on] == [False, True]
+  no_cp = dataclasses.replace(config, selector=dataclasses.replace(config.selector, with_cp=False))
+  t = trainer.Trainer(no_cp, workdir=str(tmp_path / 'no_cp'), log_fn=lambda _: None)
+  with pytest.raises(InfeasibleError, match=r'No train layout fits .* at bucket 2048 .*with_cp'):
+    t.run(progress=False)
+  assert len(metrics.read_jsonl(os.path.join(tmp_path, 'no_cp', 'metrics.jsonl'))) == 1
