@@ -38,9 +38,12 @@ class OptimConfig:
   Attributes:
     learning_rate: the peak learning rate.
     warmup_steps: linear warm-up from 0 over this many updates.
+    hold_steps: updates at the peak rate between warm-up and decay (a warmup-stable-decay
+      schedule, as MiniCPM's: the policy learns at full rate, then the decay settles what it
+      learned); 0 starts the decay right after warm-up.
     decay_steps: 0 keeps the rate constant after warm-up; otherwise it decays to
-      `end_lr_fraction * learning_rate` over this many updates after warm-up (`schedule`), then
-      stays there. PPO anneals its rate this way: late in a run, when the policy is sharp, a full
+      `end_lr_fraction * learning_rate` over this many updates after warm-up and hold
+      (`schedule`), then stays there. PPO anneals its rate this way: late in a run, when the policy is sharp, a full
       Adam step can tip it into a deterministic policy whose gradient vanishes. Counted in
       optimizer updates (`ExperimentConfig.update_epochs` of them per step).
     schedule: the decay's shape, 'cosine' or 'linear'.
@@ -51,6 +54,7 @@ class OptimConfig:
 
   learning_rate: float = 1e-4
   warmup_steps: int = 0
+  hold_steps: int = 0
   decay_steps: int = 0
   schedule: typing.Literal['cosine', 'linear'] = 'cosine'
   end_lr_fraction: float = 0.0
@@ -76,8 +80,15 @@ class OptimConfig:
         'OptimConfig: warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got '
         f'{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}.'
       )
-    if not isinstance(self.decay_steps, int) or self.decay_steps < 0:
-      raise ConfigError(f'OptimConfig.decay_steps must be an int >= 0, got {self.decay_steps!r}.')
+    for name in ('hold_steps', 'decay_steps'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f'OptimConfig.{name} must be an int >= 0, got {value!r}.')
+    if self.hold_steps and not self.decay_steps:
+      raise ConfigError(
+        f'OptimConfig.hold_steps={self.hold_steps} holds the peak rate before a decay, but '
+        'decay_steps=0 (no decay): expected decay_steps > 0, or hold_steps=0.'
+      )
     if self.schedule not in ('cosine', 'linear'):
       raise ConfigError(
         f"OptimConfig.schedule={self.schedule!r} is unknown; known values: ['cosine', 'linear']."
@@ -89,8 +100,8 @@ class OptimConfig:
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
-  """Warm-up, then constant or decayed (see `OptimConfig`): a function of the update count, or
-  the plain float when the rate is constant throughout."""
+  """Warm-up, then constant, or held and decayed (see `OptimConfig`): a function of the
+  update count, or the plain float when the rate is constant throughout."""
   peak, end = config.learning_rate, config.learning_rate * config.end_lr_fraction
   if not config.warmup_steps and not config.decay_steps:
     return peak
@@ -98,6 +109,9 @@ def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
   if config.warmup_steps:
     pieces.append(optax.linear_schedule(0.0, peak, config.warmup_steps))
     boundaries.append(config.warmup_steps)
+  if config.hold_steps:
+    pieces.append(optax.constant_schedule(peak))
+    boundaries.append(config.warmup_steps + config.hold_steps)
   if config.decay_steps:
     if config.schedule == 'cosine':
       decay = optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_lr_fraction)

@@ -188,6 +188,11 @@ def test_a_non_finite_learning_rate_is_refused(rate):
       [(0, 1.0), (25, 0.775), (100, 0.1), (200, 0.1)],
     ),
     ({'warmup_steps': 4}, [(0, 0.0), (2, 0.5), (4, 1.0), (1000, 1.0)]),
+    (  # warmup-stable-decay: 4 up, 40 at the peak, 20 down to 0
+      {'warmup_steps': 4, 'hold_steps': 40, 'decay_steps': 20, 'schedule': 'linear'},
+      [(2, 0.5), (4, 1.0), (30, 1.0), (44, 1.0), (54, 0.5), (64, 0.0), (100, 0.0)],
+    ),
+    ({'hold_steps': 40, 'decay_steps': 20}, [(0, 1.0), (39, 1.0), (50, 0.5), (60, 0.0)]),
   ],
 )
 def test_learning_rate_schedule(kwargs, expected):
@@ -217,6 +222,8 @@ def test_decayed_rate_shrinks_the_updates():
   ('kwargs', 'message'),
   [
     ({'decay_steps': -1}, 'decay_steps must be an int >= 0, got -1'),
+    ({'hold_steps': -1, 'decay_steps': 4}, 'hold_steps must be an int >= 0, got -1'),
+    ({'hold_steps': 40}, r'hold_steps=40 holds the peak rate before a decay, but decay_steps=0'),
     ({'schedule': 'step'}, "schedule='step' is unknown"),
     ({'end_lr_fraction': 1.5}, r'end_lr_fraction must be in \[0, 1\], got 1.5'),
   ],
