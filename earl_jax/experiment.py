@@ -295,7 +295,8 @@ class ExperimentConfig:
   def check_tokenizer(self, tokenizer: Tokenizer, vocab_size: int) -> None:
     """Checks what only the tokenizer can tell, before anything is written or compiled: every
     `rollout.reply_tokens` entry is one token of it, and the largest prompt bucket holds the first
-    turn's prompt of `env` and `eval_env` (from a reset of up to 16 episodes at `seed`).
+    turn's prompt of `env` and `eval_env` (from a reset of up to 16 episodes at `seed`) and, for
+    a board game, its longest later turn's (`BoardGameEnv.longest_observation`).
 
     Raises:
       ConfigError: naming the value and what was expected.
@@ -308,14 +309,20 @@ class ExperimentConfig:
       raise ConfigError(f'rollout.reply_tokens={self.rollout.reply_tokens!r}: {e}') from None
     largest = self.rollout.prompt_buckets[-1]
     for field in ('env', 'eval_env'):
-      observations = registry.make_env(getattr(self, field)).reset(
-        min(self.rollout.num_episodes, 16), self.seed
-      )
+      env = registry.make_env(getattr(self, field))
+      observations = env.reset(min(self.rollout.num_episodes, 16), self.seed)
       longest = max(len(tokenizer.turn_prompt_ids(obs, first=True)) for obs in observations)
+      which = 'first turn prompt'
+      if hasattr(env, 'longest_observation'):  # a board game knows its longest observation
+        later = len(tokenizer.reply_suffix_ids()) + len(
+          tokenizer.turn_prompt_ids(env.longest_observation(), first=False)
+        )
+        if later > longest:
+          longest, which = later, 'longest turn prompt'
       if longest > largest:
         raise ConfigError(
           f'rollout.prompt_buckets={self.rollout.prompt_buckets}: the largest, {largest}, is '
-          f'shorter than the first turn prompt of {field} ({longest} tokens with {tokenizer!r}); '
+          f'shorter than the {which} of {field} ({longest} tokens with {tokenizer!r}); '
           f'expected a largest prompt bucket >= {longest}.'
         )
 

@@ -151,7 +151,7 @@ def test_the_default_is_a_valid_config():
   [
     ({'reply_tokens': ('A', 'B')}, r"rollout.reply_tokens=\('A', 'B'\): .*character 'A'"),
     ({'reply_tokens': ('12',)}, "entry '12' encodes to 2 tokens"),
-    ({'prompt_buckets': (4,)}, r'the largest, 4, is shorter than the first turn prompt of env'),
+    ({'prompt_buckets': (4,)}, r'the largest, 4, is shorter than the longest turn prompt of env'),
   ],
 )
 def test_what_needs_the_tokenizer_is_checked_before_a_run_starts(rollout, match):
@@ -162,6 +162,22 @@ def test_what_needs_the_tokenizer_is_checked_before_a_run_starts(rollout, match)
   with pytest.raises(ValueError, match=match):
     config.check_tokenizer(load_tokenizer('game'), 64)
   base.check_tokenizer(load_tokenizer('game'), 64)  # the smoke preset itself passes
+
+
+def test_a_match_s_longest_turn_must_fit_the_prompt_buckets():
+  """A match's later turns show a finished board and the next one: the largest prompt bucket
+  must hold that too, not only the first turn, or the run would stop mid-rollout."""
+  from earl_jax.models.tokenizer import load_tokenizer
+
+  base = smoke_experiment()
+  env = base.env.replace(series_games=3, show_legal=True)
+  with pytest.raises(
+    ConfigError,
+    match=r'the largest, 32, is shorter than the longest turn prompt of env \(51 tokens',
+  ):
+    smoke_experiment(env=env).check_tokenizer(load_tokenizer('game'), 64)
+  roomy = dataclasses.replace(base.rollout, prompt_buckets=(16, 64))
+  smoke_experiment(env=env, rollout=roomy).check_tokenizer(load_tokenizer('game'), 64)
 
 
 def test_no_heldout_task_reaches_a_training_rollout_under_any_split_override():

@@ -133,6 +133,30 @@ class BoardGameEnv(base.TextEnv):
       'games_won_mean': self._games_won.astype(np.float64),
     }
 
+  def longest_observation(self) -> str:
+    """A text as long as the longest observation a step can return, for the largest prompt
+    bucket to hold (`ExperimentConfig.check_tokenizer`): a running game's board with the move
+    lines it can carry, a finished one's with its outcome (in a match followed by the next game's
+    first observation, after at most the opponent's opening move), or a thought's hint."""
+    game, config = self.game, self.config
+    empty = np.zeros((1, game.rows, game.cols), dtype=np.int8)
+    board = game.render(empty)[0] if config.observation == 'board' else f'o:{game.num_actions}\n'
+    digits = ''.join(str(a + 1) for a in range(game.num_actions))
+
+    def lines(legal: int) -> str:  # the move lines of a position with `legal` legal moves
+      return (f'legal:{digits[:legal]}\n' if config.show_legal else '') + (
+        f'illegal:{digits[legal:]}\n' if config.show_illegal and legal < len(digits) else ''
+      )
+
+    running = max((board + lines(k) for k in range(1, len(digits) + 1)), key=len)
+    ended = board + 'invalid\n'
+    if config.series_games > 1:
+      openings = game.play(empty.repeat(len(digits), 0), np.arange(len(digits)), base.OPPONENT)
+      fewest = int(game.legal_mask(openings).sum(axis=1).min())  # after any opening move
+      ended += max(board + lines(len(digits)), board + lines(fewest), key=len)
+    hint = f'h{config.think_depth + 1}:{game.num_actions}\n'
+    return max((running, ended, hint), key=len)
+
   def legal_mask(self) -> Bool[np.ndarray, 'B A']:
     self._check_reset()
     return self.game.legal_mask(self._boards) & ~self._done[:, None]

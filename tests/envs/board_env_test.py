@@ -795,3 +795,29 @@ def test_step_many_equals_stepping_each_match():
   for a, b in zip(*pairs):
     for name, values in a.episode_stats().items():
       np.testing.assert_array_equal(values, b.episode_stats()[name])
+
+
+@pytest.mark.parametrize(
+  'changes',
+  [
+    {},
+    {'show_legal': True, 'show_illegal': True},
+    {'series_games': 4, 'show_illegal': True},
+    {'series_games': 4, 'show_legal': True, 'agent_first': 'never'},
+    {'game': 'tic_tac_toe', 'series_games': 4, 'show_legal': True, 'show_illegal': True},
+    {'observation': 'last_move', 'series_games': 3, 'think_depth': 2},
+  ],
+)
+def test_no_observation_is_longer_than_the_longest_observation(changes):
+  """What the prompt buckets are checked against (`ExperimentConfig.check_tokenizer`) bounds
+  every observation random play meets, and is met by some observation of the running game."""
+  env = _env(**changes)
+  bound = len(env.longest_observation())
+  rng = np.random.default_rng(0)
+  seen = env.reset(16, seed=4)
+  while not env.done.all():
+    replies = _random_replies(env, rng)
+    if env.config.think_depth:
+      replies = [r if rng.random() < 0.7 else base.THINK for r in replies]
+    seen += env.step(replies).observations
+  assert max(len(o) for o in seen) <= bound
