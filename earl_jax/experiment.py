@@ -295,8 +295,8 @@ class ExperimentConfig:
   def check_tokenizer(self, tokenizer: Tokenizer, vocab_size: int) -> None:
     """Checks what only the tokenizer can tell, before anything is written or compiled: every
     `rollout.reply_tokens` entry is one token of it, and the largest prompt bucket holds the first
-    turn's prompt of `env` and `eval_env` (from a reset of up to 16 episodes at `seed`) and, for
-    a board game, its longest later turn's (`BoardGameEnv.longest_observation`).
+    turn's prompt of `env` and `eval_env` (from a reset of up to 16 episodes at `seed`) and,
+    where the environment bounds it, its longest later turn's (`TextEnv.longest_observation`).
 
     Raises:
       ConfigError: naming the value and what was expected.
@@ -313,9 +313,10 @@ class ExperimentConfig:
       observations = env.reset(min(self.rollout.num_episodes, 16), self.seed)
       longest = max(len(tokenizer.turn_prompt_ids(obs, first=True)) for obs in observations)
       which = 'first turn prompt'
-      if hasattr(env, 'longest_observation'):  # a board game knows its longest observation
+      bound = env.longest_observation()
+      if bound is not None:
         later = len(tokenizer.reply_suffix_ids()) + len(
-          tokenizer.turn_prompt_ids(env.longest_observation(), first=False)
+          tokenizer.turn_prompt_ids(bound, first=False)
         )
         if later > longest:
           longest, which = later, 'longest turn prompt'

@@ -485,6 +485,12 @@ class TextEnv(abc.ABC):
     """
     return {}
 
+  def longest_observation(self) -> str | None:
+    """A text as long as the longest observation a step can return, which the largest prompt
+    bucket must hold (`ExperimentConfig.check_tokenizer`); None (the default) where the
+    environment cannot bound it (a code task's feedback is cut by its own limits)."""
+    return None
+
   @classmethod
   def step_many(
     cls, envs: Sequence['TextEnv'], actions: Sequence[Sequence[str]]

@@ -12,18 +12,18 @@ Observations (`EnvConfig.observation`), always with the agent as 'X':
 The observation of the step that ends an episode adds one line with the outcome ('win\\n',
 'loss\\n', 'draw\\n' or 'invalid\\n'), after the final board; in 'board' mode a finished Connect
 Four observation is at most 64 characters. In a match (`EnvConfig.series_games`), a game that ends
-while the match goes on is followed in the same observation by the next game's first one. With `EnvConfig.think_depth`, a thinking reply ('t')
-is answered by its hint alone ('h2:4\\n'), whatever the mode: the board has not changed; 'h'
-plays the hinted move.
+while the match goes on is followed in the same observation by the next game's first one. With
+`EnvConfig.think_depth`, a thinking reply ('t') is answered by its hint alone ('h2:4\\n'),
+whatever the mode: the board has not changed; 'h' plays the hinted move.
 
 Randomness: `reset(n, seed)` seeds one numpy Generator. Reset draws n coins (who moves first) and
 an [n, A] noise array, and every step draws another [n, A] noise array, whatever the replies, so
 episode i's opponent moves depend only on (n, seed, i, its own replies). In a match, each step's
 draw is [n, 2A + 1] instead: the [n, A] noise, then a coin and an [n, A] noise for the opening
-of a game that starts at that step. With `group_size=k`, the
-draws are made per group of k consecutive episodes and shared inside it: the episodes of a group
-start alike and face the same opponent randomness, so they differ only by the agent's replies
-(the groups of GRPO-style baselines).
+of a game that starts at that step. With `group_size=k`, the draws are made per group of k
+consecutive episodes and shared inside it: the episodes of a group start alike and face the same
+opponent randomness, so they differ only by the agent's replies (the groups of GRPO-style
+baselines).
 """
 
 import math
@@ -134,8 +134,7 @@ class BoardGameEnv(base.TextEnv):
     }
 
   def longest_observation(self) -> str:
-    """A text as long as the longest observation a step can return, for the largest prompt
-    bucket to hold (`ExperimentConfig.check_tokenizer`): a running game's board with the move
+    """See `base.TextEnv.longest_observation`: a running game's board with the move
     lines it can carry, a finished one's with its outcome (in a match followed by the next game's
     first observation, after at most the opponent's opening move), or a thought's hint."""
     game, config = self.game, self.config
@@ -212,19 +211,10 @@ class BoardGameEnv(base.TextEnv):
       opponent_first = np.zeros(n, dtype=bool)
     else:
       boards = np.zeros((n, game.rows, game.cols), dtype=np.int8)
-      opponent_first = {
-        'always': np.zeros(n, dtype=bool),
-        'never': np.ones(n, dtype=bool),
-        'random': coins < 0.5,
-      }[self.config.agent_first]
+      opponent_first = self._opponent_first(coins)
     if start_boards is None and self.config.opening_moves:
       boards = self._opening(boards, opponent_first, rng)
-    last_opponent = np.full(n, -1, dtype=np.int64)
-    first = np.flatnonzero(opponent_first)
-    if first.size:
-      moves = self.opponent.select(boards[first], base.OPPONENT, noise[first])
-      boards[first] = game.play(boards[first], moves, base.OPPONENT)
-      last_opponent[first] = moves
+    last_opponent = self._opponent_opens(boards, opponent_first, noise)
     self._rng = rng
     self._boards = boards
     self._done = np.zeros(n, dtype=bool)
@@ -240,6 +230,31 @@ class BoardGameEnv(base.TextEnv):
     self._games_won = np.zeros(n, dtype=np.int64)
     self._outcomes = [None] * n
     return self._observe(np.arange(n), [None] * n)
+
+  def _opponent_first(self, coins: np.ndarray) -> Bool[np.ndarray, ' B']:
+    """Whether the opponent moves first in each game (`EnvConfig.agent_first`; 'random':
+    where its coin, uniform in [0, 1), is below 1/2)."""
+    return {
+      'always': np.zeros(coins.shape[0], dtype=bool),
+      'never': np.ones(coins.shape[0], dtype=bool),
+      'random': coins < 0.5,
+    }[self.config.agent_first]
+
+  def _opponent_opens(
+    self,
+    boards: Int8[np.ndarray, 'B R W'],
+    opponent_first: Bool[np.ndarray, ' B'],
+    noise: np.ndarray,
+  ) -> Int[np.ndarray, ' B']:
+    """Plays the opponent's first move on the boards where it moves first (in place, noise
+    [B, A]); returns each board's move (-1: none)."""
+    last_opponent = np.full(len(boards), -1, dtype=np.int64)
+    first = np.flatnonzero(opponent_first)
+    if first.size:
+      moves = self.opponent.select(boards[first], base.OPPONENT, noise[first])
+      boards[first] = self.game.play(boards[first], moves, base.OPPONENT)
+      last_opponent[first] = moves
+    return last_opponent
 
   def _opening(
     self, boards: Int8[np.ndarray, 'B R W'], opponent_first: Bool[np.ndarray, ' B'], rng
@@ -502,19 +517,9 @@ class BoardGameEnv(base.TextEnv):
     `opening[:, 1:]`; appends the game's first observation to theirs."""
     game = self.game
     boards = np.zeros((idx.size, game.rows, game.cols), dtype=np.int8)
-    opponent_first = {
-      'always': np.zeros(idx.size, dtype=bool),
-      'never': np.ones(idx.size, dtype=bool),
-      'random': opening[idx, 0] < 0.5,
-    }[self.config.agent_first]
-    last_opponent = np.full(idx.size, -1, dtype=np.int64)
-    first = np.flatnonzero(opponent_first)
-    if first.size:
-      moves = self.opponent.select(boards[first], base.OPPONENT, opening[idx[first], 1:])
-      boards[first] = game.play(boards[first], moves, base.OPPONENT)
-      last_opponent[first] = moves
+    opponent_first = self._opponent_first(opening[idx, 0])
+    self._last_opponent[idx] = self._opponent_opens(boards, opponent_first, opening[idx, 1:])
     self._boards[idx] = boards
-    self._last_opponent[idx] = last_opponent
     self._games_left[idx] -= 1
     self._thoughts[idx] = 0
     self._hints[idx] = -1
