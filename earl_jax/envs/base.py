@@ -406,15 +406,22 @@ class StepResult:
   Attributes:
     observations: the next observation of each episode; a finished episode's last observation ends
       with a line naming its outcome, and an episode that had already finished gets ''.
-    rewards: float32 [B]; nonzero only on the step that ends an episode.
+    rewards: float32 [B]; the step's reward: where the episode got to (nonzero on the step that
+      ends it) plus what the reply itself earned (`move_rewards`).
     dones: bool [B]; True once an episode has ended, and from then on.
     infos: one `StepInfo` (board games) or `CodeStepInfo` (code tasks) per episode.
+    move_rewards: float32 [B], the part of `rewards` that judges the reply itself rather than
+      where the episode went: a legal move's bonus (`EnvConfig.legal_move_reward`), an invalid
+      reply's penalty (`invalid_penalty`; the episode, or a match's game, then ends with neither
+      a win nor a loss). None: zeros, the whole reward is the episode's. With turn credit it
+      counts for its own turn alone (`AdvantageConfig.move_credit`).
   """
 
   observations: list[str]
   rewards: Float[np.ndarray, ' B']
   dones: Bool[np.ndarray, ' B']
   infos: list[StepInfo] | list[CodeStepInfo]
+  move_rewards: Float[np.ndarray, ' B'] | None = None
 
   def __post_init__(self):
     n = len(self.observations)
@@ -427,6 +434,13 @@ class StepResult:
       raise ValueError(
         f'StepResult wants float32 rewards and bool dones, got {self.rewards.dtype} and '
         f'{self.dones.dtype}.'
+      )
+    if self.move_rewards is None:
+      object.__setattr__(self, 'move_rewards', np.zeros(n, np.float32))
+    elif self.move_rewards.shape != (n,) or self.move_rewards.dtype != np.float32:
+      raise ValueError(
+        f'StepResult for {n} observations wants float32 move_rewards of shape ({n},), got '
+        f'{self.move_rewards.dtype} {self.move_rewards.shape}.'
       )
 
 

@@ -377,6 +377,7 @@ class BoardGameEnv(base.TextEnv):
           rewards=result.rewards[lo:hi],
           dones=result.dones[lo:hi],
           infos=result.infos[lo:hi],
+          move_rewards=result.move_rewards[lo:hi],
         )
       )
       lo = hi
@@ -402,7 +403,7 @@ class BoardGameEnv(base.TextEnv):
     moves = self._play_moves(legal, parsed, noise)
     self._last_opponent[active] = moves.opponent_action[active]
     drawn = moves.filled | moves.opponent_filled
-    rewards = self._rewards(moves.won, moves.lost, drawn, invalid, legal)
+    rewards, move_rewards = self._rewards(moves.won, moves.lost, drawn, invalid, legal)
     for outcome, mask in (
       ('win', moves.won),
       ('loss', moves.lost),
@@ -430,6 +431,7 @@ class BoardGameEnv(base.TextEnv):
       rewards=rewards,
       dones=self._done.copy(),
       infos=infos,
+      move_rewards=move_rewards,
     )
 
   def _read_replies(
@@ -485,16 +487,19 @@ class BoardGameEnv(base.TextEnv):
       opponent_filled[answer] = game.is_full(boards[answer]) & ~lost[answer]
     return _Moves(won, filled, lost, opponent_filled, opponent_action)
 
-  def _rewards(self, won, lost, drawn, invalid, legal) -> np.ndarray:
-    """f32 [B]: the step's reward of each episode (all bool [B] masks)."""
+  def _rewards(self, won, lost, drawn, invalid, legal) -> tuple[np.ndarray, np.ndarray]:
+    """f32 [B] each: the step's reward of each episode, and the part of it that the reply
+    itself earned (`StepResult.move_rewards`: a legal move's bonus, an invalid reply's
+    penalty) (all bool [B] masks)."""
     config = self.config
-    rewards = np.zeros(self.num_envs, dtype=np.float32)
-    rewards[won] = config.win_reward
-    rewards[lost] = config.loss_reward
-    rewards[drawn] = config.draw_reward
-    rewards[invalid] = config.invalid_penalty
-    rewards[legal] += config.legal_move_reward
-    return rewards
+    move = np.zeros(self.num_envs, dtype=np.float32)
+    move[invalid] = config.invalid_penalty
+    move[legal] = config.legal_move_reward
+    rewards = move.copy()
+    rewards[won] += config.win_reward
+    rewards[lost] += config.loss_reward
+    rewards[drawn] += config.draw_reward
+    return rewards, move
 
   def _step_observations(self, active, think, hints) -> list[str]:
     """The next observation of each episode: the board (with the outcome of a finished one),

@@ -39,6 +39,8 @@ Estimator = Literal['reinforce', 'reinforce_pp', 'grpo', 'dr_grpo', 'rloo']
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 Credit = Literal['episode', 'turn']
 CREDITS: tuple[str, ...] = get_args(Credit)
+MoveCredit = Literal['reward_to_go', 'own_turn']
+MOVE_CREDITS: tuple[str, ...] = get_args(MoveCredit)
 GROUPED = ('grpo', 'dr_grpo', 'rloo')  # the estimators whose statistics run per group
 
 
@@ -52,6 +54,14 @@ class AdvantageConfig:
     credit: 'episode' (every token gets its episode's return) or 'turn' (its turn's
       discounted reward-to-go).
     gamma: the discount of the reward-to-go over turns (credit='turn').
+    move_credit: where a reward that the environment gives the reply itself
+      (`StepResult.move_rewards`: a legal move's bonus, an invalid reply's penalty) counts,
+      credit='turn' only: 'reward_to_go' (with every reward, so an invalid reply's penalty also
+      blames, discounted, every move before it) or 'own_turn' (its own turn alone: the turn
+      that played into a full column is judged by that move, the moves before it by where the
+      game was going). With the policy sharp on a move that is illegal in some state,
+      'own_turn' is the signal that leaves it: a legal move tried there scores its bonus against
+      the penalty, not the next turn's repeat of the illegal move (docs/results.md).
     eps: added to the std.
     std_ddof: the std's delta degrees of freedom ('grpo', 'reinforce_pp'): 0, the population
       std; 1, the sample std, as TRL's and verl's GRPO divide by (for groups of n the
@@ -61,6 +71,7 @@ class AdvantageConfig:
   estimator: Estimator = 'reinforce'
   credit: Credit = 'episode'
   gamma: float = 1.0
+  move_credit: MoveCredit = 'reward_to_go'
   eps: float = 1e-6
   std_ddof: int = 0
 
@@ -77,6 +88,15 @@ class AdvantageConfig:
       raise ConfigError(
         f"AdvantageConfig.estimator='rloo' leaves one episode out of its group's baseline: it "
         f"needs credit='episode', got credit={self.credit!r}."
+      )
+    if self.move_credit not in MOVE_CREDITS:
+      raise ConfigError(
+        f'AdvantageConfig.move_credit={self.move_credit!r} is unknown; known: {list(MOVE_CREDITS)}.'
+      )
+    if self.move_credit == 'own_turn' and self.credit != 'turn':
+      raise ConfigError(
+        f"AdvantageConfig.move_credit='own_turn' credits a move reward to its turn: it needs "
+        f"credit='turn', got credit={self.credit!r}."
       )
     if not 0 < self.gamma <= 1:
       raise ConfigError(f'AdvantageConfig.gamma must be in (0, 1], got {self.gamma}.')

@@ -186,6 +186,7 @@ class _Episodes:
   turn_starts: list[list[int]]
   turn_tokens: list[list[int]]
   turn_rewards: list[list[float]]
+  turn_move_rewards: list[list[float]]  # the part of each turn's reward its reply earned
   outcomes: list[str]
   observations: list[str]  # the observation each running episode answers next
   returns: np.ndarray  # f32 [E]
@@ -209,6 +210,7 @@ class _Episodes:
       turn_starts=lists(),
       turn_tokens=lists(),
       turn_rewards=lists(),
+      turn_move_rewards=lists(),
       outcomes=['truncated'] * E,
       observations=[''] * E,
       returns=np.zeros(E, np.float32),
@@ -245,6 +247,7 @@ class _Episodes:
       self.returns[i] += reward
       if played[j]:
         self.turn_rewards[i].append(reward)
+        self.turn_move_rewards[i].append(float(result.move_rewards[j]))
         self.thoughts[i] += result.infos[j].get('hint') is not None
       elif overflow[j] and self.turn_rewards[i]:  # the forfeit lands on the last turn played
         self.turn_rewards[i][-1] += reward
@@ -283,6 +286,7 @@ class _Episodes:
       lengths=np.array([len(r) for r in self.rows], np.int32),
       returns=self.returns,
       turn_rewards=self.turn_rewards,
+      turn_move_rewards=self.turn_move_rewards,
       group_ids=(row_ids // group_size).astype(np.int32),
       turn_starts=self.turn_starts,
       turn_tokens=self.turn_tokens,

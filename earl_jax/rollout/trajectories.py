@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Bool, Float, Float32, Int32
 
 from earl_jax import distributed
+from earl_jax.rl.advantages import MOVE_CREDITS
 from earl_jax.rl.batch import Batch
 from earl_jax.sharding import mesh as mesh_lib
 
@@ -48,6 +49,8 @@ class Trajectories:
     returns: the episode return (the sum of its rewards).
     group_ids: the episode's group (episodes that share their randomness).
     turn_rewards: the reward each turn earned, per episode.
+    turn_move_rewards: the part of each turn's reward that its reply itself earned
+      (`StepResult.move_rewards`), per episode (default: zeros).
     turn_starts: the token index where each turn's prompt starts, per episode.
     turn_tokens: the tokens of each turn (prompt + reply): the turn-level context length.
     outcomes: 'win' | 'loss' | 'draw' | 'invalid' | 'overflow' | 'truncated', per episode.
@@ -84,9 +87,12 @@ class Trajectories:
   episode_seconds: Float32[np.ndarray, ' B'] | None = None
   rollout_stats: dict[str, float] = dataclasses.field(default_factory=dict)
   env_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  turn_move_rewards: list[list[float]] | None = None
 
   def __post_init__(self):
     B = len(self.outcomes)
+    if self.turn_move_rewards is None:
+      self.turn_move_rewards = [[0.0] * len(r) for r in self.turn_rewards]
     if self.episode_seconds is None:
       self.episode_seconds = np.zeros(B, np.float32)
     if self.thoughts is None:
@@ -110,21 +116,33 @@ class Trajectories:
     return context_stats(self.lengths, [len(t) for t in self.turn_tokens], self.thoughts)
 
   def token_returns(
-    self, gamma: float, bonus: Float32[np.ndarray, ' B'] | None = None
+    self,
+    gamma: float,
+    bonus: Float32[np.ndarray, ' B'] | None = None,
+    *,
+    move_credit: str = 'reward_to_go',
   ) -> Float32[np.ndarray, 'B T']:
     """On every generated token, the discounted reward-to-go from its turn on.
 
     G_t = sum_k gamma^(k - t) r_k over the episode's turns k >= t; 0 on template tokens.
     `bonus`: per episode, added to its last turn's reward (a shaping of the whole episode).
+    `move_credit='own_turn'`: each turn's move reward m_t (`turn_move_rewards`) counts for its
+    own turn alone, G_t = m_t + sum_k gamma^(k - t) (r_k - m_k): an invalid reply's penalty does
+    not blame the moves before it, nor does a legal move's bonus reward them
+    (`AdvantageConfig.move_credit`).
     """
+    if move_credit not in MOVE_CREDITS:
+      raise ValueError(f'token_returns: move_credit={move_credit!r}; known: {MOVE_CREDITS}.')
     out = np.zeros(self.tokens.shape, np.float32)
     for i, rewards in enumerate(self.turn_rewards):
+      own = self.turn_move_rewards[i] if move_credit == 'own_turn' else [0.0] * len(rewards)
+      rewards = [r - m for r, m in zip(rewards, own)]
       if bonus is not None and rewards:
         rewards = [*rewards[:-1], rewards[-1] + float(bonus[i])]
       reward_to_go, returns = 0.0, [0.0] * len(rewards)
       for turn in range(len(rewards) - 1, -1, -1):
         reward_to_go = rewards[turn] + gamma * reward_to_go
-        returns[turn] = reward_to_go
+        returns[turn] = reward_to_go + own[turn]
       starts = [*self.turn_starts[i], int(self.lengths[i])]
       for turn, reward_to_go in enumerate(returns):
         lo, hi = starts[turn], starts[turn + 1]
@@ -141,6 +159,7 @@ class Trajectories:
       'logprobs': self.logprobs[i, :n].copy(),
       'return': float(self.returns[i]),
       'turn_rewards': list(self.turn_rewards[i]),
+      'turn_move_rewards': list(self.turn_move_rewards[i]),
       'turn_starts': list(self.turn_starts[i]),
       'turn_tokens': list(self.turn_tokens[i]),
       'outcome': self.outcomes[i],
@@ -181,6 +200,7 @@ class Trajectories:
       returns=np.array([e['return'] for e in episodes], np.float32),
       group_ids=(first.row_ids // group_size).astype(np.int32),
       turn_rewards=[e['turn_rewards'] for e in episodes],
+      turn_move_rewards=[e['turn_move_rewards'] for e in episodes],
       turn_starts=[e['turn_starts'] for e in episodes],
       turn_tokens=[e['turn_tokens'] for e in episodes],
       outcomes=[e['outcome'] for e in episodes],
@@ -205,10 +225,12 @@ class Trajectories:
     gamma: float = 1.0,
     exclude: tuple[str, ...] = (),
     bonus: Float32[np.ndarray, ' B'] | None = None,
+    move_credit: str = 'reward_to_go',
   ) -> Batch:
     """A host Batch with `rows` rows (padding rows are invalid) and tokens padded to `bucket`.
 
-    `gamma` discounts the per-token reward-to-go (`Batch.returns`). `bonus`: per episode, a
+    `gamma` discounts the per-token reward-to-go (`Batch.returns`), `move_credit` says where a
+    move reward counts (`token_returns`). `bonus`: per episode, a
     reward added to its return and to its last turn's (e.g. `overlong_penalties`). `exclude`: outcomes whose
     episodes stay out of the update (e.g. ('overflow',), overlong filtering): their rows keep
     their tokens but are invalid with an all-False loss mask, like padding rows, so they add
@@ -230,7 +252,7 @@ class Trajectories:
       tokens=pad(self.tokens).astype(np.int32),
       loss_mask=pad(self.loss_mask & kept[:, None], False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
-      returns=pad(self.token_returns(gamma, bonus)),
+      returns=pad(self.token_returns(gamma, bonus, move_credit=move_credit)),
       segment_ids=(
         np.arange(bucket)[None, :] < np.pad(self.lengths, (0, rows - B))[:, None]
       ).astype(np.int32),
@@ -250,13 +272,19 @@ class Trajectories:
     gamma: float = 1.0,
     exclude: tuple[str, ...] = (),
     bonus: Float32[np.ndarray, ' B'] | None = None,
+    move_credit: str = 'reward_to_go',
   ) -> Batch:
     """The whole batch (`batch_rows` rows, tokens padded to `bucket`) as device arrays on
     `shardings`, built from this process's episodes: every process calls it with its own, and
-    each puts only the rows its devices hold (which must be among them). `exclude` and `bonus`
-    as in `to_batch`."""
+    each puts only the rows its devices hold (which must be among them). `exclude`, `bonus` and
+    `move_credit` as in `to_batch`."""
     host = self.to_batch(
-      bucket=bucket, rows=self.num_episodes, gamma=gamma, exclude=exclude, bonus=bonus
+      bucket=bucket,
+      rows=self.num_episodes,
+      gamma=gamma,
+      exclude=exclude,
+      bonus=bonus,
+      move_credit=move_credit,
     )
     return jax.tree.map(
       lambda x, sh: mesh_lib.put_rows(x, self.row_ids, (self.batch_rows, *x.shape[1:]), sh),

@@ -326,6 +326,7 @@ class Trainer:
       bucket=bucket,
       shardings=roll_layout.shardings(),
       gamma=cfg.advantages.gamma,
+      move_credit=cfg.advantages.move_credit,
       exclude=('overflow',) if cfg.overlong_filter else (),
       bonus=self._overlong(rollout.traj.lengths),
     )

@@ -562,6 +562,27 @@ def test_legal_move_reward_is_paid_per_legal_move():
   np.testing.assert_allclose(r2, [0.25, 0.0, 0.25])  # the ended episode earns nothing
 
 
+def test_move_rewards_are_the_part_of_the_reward_the_reply_earned():
+  # The agent stacks column 1 until its episode ends.
+  config = base.EnvConfig(
+    game='connect_four', agent_first='always', legal_move_reward=0.25, invalid_penalty=-2.0
+  )
+  env = registry.make_env(config)
+  env.reset(2, seed=0)
+  first = env.step(['1', 'x'])
+  np.testing.assert_allclose(first.rewards, [0.25, -2.0])
+  np.testing.assert_allclose(first.move_rewards, [0.25, -2.0])  # neither a win nor a loss
+  result = first
+  while not result.dones[0]:
+    result = env.step(['1', '1'])
+  outcome = result.infos[0]['outcome']
+  move = -2.0 if outcome == 'invalid' else 0.25  # the column may have filled first
+  game = {'win': 1.0, 'loss': -1.0, 'draw': 0.0, 'invalid': 0.0}[outcome]
+  np.testing.assert_allclose(result.rewards[0], game + move)
+  np.testing.assert_allclose(result.move_rewards[0], move)
+  np.testing.assert_allclose(result.move_rewards[1], 0.0)  # ended: earns nothing
+
+
 @pytest.mark.parametrize('game', ['connect_four', 'tic_tac_toe'])
 def test_a_subset_of_rows_plays_the_same_games_as_the_whole_batch(game):
   """Each process of a multi-process rollout plays only its rows: row i must play exactly the

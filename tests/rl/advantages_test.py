@@ -76,6 +76,14 @@ def test_grpo_advantages_have_zero_mean_per_group():
   assert (adv[~host.valid] == 0).all()
 
 
+def test_move_credit_is_known_and_needs_turn_credit():
+  with unchecked(), pytest.raises(ValueError, match=r"move_credit='own' is unknown"):
+    advantages.AdvantageConfig(credit='turn', move_credit='own')
+  with pytest.raises(ValueError, match=r"'own_turn' .* needs credit='turn', got credit='episode'"):
+    advantages.AdvantageConfig(move_credit='own_turn')
+  assert advantages.AdvantageConfig(credit='turn', move_credit='own_turn').gamma == 1.0
+
+
 def test_unknown_estimator_and_rloo_without_episode_credit():
   with unchecked(), pytest.raises(ValueError, match=r"estimator='ppo' is unknown"):
     advantages.AdvantageConfig(estimator='ppo')

@@ -67,6 +67,7 @@ def test_assemble_takes_episodes_from_several_rounds_in_place():
   assert out.returns.tolist() == [0, 1, 0, 1] and out.outcomes == ['loss', 'win', 'loss', 'win']
   assert out.group_ids.tolist() == [0, 0, 1, 1] and out.row_ids.tolist() == [0, 1, 2, 3]
   assert out.turn_rewards == [[0.0], [1.0], [0.0], [1.0]]
+  assert out.turn_move_rewards == [[0.0]] * 4
   assert out.env_stats['passed'].tolist() == [1, 1, 0, 0]
   assert out.generated_tokens == 4 and out.cache_buckets == [8, 16]
   assert out.timings == {'generate_s': 2.0, 'env_s': 1.0, 'host_s': 0.0}

@@ -250,6 +250,25 @@ def test_token_returns_are_discounted_rewards_to_go(digit_policy):
   assert max(len(r) for r in traj.turn_rewards) > 1  # several turns were played
 
 
+def test_move_rewards_recorded_per_turn_count_for_their_own_turn(digit_policy):
+  mesh, _, params = digit_policy
+  traj = _engine(mesh=mesh, legal_move_reward=0.1).run(params, mesh, seed=2)
+  gamma = 0.5
+  own = traj.token_returns(gamma, move_credit='own_turn')
+  for i in range(traj.num_episodes):
+    r, m = traj.turn_rewards[i], traj.turn_move_rewards[i]
+    last_is_invalid = traj.outcomes[i] == 'invalid'
+    np.testing.assert_allclose(
+      m, [-1.0 if last_is_invalid and t == len(r) - 1 else 0.1 for t in range(len(r))], rtol=1e-6
+    )
+    o = [a - b for a, b in zip(r, m)]  # what the game gave: nothing for an invalid reply
+    expected = [
+      m[t] + sum(gamma ** (k - t) * o[k] for k in range(t, len(o))) for t in range(len(o))
+    ]
+    np.testing.assert_allclose(own[i, np.flatnonzero(traj.loss_mask[i])], expected, rtol=1e-6)
+  assert 'invalid' in traj.outcomes and {'win', 'loss'} & set(traj.outcomes)
+
+
 # -- slots: refill against lock-step --------------------------------------------------------------
 
 

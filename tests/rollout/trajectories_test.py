@@ -1,5 +1,7 @@
 """Trajectories: discounted returns per turn, padding to a bucket, context statistics."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,23 @@ def test_token_returns_are_rewards_to_go_on_generated_tokens_only():
   r = _trajectories().token_returns(gamma=0.5)
   np.testing.assert_allclose(r[0], [0, 0, 0.5 + 0.5 * 1.0, 0, 1.0])
   np.testing.assert_allclose(r[1], [0, 0, -1.0, 0, 0])
+
+
+def test_a_move_reward_credited_to_its_own_turn_leaves_the_turns_before_it():
+  # Episode 0: a legal move (bonus 0.5) then an invalid one (penalty -1, the whole reward).
+  traj = dataclasses.replace(
+    _trajectories(), turn_rewards=[[0.5, -1.0], [-1.0]], turn_move_rewards=[[0.5, -1.0], [0.0]]
+  )
+  to_go = traj.token_returns(gamma=0.5)
+  np.testing.assert_allclose(to_go[0], [0, 0, 0.5 + 0.5 * -1.0, 0, -1.0])
+  own = traj.token_returns(gamma=0.5, move_credit='own_turn')
+  np.testing.assert_allclose(own[0], [0, 0, 0.5, 0, -1.0])
+  np.testing.assert_allclose(own[1], [0, 0, -1.0, 0, 0])  # an outcome reward: discounted as ever
+  batch = traj.to_batch(bucket=8, rows=4, gamma=0.5, move_credit='own_turn')
+  np.testing.assert_allclose(batch.returns[0, :5], own[0])
+  np.testing.assert_allclose(batch.rewards[:2], traj.returns)  # the episode's return: unchanged
+  with pytest.raises(ValueError, match="move_credit='own'"):
+    traj.token_returns(gamma=0.5, move_credit='own')
 
 
 def test_to_batch_pads_rows_and_tokens_and_marks_padding_invalid():
