@@ -59,6 +59,15 @@ SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
     'online task curriculum by recent pass rate (code tasks)',
     ('--config.curriculum.enabled=true',),
   ),
+  'own_turn': (
+    "REINFORCE++ with turn credit (gamma 0.9), a move's own reward for its turn alone",
+    (
+      '--config.advantages.estimator=reinforce_pp',
+      '--config.advantages.credit=turn',
+      '--config.advantages.gamma=0.9',
+      '--config.advantages.move_credit=own_turn',
+    ),
+  ),
 }
 DEFAULT_SETTINGS = ('as_is', 'rloo', 'dr_grpo', 'gspo', 'dynamic_sampling')
 

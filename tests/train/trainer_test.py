@@ -514,3 +514,55 @@ def test_the_long_context_preset_takes_context_parallelism_exactly_where_nothing
   with pytest.raises(InfeasibleError, match=r'No train layout fits .* at bucket 2048 .*with_cp'):
     t.run(progress=False)
   assert len(metrics.read_jsonl(os.path.join(tmp_path, 'no_cp', 'metrics.jsonl'))) == 1
+
+
+def test_own_turn_move_credit_reaches_the_batch_the_train_stage_gets(tmp_path, monkeypatch):
+  """The default at reduced size (16 episodes on 8 slots, 2 steps, no profile) with replies
+  constrained to the column digits and turn credit, `move_credit='own_turn'`: the batch the
+  experience and train stages get holds own-turn returns, each turn's move reward (a legal
+  move's bonus, an invalid move's penalty) for its turn alone."""
+  from earl_jax.models.tokenizer import GameTokenizer
+  from earl_jax.rl.advantages import AdvantageConfig
+  from earl_jax.rollout.trajectories import Trajectories
+  from experiments.configs import train as presets
+
+  base = presets.default()
+  config = dataclasses.replace(
+    base,
+    rollout=dataclasses.replace(
+      base.rollout, num_episodes=16, num_slots=8, reply_tokens=tuple('1234567')
+    ),
+    advantages=AdvantageConfig(
+      estimator='reinforce_pp', credit='turn', gamma=0.9, move_credit='own_turn'
+    ),
+    selector=dataclasses.replace(
+      base.selector,
+      candidates=('dp8',),
+      profile=dataclasses.replace(base.selector.profile, stages=(), cache=None),
+    ),
+    steps=2,
+    eval_every=0,
+    checkpoint_every=0,
+  )
+  seen = []
+  real = Trajectories.to_device_batch
+
+  def spy(self, **kwargs):
+    batch = real(self, **kwargs)
+    gamma, credit = kwargs['gamma'], kwargs['move_credit']
+    seen.append((self, np.asarray(batch.returns), self.token_returns(gamma, move_credit=credit)))
+    return batch
+
+  monkeypatch.setattr(Trajectories, 'to_device_batch', spy)
+  trainer.Trainer(config, workdir=str(tmp_path / 'run'), log_fn=lambda _: None).run(progress=False)
+  assert len(seen) == 2
+  for traj, returns, own in seen:
+    replies = GameTokenizer().decode(traj.tokens[traj.loss_mask].tolist())
+    assert set(replies) <= set('1234567') and len(replies) >= traj.num_episodes
+    B, T = own.shape
+    np.testing.assert_allclose(returns[:B, :T], own, rtol=1e-6)
+    for i in range(B):  # the last turn of an invalid game: its penalty, nothing discounted in
+      if traj.outcomes[i] == 'invalid':
+        last = np.flatnonzero(traj.loss_mask[i])[-1]
+        assert own[i, last] == pytest.approx(config.env.invalid_penalty)
+  assert any('invalid' in traj.outcomes for traj, _, _ in seen)  # a full column was played
