@@ -28,6 +28,7 @@ Writes <out>/context_fit.json (every cell, the flags, date, JAX version), <out>/
 cells over budget crossed, each stage's longest fit without and with CP outlined).
 """
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -61,6 +62,16 @@ _XLA_STAGES = flags.DEFINE_list(
   ['rollout', 'experience'],
   'Stages whose boundary cells XLA checks (compile only; none: analytic alone). The train step '
   'of a 7B model takes XLA:CPU over 12 minutes a compile here, so it is not in the default.',
+)
+_XLA_LAYERS = flags.DEFINE_integer(
+  'xla_layers',
+  0,
+  "Compile the XLA checks with this many of the model's layers and with one fewer, and "
+  'extrapolate each peak linearly by their difference to all of them: weights, gradients, '
+  "optimizer state and the activations kept for the backward pass grow by a layer's worth a "
+  "layer. For a model whose whole program XLA:CPU cannot compile in this host's memory (the 7B "
+  'train step needs over 23 GB). 0: the whole model.',
+  lower_bound=0,
 )
 _OUT = flags.DEFINE_string('out', 'runs/context_fit', 'Output directory.')
 
@@ -132,10 +143,30 @@ def analytic_fit(stage, model, layouts, contexts, budget: int, margin: float) ->
   return Fit(stage=str(stage), budget=budget, needs=needs, longest=longest)
 
 
-def xla_checks(exe, stage, fit: Fit, contexts, margin: float) -> list[dict[str, Any]]:
-  """Compile-only peaks of each best layout (without CP, with CP): at its analytic longest fit,
-  then down the grid until XLA's peak fits, or up one context when it fits there; the last
-  checked context that fits is XLA's longest fit of that layout."""
+def compiled_peak(exes, layers: int):
+  """(stage, layout, context) -> XLA's per-device peak in bytes of the program there, compiled
+  only: with `exes` one `Executables` of the whole model, its own; with two, of k - 1 and k
+  layers, extrapolated linearly from k to `layers` (`--xla_layers`)."""
+
+  def peak(exe, stage, p, context) -> int:
+    return exe.get(exe.key(stage, p, context, p.batch_shards)).memory.peak
+
+  if len(exes) == 1:
+    return lambda stage, p, context: peak(exes[0], stage, p, context)
+  fewer, more = exes
+  k = more.model.num_layers
+
+  def extrapolated(stage, p, context) -> int:
+    below, at = peak(fewer, stage, p, context), peak(more, stage, p, context)
+    return at + (layers - k) * (at - below)
+
+  return extrapolated
+
+
+def xla_checks(peak, stage, fit: Fit, contexts, margin: float) -> list[dict[str, Any]]:
+  """Compile-only peaks (`compiled_peak`) of each best layout (without CP, with CP): at its
+  analytic longest fit, then down the grid until XLA's peak fits, or up one context when it fits
+  there; the last checked context that fits is XLA's longest fit of that layout."""
   from earl_jax.config import ParallelConfig
   from earl_jax.memory_budget import fits
 
@@ -147,15 +178,15 @@ def xla_checks(exe, stage, fit: Fit, contexts, margin: float) -> list[dict[str, 
     p = ParallelConfig.parse(name)
 
     def check(context, name=name, p=p, with_cp=with_cp):
-      peak = exe.get(exe.key(stage, p, context, p.batch_shards)).memory.peak
+      xla_peak = peak(stage, p, context)
       row = {
         'stage': str(stage),
         'layout': name,
         'context': context,
         'with_cp': with_cp,
-        'xla_peak': peak,
+        'xla_peak': xla_peak,
         'analytic': fit.needs[name][context],
-        'fits': fits(peak, fit.budget, margin=margin),
+        'fits': fits(xla_peak, fit.budget, margin=margin),
       }
       out.append(row)
       return row['fits']
@@ -222,6 +253,15 @@ def markdown(result: dict[str, Any]) -> str:
       '',
       '## XLA compile-only check (XLA:CPU memory plan of our programs, never run)',
       '',
+    ]
+    if result['flags'].get('xla_layers'):
+      lines += [
+        f'Each peak compiled with {result["flags"]["xla_layers"] - 1} and '
+        f"{result['flags']['xla_layers']} layers and extrapolated linearly to the model's "
+        '(`--xla_layers`).',
+        '',
+      ]
+    lines += [
       '| stage | layout | context | XLA peak GB | analytic GB | fits |',
       '|---|---|---:|---:|---:|---|',
     ]
@@ -288,6 +328,13 @@ def main(argv):
   if not set(checked) <= set(stages):
     raise app.UsageError(f'--xla_stages={_XLA_STAGES.value} must be among --stages.')
   model = ModelConfig.preset(_MODEL.value).replace(param_dtype=_DTYPE.value, dtype=_DTYPE.value)
+  layers = _XLA_LAYERS.value
+  if layers == 1 or layers >= model.num_layers:
+    fewer = f'or 2 to {model.num_layers - 1} ' if model.num_layers > 2 else ''
+    raise app.UsageError(
+      f'--xla_layers={layers}: expected 0 (the whole model) {fewer}({model.name} has '
+      f'{model.num_layers} layers).'
+    )
   runtime.setup(cpu_devices=_DEVICES.value)
   import jax
 
@@ -312,6 +359,7 @@ def main(argv):
       'usable': _USABLE.value,
       'safety_margin': _MARGIN.value,
       'xla_stages': list(_XLA_STAGES.value),
+      'xla_layers': layers,
     },
     'stages': [],
     'xla': [],
@@ -337,9 +385,12 @@ def main(argv):
       flush=True,
     )
   if checked:
-    with Executables(model) as exe:
+    sizes = (layers - 1, layers) if layers else (model.num_layers,)
+    with contextlib.ExitStack() as stack:
+      exes = [stack.enter_context(Executables(model.replace(num_layers=k))) for k in sizes]
+      peak = compiled_peak(exes, model.num_layers)
       for stage in checked:
-        rows = xla_checks(exe, stage, fits_by_stage[stage], contexts, _MARGIN.value)
+        rows = xla_checks(peak, stage, fits_by_stage[stage], contexts, _MARGIN.value)
         entry = next(e for e in result['stages'] if e['stage'] == str(stage))
         entry['xla_without_cp'] = xla_longest(rows, with_cp=False)
         entry['xla_with_cp'] = xla_longest(rows, with_cp=True)
