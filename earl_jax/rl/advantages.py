@@ -61,7 +61,7 @@ class AdvantageConfig:
       that played into a full column is judged by that move, the moves before it by where the
       game was going). With the policy sharp on a move that is illegal in some state,
       'own_turn' is the signal that leaves it: a legal move tried there scores its bonus against
-      the penalty, not the next turn's repeat of the illegal move (docs/results.md).
+      the penalty, not the next turn's repeat of the illegal move (docs/results/main-job.md).
     eps: added to the std.
     std_ddof: the std's delta degrees of freedom ('grpo', 'reinforce_pp'): 0, the population
       std; 1, the sample std, as TRL's and verl's GRPO divide by (for groups of n the

@@ -516,25 +516,19 @@ def test_the_long_context_preset_takes_context_parallelism_exactly_where_nothing
   assert len(metrics.read_jsonl(os.path.join(tmp_path, 'no_cp', 'metrics.jsonl'))) == 1
 
 
-def test_own_turn_move_credit_reaches_the_batch_the_train_stage_gets(tmp_path, monkeypatch):
-  """The default at reduced size (16 episodes on 8 slots, 2 steps, no profile) with replies
-  constrained to the column digits and turn credit, `move_credit='own_turn'`: the batch the
-  experience and train stages get holds own-turn returns, each turn's move reward (a legal
-  move's bonus, an invalid move's penalty) for its turn alone."""
+def test_the_long_preset_credits_an_invalid_move_to_that_move_alone(tmp_path, monkeypatch):
+  """The `long` preset at reduced size (16 episodes, 2 steps, no profile): every reply a column
+  digit, and the batch the experience and train stages get holds own-turn returns, each turn's
+  move reward (an invalid move's penalty) for its turn alone (`move_credit='own_turn'`)."""
   from earl_jax.models.tokenizer import GameTokenizer
-  from earl_jax.rl.advantages import AdvantageConfig
   from earl_jax.rollout.trajectories import Trajectories
   from experiments.configs import train as presets
 
-  base = presets.default()
+  base = presets.long()
+  assert (base.advantages.credit, base.advantages.move_credit) == ('turn', 'own_turn')
   config = dataclasses.replace(
     base,
-    rollout=dataclasses.replace(
-      base.rollout, num_episodes=16, num_slots=8, reply_tokens=tuple('1234567')
-    ),
-    advantages=AdvantageConfig(
-      estimator='reinforce_pp', credit='turn', gamma=0.9, move_credit='own_turn'
-    ),
+    rollout=dataclasses.replace(base.rollout, num_episodes=16),
     selector=dataclasses.replace(
       base.selector,
       candidates=('dp8',),
