@@ -143,28 +143,8 @@ def analytic_fit(stage, model, layouts, contexts, budget: int, margin: float) ->
   return Fit(stage=str(stage), budget=budget, needs=needs, longest=longest)
 
 
-def compiled_peak(exes, layers: int):
-  """(stage, layout, context) -> XLA's per-device peak in bytes of the program there, compiled
-  only: with `exes` one `Executables` of the whole model, its own; with two, of k - 1 and k
-  layers, extrapolated linearly from k to `layers` (`--xla_layers`)."""
-
-  def peak(exe, stage, p, context) -> int:
-    return exe.get(exe.key(stage, p, context, p.batch_shards)).memory.peak
-
-  if len(exes) == 1:
-    return lambda stage, p, context: peak(exes[0], stage, p, context)
-  fewer, more = exes
-  k = more.model.num_layers
-
-  def extrapolated(stage, p, context) -> int:
-    below, at = peak(fewer, stage, p, context), peak(more, stage, p, context)
-    return at + (layers - k) * (at - below)
-
-  return extrapolated
-
-
 def xla_checks(peak, stage, fit: Fit, contexts, margin: float) -> list[dict[str, Any]]:
-  """Compile-only peaks (`compiled_peak`) of each best layout (without CP, with CP): at its
+  """Compile-only peaks (`peak`: `programs.memory.compiled_peak`) of each best layout (without CP, with CP): at its
   analytic longest fit, then down the grid until XLA's peak fits, or up one context when it fits
   there; the last checked context that fits is XLA's longest fit of that layout."""
   from earl_jax.config import ParallelConfig
@@ -338,7 +318,7 @@ def main(argv):
   runtime.setup(cpu_devices=_DEVICES.value)
   import jax
 
-  from earl_jax.programs import Executables
+  from earl_jax.programs import Executables, memory
   from earl_jax.selector.candidates import stage_candidates
 
   n = _DEVICES.value
@@ -388,7 +368,7 @@ def main(argv):
     sizes = (layers - 1, layers) if layers else (model.num_layers,)
     with contextlib.ExitStack() as stack:
       exes = [stack.enter_context(Executables(model.replace(num_layers=k))) for k in sizes]
-      peak = compiled_peak(exes, model.num_layers)
+      peak = memory.compiled_peak(exes, model.num_layers)
       for stage in checked:
         rows = xla_checks(peak, stage, fits_by_stage[stage], contexts, _MARGIN.value)
         entry = next(e for e in result['stages'] if e['stage'] == str(stage))

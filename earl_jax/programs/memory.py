@@ -11,7 +11,9 @@ One unit, bytes per device:
   nothing runs out of memory, an emulated figure that must be given (a flag), so that "does not
   fit" is real and testable here.
 
-The analytic model for shapes too large to compile here is `earl_jax.profiling.analytic`.
+The analytic model for shapes too large to compile here is `earl_jax.profiling.analytic`;
+`compiled_peak` extrapolates XLA's peak of a model too large to compile whole from two smaller
+layer counts.
 """
 
 import contextlib
@@ -67,6 +69,26 @@ def xla_memory(compiled: Any) -> MemoryUse:
     temporaries=int(m.temp_size_in_bytes),
     code=int(getattr(m, 'generated_code_size_in_bytes', 0) or 0),
   )
+
+
+def compiled_peak(exes, layers: int):
+  """(stage, layout, context) -> XLA's per-device peak in bytes of the program there, compiled
+  only: with `exes` one `Executables` of the whole model, its own; with two, of k - 1 and k
+  layers, extrapolated linearly from k to `layers` (experiments/context_fit.py `--xla_layers`)."""
+
+  def peak(exe, stage, p, context) -> int:
+    return exe.get(exe.key(stage, p, context, p.batch_shards)).memory.peak
+
+  if len(exes) == 1:
+    return lambda stage, p, context: peak(exes[0], stage, p, context)
+  fewer, more = exes
+  k = more.model.num_layers
+
+  def extrapolated(stage, p, context) -> int:
+    below, at = peak(fewer, stage, p, context), peak(more, stage, p, context)
+    return at + (layers - k) * (at - below)
+
+  return extrapolated
 
 
 def resident_bytes_per_device(tree: Any, device: Any | None = None) -> int:

@@ -69,31 +69,3 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, args, error):
   proc = _run(*args, f'--out={tmp_path}')
   assert proc.returncode == 2 and error in proc.stderr
   assert 'Traceback' not in proc.stderr
-
-
-def test_a_peak_extrapolated_from_fewer_layers_is_near_the_whole_models():
-  """`--xla_layers`: the peaks of 2 and 3 layers of a 4-layer model, extrapolated to 4, against
-  the 4-layer program's own (the train step on dp8 and on a context-parallel layout, and the
-  experience forward)."""
-  from earl_jax.config import ModelConfig, ParallelConfig
-  from earl_jax.programs import Executables
-  from earl_jax.stage import Stage
-  from experiments.context_fit import compiled_peak
-
-  model = ModelConfig.preset('tiny').replace(num_layers=4)
-  cells = [
-    (Stage.TRAIN, 'dp8', 512),
-    (Stage.TRAIN, 'dp2.cp4', 1024),
-    (Stage.EXPERIENCE, 'dp8', 1024),
-  ]
-  with Executables(model) as whole:
-    truth = compiled_peak([whole], 4)
-    expected = [truth(s, ParallelConfig.parse(n), t) for s, n, t in cells]
-  with (
-    Executables(model.replace(num_layers=2)) as two,
-    Executables(model.replace(num_layers=3)) as three,
-  ):
-    extrapolated = compiled_peak([two, three], 4)
-    got = [extrapolated(s, ParallelConfig.parse(n), t) for s, n, t in cells]
-  for cell, g, e in zip(cells, got, expected):
-    assert g == pytest.approx(e, rel=0.02), cell

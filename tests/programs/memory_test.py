@@ -38,3 +38,30 @@ def test_device_budget_on_cpu_needs_an_emulated_figure():
   with pytest.raises(ValueError, match="platform 'cpu' report no memory limit"):
     memory.device_budget()
   assert memory.device_budget(emulated=64 * MiB) == 64 * MiB
+
+
+def test_a_peak_extrapolated_from_fewer_layers_is_near_the_whole_models():
+  """`compiled_peak` (experiments/context_fit.py `--xla_layers`): the peaks of 2 and 3 layers of
+  a 4-layer model, extrapolated to 4, against the 4-layer program's own (the train step on dp8
+  and on a context-parallel layout, and the experience forward)."""
+  from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.programs import Executables
+  from earl_jax.stage import Stage
+
+  model = ModelConfig.preset('tiny').replace(num_layers=4)
+  cells = [
+    (Stage.TRAIN, 'dp8', 512),
+    (Stage.TRAIN, 'dp2.cp4', 1024),
+    (Stage.EXPERIENCE, 'dp8', 1024),
+  ]
+  with Executables(model) as whole:
+    truth = memory.compiled_peak([whole], 4)
+    expected = [truth(s, ParallelConfig.parse(n), t) for s, n, t in cells]
+  with (
+    Executables(model.replace(num_layers=2)) as two,
+    Executables(model.replace(num_layers=3)) as three,
+  ):
+    extrapolated = memory.compiled_peak([two, three], 4)
+    got = [extrapolated(s, ParallelConfig.parse(n), t) for s, n, t in cells]
+  for cell, g, e in zip(cells, got, expected):
+    assert g == pytest.approx(e, rel=0.02), cell
