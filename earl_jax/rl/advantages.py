@@ -76,22 +76,19 @@ class AdvantageConfig:
   std_ddof: int = 0
 
   def __post_init__(self):
-    if self.estimator not in ESTIMATORS:
-      raise ConfigError(
-        f'AdvantageConfig.estimator={self.estimator!r} is unknown; known: {list(ESTIMATORS)}.'
-      )
-    if self.credit not in CREDITS:
-      raise ConfigError(
-        f'AdvantageConfig.credit={self.credit!r} is unknown; known: {list(CREDITS)}.'
-      )
+    for field, known in (
+      ('estimator', ESTIMATORS),
+      ('credit', CREDITS),
+      ('move_credit', MOVE_CREDITS),
+    ):
+      if getattr(self, field) not in known:
+        raise ConfigError(
+          f'AdvantageConfig.{field}={getattr(self, field)!r} is unknown; known: {list(known)}.'
+        )
     if self.estimator == 'rloo' and self.credit != 'episode':
       raise ConfigError(
         f"AdvantageConfig.estimator='rloo' leaves one episode out of its group's baseline: it "
         f"needs credit='episode', got credit={self.credit!r}."
-      )
-    if self.move_credit not in MOVE_CREDITS:
-      raise ConfigError(
-        f'AdvantageConfig.move_credit={self.move_credit!r} is unknown; known: {list(MOVE_CREDITS)}.'
       )
     if self.move_credit == 'own_turn' and self.credit != 'turn':
       raise ConfigError(
