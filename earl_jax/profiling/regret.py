@@ -12,6 +12,7 @@ measured, is from the offline profile on the cells the run did not measure.
   regret.by_stage(rows)                                   # {'rollout': {'mean': .., 'max': ..}}
   regret.model_error(Profile.from_json(summary['profile']), truth)
   regret.agreement(Profile.from_json(summary['profile']), truth)   # the run's timings vs truth's
+  regret.setup_differences(Profile.from_json(summary['profile']), truth)  # [] where comparable
 """
 
 import dataclasses
@@ -46,6 +47,27 @@ class StepRegret:
     if self.regret is None or self.regret_other is None:
       return None
     return min(self.regret, self.regret_other)
+
+
+# The parts of a profile's key that make its figures another setup's: the machine and the model.
+# (Candidates, buckets and loads may differ: a cell the truth lacks is scored as unknown.)
+SETUP = ('hardware', 'model')
+
+
+def setup_differences(run: Profile, truth: Profile) -> list[str]:
+  """How the setup a run measured on differs from the one `truth` was profiled on, one
+  'field: run vs truth' per differing field of `SETUP` (a field either key lacks is not
+  compared): [] where the truth can judge the run. A profile of another machine ranks layouts
+  by that machine's speeds, so its regret says nothing about the run's choices."""
+  out = []
+  for part in SETUP:
+    mine, theirs = run.key.get(part), truth.key.get(part)
+    if not isinstance(mine, Mapping) or not isinstance(theirs, Mapping):
+      continue
+    for field in sorted(mine.keys() & theirs.keys()):
+      if mine[field] != theirs[field]:
+        out.append(f'{part}.{field}: {mine[field]!r} vs {theirs[field]!r}')
+  return out
 
 
 def _timed(profile: Profile, stage: Stage, bucket: int, rows: int) -> dict[str, float]:

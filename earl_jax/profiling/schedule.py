@@ -13,14 +13,19 @@ completes it as the run goes (`ProfileSettings`):
   wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first), and timed at
   the start of a later step, while the devices are idle, once compiled on every process
   (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
-  next one up, and that before the second buckets; within each, a stage measured nowhere yet leads with its cheapest cell (so that every
-  stage, train included, is measured before its decisions rest on the analytic prior alone),
-  then the cheapest cells go first, their compile and calls counted, whatever their stage
+  next one up, and that before the second buckets; within each, a cell per stage leads: a stage
+  measured nowhere yet with its cheapest cell (so that every stage, train included, is measured
+  before its decisions rest on the analytic prior alone), and a stage with fewer than two layouts
+  measured where its latest decision ran with its most promising cell there (so that a new
+  bucket's ranking rests on measurements soon, whichever stage is cheapest to measure); then the
+  cheapest cells go first, their compile and calls counted, whatever their stage
   (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
-  passed by those behind it that fit (the share it needs accrues meanwhile). While a compiled
-  cell that fits waits for a step boundary with no compile under way, the run's own speculative
-  precompiles that have not started yet wait (`Executables.hold`, agreed by every process), so
-  that the next boundary is quiet.
+  passed by those behind it that fit (the share it needs accrues meanwhile). While the profile
+  compiles a cell, and while a compiled cell that fits waits for a step boundary with no compile
+  under way, the run's own speculative precompiles that have not started yet wait
+  (`Executables.hold`, agreed by every process), so that the next boundary is quiet: one started
+  beside the profile's compile (5-20 s on a loaded 2-core host) would keep the cell waiting step
+  after step.
 
 The run's own calls are measurements too (`observing`): the experience and train programs the
 run's steps call are timed where nothing compiled beside them, and a program's cell, at the rows
@@ -209,8 +214,7 @@ class ProfileScheduler:
 
   def quiet(self) -> bool:
     """Nothing compiles in the background here, the profile's programs or the run's own."""
-    compiling = any(not f.done() for f in self._compiling.values())
-    return not compiling and not (self._profiler is not None and self._profiler.busy())
+    return not self._compiling_here() and not (self._profiler is not None and self._profiler.busy())
 
   @contextlib.contextmanager
   def observing(self, program: Executable):
@@ -327,12 +331,20 @@ class ProfileScheduler:
       return 0.0
     self._add_observed(selector)
     seconds, held = self._measure_ready(selector, stats)
+    self._pump()
+    # While the profile compiles a cell, the run's speculative precompiles wait too: each takes
+    # a core for 5-20 s, and one started beside the cell's compile would still run when the cell
+    # is ready, so that it would wait for a quiet boundary step after step.
+    held = bool(distributed.process_max([int(held or self._compiling_here())])[0])
     self.holding = held
     self._profiler.executables.hold(held)
-    self._pump()
     if logging.vlog_is_on(1):
       logging.vlog(1, 'profile: %s', self.describe(seconds, held))
     return seconds
+
+  def _compiling_here(self) -> bool:
+    """A profile compile is under way on this process."""
+    return any(not f.done() for f in self._compiling.values())
 
   def describe(self, seconds: float = 0.0, held: bool = False) -> str:
     """One line on where the profile stands at a step boundary (`--verbosity=1` logs it after
@@ -422,15 +434,18 @@ class ProfileScheduler:
   def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
     """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
     calls time them), the needed buckets' before the next one up's, and those before the second
-    buckets' (`Selector.wanted`); among each, the cheapest
-    cell of a stage measured nowhere yet first (the rollout: the `OBSERVED` stages are measured
-    by their own calls), then the cheapest cells first (by `cost`, the seconds of their compile
-    and calls: within the share, a cell that costs little is not held back by one that costs
-    much, and a stage whose programs are slow to compile and call, usually train, is measured
-    as the share accrues). `selector`: a `Selector`, or what reads as one
+    buckets' (`Selector.wanted`). Among each, one cell per stage leads, the cheapest lead
+    first: a stage measured nowhere yet leads with its cheapest cell (the rollout: the
+    `OBSERVED` stages are measured by their own calls), and a stage with fewer than two layouts
+    measured at the bucket its latest decision ran at (its ranking there rests on the model)
+    with its most promising cell there. Then the cheapest cells (by `cost`, the seconds of
+    their compile and calls: within the share, a cell that costs little is not held back by one
+    that costs much, and a stage whose programs are slow to compile and call, usually train, is
+    measured as the share accrues). `selector`: a `Selector`, or what reads as one
     (`config.profile.stages`, `wanted`, `profile`, `history`)."""
     out: list[CellKey] = []
     running = ProfileScheduler._running(selector)
+    latest = {d.stage: d.run_bucket for d in selector.history}
     for kind in _KINDS:
       cells = [
         (stage, *cell)
@@ -439,11 +454,17 @@ class ProfileScheduler:
       ]
       cells = [c for c in cells if c not in running and c not in out]
       by_cost = sorted(cells, key=cost)
-      lead = [
-        next(c for c in by_cost if c[0] == stage)
-        for stage in dict.fromkeys(c[0] for c in by_cost)
-        if stage not in OBSERVED and not _measured_anywhere(selector.profile(stage), stage)
-      ]
+      lead = []
+      for stage in dict.fromkeys(c[0] for c in by_cost):
+        profile = selector.profile(stage)
+        if stage not in OBSERVED and not _measured_anywhere(profile, stage):
+          lead.append(next(c for c in by_cost if c[0] == stage))
+          continue
+        bucket = latest.get(stage) if not kind else None  # the needed buckets only
+        unranked = [c for c in cells if c[0] == stage and c[1] == bucket]
+        if unranked and len(_layouts_measured_at(profile, stage, bucket)) < 2:
+          lead.append(unranked[0])  # the most promising (`Selector.wanted`'s order)
+      lead.sort(key=cost)
       out += lead + [c for c in by_cost if c not in lead]
     return out
 
@@ -513,3 +534,13 @@ def _measured_anywhere(profile: Profile, stage: Stage) -> bool:
   """Whether `profile` has a measured cell of `stage` (by the profile or the run's own calls), at
   any bucket and load."""
   return any(c.measured and c.throughput for (s, *_), c in profile.cells.items() if s == stage)
+
+
+def _layouts_measured_at(profile: Profile, stage: Stage, bucket: int) -> set[str]:
+  """The layouts of `stage` with a measured cell at `bucket` (by the profile or the run's own
+  calls), at any load."""
+  return {
+    name
+    for (s, b, _, name), c in profile.cells.items()
+    if s == stage and b == bucket and c.measured and c.throughput
+  }

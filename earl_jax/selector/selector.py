@@ -17,8 +17,8 @@ the number of responses (the load) and, optionally, the free per-device memory. 
    - the layout is held for `patience` decisions after a switch (a minimum dwell), so it never
      flips back within that, unless it stops fitting;
    - the current layout is kept while it is feasible and within `switch_threshold` of the best
-     (the best at its score; the current layout at its figure where it is measured or fitted to
-     its own cells: a switch must beat what the model expects of it);
+     (the best at its score; the current layout at its figure where it is measured, fitted to
+     its own cells, or within a factor e: a switch must beat what the model expects of it);
    - a switch must pay for itself: the measured time it saves over the steps expected in this
      bucket (the mean run of steps per bucket so far) must exceed what it costs (the reshard
      and any compile, from `switch_cost`), both numbers in the reason.
@@ -487,12 +487,21 @@ def _bound(value: float | None, option: Option) -> str:
   return '' if value == option.throughput else ' (lower bound)'
 
 
+# The uncertainty (a log-scale standard deviation) within which the cost model's figure of the
+# current layout is weighed as it is against a measured best: within a factor e, the model knows
+# the layout from cells near it; beyond, it barely does, and the measured layout is the better bet.
+HELD_AT_FIGURE = 1.0
+
+
 def _held_at(option: Option) -> float | None:
-  """What the current layout is weighed at against the best: its figure where it is measured or
-  the model fitted it to its own cells (a switch must beat what the model expects of it, not its
-  lower bound: a layout is not left on the model's caution alone), else its score."""
+  """What the current layout is weighed at against the best: its figure where it is measured,
+  the model fitted it to its own cells, or the model's figure is within `HELD_AT_FIGURE` (a
+  switch must beat what the model expects of it, not its lower bound: a layout is not left on
+  the model's caution alone; weighed at its lower bound, a layout known from the other layouts'
+  cells lost to whichever layout was measured first at a new bucket, slower or not:
+  docs/results/main-job.md, issue 40), else its score."""
   unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
-  if option.measured or option.prior not in unanchored:
+  if option.measured or option.prior not in unanchored or option.uncertainty <= HELD_AT_FIGURE:
     return option.throughput
   return option.score
 

@@ -62,3 +62,25 @@ def test_a_missing_run_or_profile_is_one_line_and_exit_code_2(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [x for x in r.stderr.splitlines() if x.startswith('error:')]
     assert len(errors) == 1 and what in errors[0], r.stderr[-2000:]
+
+
+def test_a_profile_of_another_machine_is_refused_in_one_line(tmp_path):
+  """A ground truth taken on another machine ranks by that machine's speeds: refused, naming
+  the field, exit code 2, nothing written."""
+  import dataclasses
+
+  run, profile = _recorded_run(tmp_path)
+  summary = json.loads((run / 'summary.json').read_text())
+  summary['profile']['key']['hardware'] = {'cpu_model': 'AMD EPYC'}
+  (run / 'summary.json').write_text(json.dumps(summary))
+  other = dataclasses.replace(TRUTH, key={**TRUTH.key, 'hardware': {'cpu_model': 'Intel Xeon'}})
+  profile.write_text(json.dumps(other.to_json()))
+  r = helpers.run_module('experiments.selector_regret', f'--run={run}', f'--profile={profile}')
+  assert r.returncode == 2, r.stderr[-2000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith('error:')]
+  assert len(errors) == 1, r.stderr[-2000:]
+  assert (
+    "--profile was taken on another setup than the run (hardware.cpu_model: 'AMD EPYC' vs "
+    in errors[0]
+  )
+  assert not (run / 'regret.json').exists()

@@ -148,3 +148,20 @@ def test_the_runs_timings_against_the_truths():
   assert found['rollout']['cells'] == 4 and found['rollout']['ratio'] == pytest.approx(1.2)
   assert found['rollout']['median'] == pytest.approx(0.2)
   assert found['train'] == {'cells': 4, 'ratio': 1.0, 'median': 0.0, 'max': 0.0}
+
+
+def test_a_profile_of_another_machine_or_model_is_named_as_such():
+  """The truth judges a run only on the setup the run measured on: each differing field of the
+  machine and the model is named; candidates, buckets and loads may differ."""
+  run_key = {**TRUTH.key, 'hardware': {'cpu_model': 'AMD EPYC', 'host_cpus': 2, 'jax': '0.10.2'}}
+  run = dataclasses.replace(TRUTH, key=run_key)
+  same = dataclasses.replace(TRUTH, key={**run_key, 'buckets': [128, 256]})
+  assert regret.setup_differences(run, same) == []
+  other = {**run_key['hardware'], 'cpu_model': 'Intel(R) Xeon(R) Processor'}
+  model = {**run_key['model'], 'num_layers': 4}
+  truth = dataclasses.replace(TRUTH, key={**run_key, 'hardware': other, 'model': model})
+  assert regret.setup_differences(run, truth) == [
+    "hardware.cpu_model: 'AMD EPYC' vs 'Intel(R) Xeon(R) Processor'",
+    'model.num_layers: 2 vs 4',
+  ]
+  assert regret.setup_differences(run, TRUTH) == []  # the truth names no machine: not compared

@@ -63,7 +63,7 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     exe.wait()
     assert not exe.busy()
     assert run_profile.between_steps(sel, stats) > 0
-    assert not run_profile.holding
+    assert run_profile.holding == run_profile._compiling_here()  # the next cell's compile
     # One profile compile at a time: the second cell compiles once the first is timed (and the
     # run's time allows the compile: `compile_share` of it).
     cells = sel.profile(Stage.ROLLOUT).cells
@@ -82,6 +82,38 @@ def test_decisions_never_wait_and_measurements_replace_the_prior(tmp_path):
     # The measurements went to the cache file, without the model's figures.
     cached = load_cached(config.selector.profile.cache, run_profile.profile.key)
     assert {k for k, c in cached.cells.items()} == {(Stage.ROLLOUT, 64, 8, n) for _, _, n in wanted}
+
+
+def test_the_runs_precompiles_wait_while_the_profile_compiles(tmp_path, monkeypatch):
+  """While the profile compiles a cell, the run's queued precompiles do not start (one started
+  beside it would still take a core when the cell is ready, and the cell would wait for a quiet
+  boundary behind it); once the profile's compile is done they go on."""
+  from concurrent import futures
+
+  config, exe, run_profile, sel = _run_parts(tmp_path, max_share=1.0, compile_share=1.0)
+  compiling = futures.Future()  # the profile's compile, under way until set
+  started = []
+
+  def compile_cell(profiler, cell):
+    started.append(cell)
+    return compiling
+
+  monkeypatch.setattr(type(run_profile._profiler), 'compile', compile_cell)
+  stats = StepStats(episode_lengths=(40, 50), num_responses=config.rollout.num_episodes)
+  key = exe.key(Stage.TRAIN, ParallelConfig(dp=8), 64, 8)
+  with exe:
+    run_profile.before_decision(sel, Stage.ROLLOUT, None)
+    assert started == [(Stage.ROLLOUT, 64, 8, 'dp8.tp1')]
+    run_profile.between_steps(sel, stats)
+    assert run_profile.holding
+    exe.precompile(key)
+    time.sleep(0.5)
+    assert not exe.busy() and key not in exe  # held in the queue
+    compiling.set_result(1.0)
+    run_profile.between_steps(sel, stats)
+    assert not run_profile.holding
+    exe.wait()
+    assert key in exe
 
 
 def test_the_rollout_is_profiled_and_decided_on_its_slots(tmp_path):
@@ -255,9 +287,11 @@ class _Wanting:
 
 def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   """The rollout, measured nowhere yet, leads with its cheapest cell (train, measured nowhere
-  too, is measured by its own calls, and its layout running at 256 is not wanted); then every
-  cell by the cost of its compile and calls, whichever the stage; the next bucket up after them,
-  and the second buckets last."""
+  too, is measured by its own calls, and its layout running at 256 is not wanted); train, with
+  no layout measured at 256, where its latest decision ran, leads with its most promising cell
+  there; then every cell by the cost of its compile and calls, whichever the stage; the next
+  bucket up after them, and the second buckets last. Once two train layouts are measured at 256
+  (one by the run's own calls, at its packed rows), train leads no more."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
     (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
@@ -269,8 +303,8 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 512, 64, 'dp8.tp1'): 0.0,
     (Stage.TRAIN, 128, 64, 'dp4.tp2'): 0.0,
   }
-  order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
-  assert order == [
+  # With no stage leading but the rollout (measured nowhere), the cheapest first:
+  cheapest_first = [
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'),
     (Stage.EXPERIENCE, 256, 64, 'dp2.tp4'),
     (Stage.EXPERIENCE, 256, 64, 'dp8.tp1'),
@@ -281,6 +315,17 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
     (Stage.TRAIN, 128, 64, 'dp4.tp2'),  # a second bucket: last
   ]
+  train_lead = (Stage.TRAIN, 256, 64, 'fsdp8')  # its most promising at 256 (`wanted`'s first)
+  order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
+  assert order == cheapest_first[:1] + [train_lead] + [
+    c for c in cheapest_first[1:] if c != train_lead
+  ]
+
+  class TwoTrainLayouts(_Wanting):
+    MEASURED: ClassVar = {**_Wanting.MEASURED, Stage.TRAIN: (('dp8.tp1', 32), ('dp2.tp4', 64))}
+
+  order = schedule.ProfileScheduler.order_wanted(TwoTrainLayouts(), None, cost=cost.__getitem__)
+  assert order == cheapest_first
 
 
 def measured_run(workdir: str, steps: int) -> dict:

@@ -746,3 +746,36 @@ def test_context_parallelism_is_chosen_exactly_where_nothing_else_fits(stage):
   without.decide(stage, _stats(900, n=rows))
   with pytest.raises(memory.InfeasibleError, match='8192'):
     without.decide(stage, _stats(8000, n=rows))
+
+
+def test_a_current_layout_the_model_knows_only_from_the_others_is_weighed_at_its_figure():
+  """Held on dp2.tp4, whose figure at 128 is then the model's from the other layouts alone
+  (prior 'stage', 120 +-50%): dp8 measured at 110 beats its lower bound (120 / e) but not its
+  figure, so dp2.tp4 is kept (a layout is not left because another was measured first there);
+  dp8 measured at 150 replaces it."""
+  table, key, cell = BucketConfig(lengths=(128, 256)), _TWO_LAYOUTS, _timed_cell
+  first = {
+    (Stage.ROLLOUT, 128, 16, DP2TP4.name): cell(DP2TP4, 128, 100.0),
+    (Stage.ROLLOUT, 128, 16, DP8.name): cell(DP8, 128, 90.0),
+  }
+  settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=2.0)
+  for dp8, switches in ((110.0, False), (150.0, True)):
+    sel = Selector(
+      SelectorConfig(profile=settings, patience=1, initial_context=100),
+      buckets=table,
+      rows=16,
+      profile=Profile(key=key, cells=first),
+    )
+    assert sel.decide(Stage.ROLLOUT, _stats(100)).config == DP2TP4
+    modelled = cell(DP2TP4, 128, 120.0, measured=False, prior='stage', uncertainty=0.5)
+    cells = {
+      (Stage.ROLLOUT, 128, 16, DP2TP4.name): modelled,  # say its measurement was withdrawn
+      (Stage.ROLLOUT, 128, 16, DP8.name): cell(DP8, 128, dp8),
+    }
+    sel.use_profile(Profile(key=key, cells=cells))
+    d = sel.decide(Stage.ROLLOUT, _stats(100))
+    assert d.switched == switches, d.reason
+    held = next(o for o in d.options if o.config == DP2TP4.name)
+    assert held.score == pytest.approx(120 / np.e) and held.score < dp8
+    if not switches:
+      assert 'kept dp2.tp4 (within' in d.reason and '120.0' in d.reason, d.reason
