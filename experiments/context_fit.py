@@ -144,9 +144,10 @@ def analytic_fit(stage, model, layouts, contexts, budget: int, margin: float) ->
 
 
 def xla_checks(peak, stage, fit: Fit, contexts, margin: float) -> list[dict[str, Any]]:
-  """Compile-only peaks (`peak`: `programs.memory.compiled_peak`) of each best layout (without CP, with CP): at its
-  analytic longest fit, then down the grid until XLA's peak fits, or up one context when it fits
-  there; the last checked context that fits is XLA's longest fit of that layout."""
+  """Compile-only peaks (`peak`: `programs.memory.compiled_peak`) of each best layout (without
+  CP, with CP): at its analytic longest fit, then down the grid until XLA's peak fits, or up one
+  context when it fits there; the last checked context that fits is XLA's longest fit of that
+  layout."""
   from earl_jax.config import ParallelConfig
   from earl_jax.memory_budget import fits
 

@@ -77,20 +77,18 @@ def main(argv):
     raise UserError(f'--run={_RUN.value!r}: {summary_path} holds no selector decisions.')
   truth = _profile(_PROFILE.value, '--profile')
   other = _profile(_PROFILE_B.value, '--profile_b') if _PROFILE_B.value else None
-  rows = regret.per_step(summary['decisions'], truth, other)
-  if not rows:
-    raise UserError(f'--run={_RUN.value!r} has no decisions to score.')
-  stages = regret.by_stage(rows)
   measured = Profile.from_json(summary['profile']) if summary.get('profile') else None
   for name, profile in (('--profile', truth), ('--profile_b', other)):
-    differs = (
-      [] if measured is None or profile is None else regret.setup_differences(measured, profile)
-    )
+    differs = regret.setup_differences(measured, profile) if measured and profile else []
     if differs:
       raise UserError(
         f'{name} was taken on another setup than the run ({"; ".join(differs)}, run vs profile): '
         'take the ground truth where the run ran (python -m experiments.profile --rounds=3).'
       )
+  rows = regret.per_step(summary['decisions'], truth, other)
+  if not rows:
+    raise UserError(f'--run={_RUN.value!r} has no decisions to score.')
+  stages = regret.by_stage(rows)
   within = regret.reach(rows)
   errors = regret.model_error(measured, truth, within) if measured is not None else {}
   speed = regret.drift(measured, truth) if measured is not None else None

@@ -457,12 +457,12 @@ class ProfileScheduler:
       lead = []
       for stage in dict.fromkeys(c[0] for c in by_cost):
         profile = selector.profile(stage)
-        if stage not in OBSERVED and not _measured_anywhere(profile, stage):
+        if stage not in OBSERVED and not _measured_layouts(profile, stage):
           lead.append(next(c for c in by_cost if c[0] == stage))
           continue
         bucket = latest.get(stage) if not kind else None  # the needed buckets only
         unranked = [c for c in cells if c[0] == stage and c[1] == bucket]
-        if unranked and len(_layouts_measured_at(profile, stage, bucket)) < 2:
+        if unranked and len(_measured_layouts(profile, stage, bucket)) < 2:
           lead.append(unranked[0])  # the most promising (`Selector.wanted`'s order)
       lead.sort(key=cost)
       out += lead + [c for c in by_cost if c not in lead]
@@ -530,17 +530,11 @@ class ProfileScheduler:
     return cell.compile_ms if cell is not None and cell.compile_ms else 0.0
 
 
-def _measured_anywhere(profile: Profile, stage: Stage) -> bool:
-  """Whether `profile` has a measured cell of `stage` (by the profile or the run's own calls), at
-  any bucket and load."""
-  return any(c.measured and c.throughput for (s, *_), c in profile.cells.items() if s == stage)
-
-
-def _layouts_measured_at(profile: Profile, stage: Stage, bucket: int) -> set[str]:
-  """The layouts of `stage` with a measured cell at `bucket` (by the profile or the run's own
-  calls), at any load."""
+def _measured_layouts(profile: Profile, stage: Stage, bucket: int | None = None) -> set[str]:
+  """The layouts of `stage` with a measured cell (by the profile or the run's own calls), at
+  `bucket` (None: at any), at any load."""
   return {
     name
     for (s, b, _, name), c in profile.cells.items()
-    if s == stage and b == bucket and c.measured and c.throughput
+    if s == stage and bucket in (None, b) and c.measured and c.throughput
   }
