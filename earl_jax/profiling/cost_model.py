@@ -387,3 +387,33 @@ def to_measure(
       continue
     out.append(cell)
   return [c.config for c in sorted(out, key=lambda c: -bounds(c, confidence)[1])]
+
+
+def to_retime(
+  profile: Profile,
+  stage: Stage,
+  bucket: int,
+  rows: int,
+  *,
+  confidence: float,
+  retimes: int,
+) -> list[str]:
+  """The measured candidates at (stage, bucket, rows) worth timing again, the fastest first:
+  while the best measured layout's lower bound and another measured layout's upper bound
+  overlap (x exp(-+confidence x its `noise`)), the ranking between them rests on the noise of
+  one session's calls, and each of them timed in at most `retimes` sessions so far
+  (`Cell.sessions`) is wanted, the best included. [] with fewer than two measured, or none
+  near the best. `profile` as for `to_measure`."""
+  cells = [profile.cells.get((stage, bucket, rows, c.name)) for c in profile.candidates(stage)]
+  timed = sorted((c for c in cells if c is not None and _timed(c)), key=lambda c: -c.throughput)
+  if len(timed) < 2 or retimes <= 0:
+    return []
+
+  def spread(cell: Cell) -> float:
+    return math.exp(confidence * noise(cell))
+
+  best_lower = timed[0].throughput / spread(timed[0])
+  near = [c for c in timed[1:] if c.throughput * spread(c) >= best_lower]
+  if not near:
+    return []
+  return [c.config for c in [timed[0], *near] if c.sessions <= retimes]

@@ -48,7 +48,7 @@ from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.profiling import cost_model
-from earl_jax.profiling.table import Cell, CellKey, MeasureConfig, Profile, load_cached
+from earl_jax.profiling.table import Cell, CellKey, MeasureConfig, Profile, load_cached, pooled
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables, background_pool
@@ -592,8 +592,9 @@ class Profiler:
     """`profile` with `cells` measured one at a time in their order, each where
     `proceed(stage, bucket, rows, [layout])` agrees (a cell it declines is passed over, and the
     next asked: it must answer alike on every process, since every process times the same
-    programs together); a program not compiled yet is compiled first. Process 0's figures on
-    every process; process 0's cache file updated.
+    programs together); a program not compiled yet is compiled first. A cell `profile` has
+    measured already is timed again: its calls pooled with the earlier ones (`pooled`). Process
+    0's figures on every process; process 0's cache file updated.
 
     `params`: the random weights of an earlier call (on any layout), reused; returns them, on
     the last layout measured, for the next call (None when nothing was measured)."""
@@ -609,7 +610,12 @@ class Profiler:
       params = _profile_cell(
         self.executables, stage, bucket, rows, [config], self.config, params, measured, None
       )
-      profile = profile.merged(_agreed(profile.key, measured))
+      agreed = _agreed(profile.key, measured)
+      for key, cell in agreed.cells.items():
+        earlier = profile.cells.get(key)
+        if earlier is not None and earlier.measured and earlier.throughput and cell.throughput:
+          agreed.cells[key] = pooled(earlier, cell)
+      profile = profile.merged(agreed)
       measured_any = True
     if not measured_any:
       return profile, params

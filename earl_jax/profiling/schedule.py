@@ -25,13 +25,17 @@ completes it as the run goes (`ProfileSettings`):
   under way, the run's own speculative precompiles that have not started yet wait
   (`Executables.hold`, agreed by every process), so that the next boundary is quiet: one started
   beside the profile's compile (5-20 s on a loaded 2-core host) would keep the cell waiting step
-  after step.
+  after step. Last, a measured cell within its noise of the best measured one where a decision
+  ranks and runs (and that best) is timed again, its calls pooled with the first session's
+  (`ProfileSettings.retimes`, `Selector.wanted(again=True)`): one session's calls understate
+  the noise between sessions.
 
 The run's own calls are measurements too (`observing`): the experience and train programs the
 run's steps call are timed where nothing compiled beside them, and a program's cell, at the rows
 it ran (its packed rows), becomes a measured cell (`Cell.timed_by` 'run') once its calls after
 the first give `SAMPLES`. The layout a stage runs is thus measured at the buckets it runs at,
-with no call of the profile's: those go to the layouts the run is not on.
+with no call of the profile's: those go to the layouts the run is not on; and where the cell it
+runs is wanted again, the run's calls time it again.
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -60,14 +64,15 @@ from absl import logging
 from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.profiling import cost_model, profiler
-from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings
+from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings, pooled
 from earl_jax.programs import Executable, Executables, StageSpec
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
 
 # What `Selector.wanted` is asked for, most wanted first: the cells the coming decisions rank and
-# run at, the next bucket up's, and a second bucket for each layout measured at one only.
-_KINDS = ({}, {'ahead': True}, {'second': True})
+# run at, the next bucket up's, a second bucket for each layout measured at one only, and the
+# measured cells within their noise of the best, to time again.
+_KINDS = ({}, {'ahead': True}, {'second': True}, {'again': True})
 
 # The stages the run's own calls measure (`ProfileScheduler.observing`): a call each per step, or a
 # few; the rollout engine makes many a step, between the environment's turns.
@@ -150,6 +155,9 @@ class ProfileScheduler:
     # latest step boundary (what a cell's calls are priced at before the model knows the stage).
     self._latest: dict[Stage, tuple[int, float]] = {}
     self._latest_here: dict[Stage, tuple[int, float]] = {}
+    # The measured cells the stages run now that are wanted again (`Selector.wanted(again=True)`):
+    # the run's own calls time them again (`observing`).
+    self._again: set[CellKey] = set()
     # Whether the run's speculative precompiles are held (`Executables.hold`; the same on every
     # process): while a compiled cell that fits the share waits for a step boundary with no
     # compile under way.
@@ -221,7 +229,8 @@ class ProfileScheduler:
     """Times the call of `program` (a stage program the run's step calls) made inside, blocked
     on, as a sample of its cell: kept when nothing compiled in the background as it began and
     ended, and after the program's first call (a warm-up); `SAMPLES` of them make a measured
-    cell, which `between_steps` adds to the profile. Only the `OBSERVED` stages' programs."""
+    cell, which `between_steps` adds to the profile (pooled with the cell's earlier calls where
+    it is measured and wanted again). Only the `OBSERVED` stages' programs."""
     key = program.key
     cell = (key.stage, key.bucket, key.rows, key.config.name)
     if (
@@ -229,7 +238,7 @@ class ProfileScheduler:
       or key.stage not in OBSERVED
       or key.stage not in self._settings.stages
       or cell in self._observed
-      or self._measured(cell)
+      or (self._measured(cell) and cell not in self._again)
     ):
       yield
       return
@@ -253,7 +262,8 @@ class ProfileScheduler:
 
   def _add_observed(self, selector: selector_lib.Selector) -> None:
     """Adds the cells the run's own calls completed (`observing`) to the profile: process 0's,
-    on every process."""
+    on every process; a cell measured already is pooled with them while it has been timed in at
+    most `retimes` sessions."""
     mine = {
       'cells': [c.as_dict() for c in self._observed.values()],
       'latest': {str(s): list(v) for s, v in self._latest_here.items()},
@@ -267,6 +277,8 @@ class ProfileScheduler:
       key = (cell.stage, cell.bucket, cell.rows, cell.config)
       if not self._measured(key):
         cells[key] = cell
+      elif self.profile.cells[key].sessions <= self._settings.retimes:
+        cells[key] = pooled(self.profile.cells[key], cell)
     if not cells:
       return
     self.profile = self.profile.merged(Profile(key=self.profile.key, cells=cells))
@@ -330,6 +342,11 @@ class ProfileScheduler:
     if not self._background or stats is None:
       return 0.0
     self._add_observed(selector)
+    self._again = {
+      cell
+      for cell in self._running(selector)
+      if cell[1:] in selector.wanted(cell[0], stats, again=True)
+    }
     seconds, held = self._measure_ready(selector, stats)
     self._pump()
     # While the profile compiles a cell, the run's speculative precompiles wait too: each takes
@@ -403,7 +420,7 @@ class ProfileScheduler:
     self._share.done()
     self.spent_s += seconds
     if measured is not self.profile:
-      new = len(measured.cells) - len(self.profile.cells)
+      new = sum(measured.cells.get(c) is not self.profile.cells.get(c) for c in ready)
       self.profile = measured
       selector.use_profile(measured)
       for cell in measured.cells:
@@ -433,8 +450,8 @@ class ProfileScheduler:
   @staticmethod
   def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
     """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
-    calls time them), the needed buckets' before the next one up's, and those before the second
-    buckets' (`Selector.wanted`). Among each, one cell per stage leads, the cheapest lead
+    calls time them), the needed buckets' before the next one up's, those before the second
+    buckets', and those before the measured cells to time again (`Selector.wanted`, `_KINDS`). Among each, one cell per stage leads, the cheapest lead
     first: a stage measured nowhere yet leads with its cheapest cell (the rollout: the
     `OBSERVED` stages are measured by their own calls), and a stage with fewer than two layouts
     measured at the bucket its latest decision ran at (its ranking there rests on the model)

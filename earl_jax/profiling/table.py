@@ -22,6 +22,7 @@ key: a table measured offline with more repeats serves a run that would time few
 import dataclasses
 import json
 import os
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,6 +97,12 @@ class ProfileSettings:
       deviation); a candidate is left unmeasured at a bucket only while its upper bound is below
       the best candidate's lower bound, and a layout not measured there ranks by its lower bound
       (0: measure every candidate that fits, and rank on the model's figure alone).
+    retimes: how many times a measured cell is timed again while its bounds (its noise) overlap
+      the best measured layout's at a bucket a decision ranks or runs at (the best's too, while
+      another overlaps it): one session's calls understate the noise between sessions
+      (docs/results/main-job.md, issue 40: 7.5% median between two profiles of one machine, a
+      cell's own spread 1-3%), so a ranking within it is checked by a second session whose
+      calls are pooled with the first's (`pooled`). 0: a measured cell stands.
     settle: at the longest bucket a stage has reached, once it has decided there this many
       times in a row (a bucket it stays in, not one it passes through), every layout that fits
       is wanted there, pruned or not: crossovers happen at long contexts.
@@ -119,6 +126,7 @@ class ProfileSettings:
   lazy: bool = False
   prior: bool = True
   confidence: float = 2.0
+  retimes: int = 1
   settle: int = 5
   max_share: float = 0.1
   compile_share: float = 0.3
@@ -139,6 +147,8 @@ class ProfileSettings:
       raise ConfigError(
         f'ProfileSettings.compile_share must be in (0, 1], got {self.compile_share}.'
       )
+    if not isinstance(self.retimes, int) or self.retimes < 0:
+      raise ConfigError(f'ProfileSettings.retimes must be an int >= 0, got {self.retimes!r}.')
     if not isinstance(self.settle, int) or self.settle < 0:
       raise ConfigError(f'ProfileSettings.settle must be an int >= 0, got {self.settle!r}.')
 
@@ -164,6 +174,8 @@ class Cell:
       the cost model's uncertainty; `cost_model.complete` fills it).
     timed_by: whose calls a measurement times: 'profile' (the profile's own, between steps or
       offline) or 'run' (the calls the run's steps made of the program it ran: no extra calls).
+    sessions: how many separate timings `times_ms` pools (a cell near the best is timed again:
+      `ProfileSettings.retimes`, `pooled`).
   """
 
   stage: Stage
@@ -179,6 +191,7 @@ class Cell:
   prior: str = ''
   uncertainty: float = 0.0
   timed_by: str = 'profile'
+  sessions: int = 1
 
   def as_dict(self) -> dict[str, Any]:
     """JSON-able (`from_dict` reads it back)."""
@@ -198,6 +211,24 @@ class Cell:
 
 
 CellKey = tuple[Stage, int, int, str]
+
+
+def pooled(first: Cell, again: Cell) -> Cell:
+  """A measured cell timed again: the two sessions' calls pooled, its figure the pooled median
+  (the throughput scales as 1 / the median call), its sessions counted; whose calls it times
+  and its compile time stay the first's."""
+  if not all(c.measured and c.throughput and c.times_ms for c in (first, again)):
+    raise ValueError(f'only two timings of a cell pool, got {first} and {again}')
+  times = first.times_ms + again.times_ms
+  scale = statistics.median(first.times_ms) / statistics.median(times)
+  return dataclasses.replace(
+    again,
+    throughput=first.throughput * scale,
+    times_ms=times,
+    compile_ms=first.compile_ms or again.compile_ms,
+    timed_by=first.timed_by,
+    sessions=first.sessions + again.sessions,
+  )
 
 
 @dataclasses.dataclass(kw_only=True)

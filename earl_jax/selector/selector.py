@@ -689,7 +689,13 @@ class Selector:
     return [b for b in buckets if not profile.covers(stage, b, reading.rows)]
 
   def wanted(
-    self, stage: Stage, stats: StepStats | None, *, ahead: bool = False, second: bool = False
+    self,
+    stage: Stage,
+    stats: StepStats | None,
+    *,
+    ahead: bool = False,
+    second: bool = False,
+    again: bool = False,
   ) -> list[tuple[int, int, str]]:
     """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
     the most promising first (`cost_model.to_measure`): at the buckets a decision would rank and
@@ -698,7 +704,10 @@ class Selector:
     stayed there `ProfileSettings.settle` decisions, every layout that fits is wanted, pruned or
     not: crossovers happen at long contexts. `second`: for each layout measured at one bucket
     only, a cell at the shortest bucket the stage has decided at (at the load read now), so that
-    its curve rests on two buckets (one cannot tell its fixed cost from its compute). [] for a
+    its curve rests on two buckets (one cannot tell its fixed cost from its compute). `again`:
+    the measured cells to time again at the buckets a decision would rank and run at, where the
+    best and another are within their noise (`cost_model.to_retime`,
+    `ProfileSettings.retimes`). [] for a
     stage ranked by the analytic model, and without the prior (see `missing`). Pure: the same on
     every process that holds the same profile."""
     stage = Stage.parse(stage)
@@ -710,6 +719,19 @@ class Selector:
     reading = self._read(stage, stats or self._initial_stats(), state, profile)
     if second:
       return self._second_buckets(stage, profile, reading.rows)
+    if again:
+      return [
+        (bucket, reading.rows, name)
+        for bucket in dict.fromkeys((reading.bucket, reading.run_bucket))
+        for name in cost_model.to_retime(
+          profile,
+          stage,
+          bucket,
+          reading.rows,
+          confidence=settings.confidence,
+          retimes=settings.retimes,
+        )
+      ]
     buckets = [reading.bucket, reading.run_bucket]
     if ahead:
       lengths = self.buckets.lengths

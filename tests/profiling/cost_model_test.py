@@ -1,6 +1,7 @@
 """The cost model: a figure and an uncertainty for every cell, a curve per layout that can cross
 another's, and the measurement policy (pruned only while confidently slower; the memory bound)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -227,6 +228,31 @@ def test_a_layout_is_pruned_only_while_its_upper_bound_is_below_the_best_lower_b
   assert set(wanted(0.0)) == {'dp8.tp1', 'dp4.tp2', 'dp2.tp4', 'dp1.tp8'}  # 0: no pruning
   assert set(wanted(2.0, every=True)) == set(wanted(0.0))  # the longest bucket: every layout
   assert wanted(2.0, bucket=256) == ['dp8.tp1']  # the measured ones are done
+
+
+def test_measured_layouts_within_their_noise_of_the_best_are_timed_again():
+  """At 256: dp4.tp2 300, dp2.tp4 270, dp8 200 tok/s/dev, each of 3 quiet calls (noise 5%: at
+  confidence 2 the bounds are x e^-+0.1). dp2.tp4's upper bound (298) reaches dp4.tp2's lower
+  bound (271): both are timed again, the fastest first; dp8 (244 at most) is not. Once each has
+  been timed in `retimes` + 1 sessions it stands; with a cell far from every other, or one
+  measured, none is wanted."""
+  quiet = (10.0, 10.1, 10.2)
+
+  def again(*cells, retimes=1):
+    full = _complete(_profile(*cells))
+    return cost_model.to_retime(full, Stage.ROLLOUT, 256, R, confidence=2.0, retimes=retimes)
+
+  best = _cell('rollout', 256, DP4TP2, tgs=300.0, times=quiet)
+  near = _cell('rollout', 256, DP2TP4, tgs=270.0, times=quiet)
+  far = _cell('rollout', 256, DP8, tgs=200.0, times=quiet)
+  assert again(best, near, far) == ['dp4.tp2', 'dp2.tp4']
+  assert again(best, near, far, retimes=0) == []
+  assert again(best, far) == [] and again(best) == []
+  best2 = dataclasses.replace(best, sessions=2)
+  assert again(best2, near, far) == ['dp2.tp4']  # the best has had its second session
+  # A noisy cell's bounds are wider: 200 with calls spread by 40% reaches the best.
+  noisy = _cell('rollout', 256, DP8, tgs=200.0, times=(8.0, 10.0, 12.0))
+  assert again(best, noisy) == ['dp4.tp2', 'dp8.tp1']
 
 
 def test_a_noisy_measurement_is_less_trusted_than_a_quiet_one():

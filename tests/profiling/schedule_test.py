@@ -11,8 +11,8 @@ from typing import ClassVar
 import pytest
 
 from earl_jax.config import ParallelConfig
-from earl_jax.profiling import schedule
-from earl_jax.profiling.table import MeasureConfig, load_cached
+from earl_jax.profiling import profiler, schedule
+from earl_jax.profiling.table import MeasureConfig, Profile, load_cached
 from earl_jax.programs import Executables
 from earl_jax.selector.selector import ProfileSettings, StepStats
 from earl_jax.stage import Stage
@@ -212,6 +212,60 @@ def test_the_runs_own_calls_measure_the_layout_it_runs(tmp_path):
     assert cached.cells[cell].timed_by == 'run'
 
 
+def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_path):
+  """Experience at bucket 64 and load 8 has two measured layouts within their noise: dp8.tp1
+  (which it runs) and dp4.tp2, 5% slower. Between steps the profile times dp4.tp2 again and the
+  run's own calls time dp8.tp1 again, each pooled with its first session (6 calls, 2
+  sessions); then neither is wanted again (`retimes` 1)."""
+  _, exe, run_profile, sel = _run_parts(
+    tmp_path, stages=('experience',), max_share=1.0, compile_share=1.0
+  )
+  stats = StepStats(episode_lengths=(40, 50), num_responses=8)
+  dp8, dp4tp2 = ParallelConfig(dp=8), ParallelConfig(dp=4, tp=2)
+  runs, other = (Stage.EXPERIENCE, 64, 8, 'dp8.tp1'), (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')
+  with exe:
+    program = exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 8))
+    exe.get(exe.key(Stage.EXPERIENCE, dp4tp2, 64, 8))
+    # A first session each: dp8.tp1 by the run's calls at 30 ms, dp4.tp2 by the profile's.
+    first = {
+      runs: profiler.timed_cell(program, (30.0, 30.0, 31.0)),
+      other: profiler.timed_cell(exe.get(exe.key(Stage.EXPERIENCE, dp4tp2, 64, 8)), (31.5,) * 3),
+    }
+    first[runs] = dataclasses.replace(first[runs], timed_by='run')
+    run_profile.profile = run_profile.profile.merged(
+      Profile(key=run_profile.profile.key, cells=first)
+    )
+    sel.use_profile(run_profile.profile)
+    assert sel.decide(Stage.EXPERIENCE, stats).config == dp8
+    assert sel.wanted(Stage.EXPERIENCE, stats, again=True) == [
+      (64, 8, 'dp8.tp1'),
+      (64, 8, 'dp4.tp2'),
+    ]
+    run_profile.between_steps(sel, stats)
+    assert run_profile._again == {runs}  # the cell it runs: its own calls time it again
+    run_profile.wait_compiles()  # a sample is kept only with no compile beside it
+    for _ in range(4):  # a warm-up, then 3 samples
+      with run_profile.observing(program):
+        time.sleep(0.04)
+    for _ in range(40):
+      run_profile.wait_compiles()
+      run_profile.between_steps(sel, stats)
+      cells = run_profile.profile.cells
+      if cells[runs].sessions == 2 and cells[other].sessions == 2:
+        break
+      time.sleep(0.25)
+    assert cells[runs].sessions == 2 and cells[other].sessions == 2
+    assert cells[runs].timed_by == 'run' and cells[runs].times_ms[:3] == (30.0, 30.0, 31.0)
+    assert len(cells[runs].times_ms) == 6 and min(cells[runs].times_ms[3:]) >= 40
+    assert cells[runs].throughput == pytest.approx(
+      program.program.tokens / (statistics.median(cells[runs].times_ms) / 1e3) / 8
+    )
+    assert cells[other].times_ms[:3] == (31.5,) * 3 and len(cells[other].times_ms) > 3
+    handed = sel.profile(Stage.EXPERIENCE).cells[other]  # handed to the selector
+    assert (handed.times_ms, handed.sessions) == (cells[other].times_ms, 2)
+    assert sel.wanted(Stage.EXPERIENCE, stats, again=True) == []
+
+
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
   """A cell is timed while the time spent measuring, with the cell's estimate (its calls at the
   model's figures, plus the median time the cells timed so far took beyond their calls), stays
@@ -258,7 +312,11 @@ class _Wanting:
     types.SimpleNamespace(stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)),
   )
 
-  def wanted(self, stage, stats, *, ahead=False, second=False):
+  def wanted(self, stage, stats, *, ahead=False, second=False, again=False):
+    if again:  # measured cells within their noise of the best, to time again
+      return {Stage.ROLLOUT: [(256, 64, 'dp2.tp4')], Stage.TRAIN: [(256, 64, 'dp8.tp1')]}.get(
+        stage, []
+      )
     if ahead:
       return [(512, 64, 'dp8.tp1')] if stage == Stage.TRAIN else []
     if second:
@@ -290,7 +348,8 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   too, is measured by its own calls, and its layout running at 256 is not wanted); train, with
   no layout measured at 256, where its latest decision ran, leads with its most promising cell
   there; then every cell by the cost of its compile and calls, whichever the stage; the next
-  bucket up after them, and the second buckets last. Once two train layouts are measured at 256
+  bucket up after them, then the second buckets, and the measured cells to time again last
+  (but the cell a stage runs: its own calls time it). Once two train layouts are measured at 256
   (one by the run's own calls, at its packed rows), train leads no more."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
@@ -302,6 +361,7 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 256, 64, 'dp4.tp2'): 10.0,
     (Stage.TRAIN, 512, 64, 'dp8.tp1'): 0.0,
     (Stage.TRAIN, 128, 64, 'dp4.tp2'): 0.0,
+    (Stage.ROLLOUT, 256, 64, 'dp2.tp4'): 0.0,
   }
   # With no stage leading but the rollout (measured nowhere), the cheapest first:
   cheapest_first = [
@@ -313,7 +373,9 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.TRAIN, 256, 64, 'fsdp8'),
     (Stage.ROLLOUT, 256, 64, 'dp1.tp8'),
     (Stage.TRAIN, 512, 64, 'dp8.tp1'),
-    (Stage.TRAIN, 128, 64, 'dp4.tp2'),  # a second bucket: last
+    (Stage.TRAIN, 128, 64, 'dp4.tp2'),  # a second bucket
+    # Last, a cell to time again (train's runs: the run's own calls time it again).
+    (Stage.ROLLOUT, 256, 64, 'dp2.tp4'),
   ]
   train_lead = (Stage.TRAIN, 256, 64, 'fsdp8')  # its most promising at 256 (`wanted`'s first)
   order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)

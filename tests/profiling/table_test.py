@@ -1,6 +1,7 @@
 """The profile as pure data: cells, coverage, load bins, merging, and its JSON round trip and cache
 file, without compiling or measuring anything."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,8 +13,10 @@ from earl_jax.profiling.table import (
   Cell,
   MeasureConfig,
   Profile,
+  ProfileSettings,
   key_mismatch,
   load_cached,
+  pooled,
   refusal,
 )
 from earl_jax.stage import Stage
@@ -105,6 +108,27 @@ def test_measure_config_validation():
     MeasureConfig(rounds=0)
   with pytest.raises(ValueError, match='min_seconds must be >= 0'):
     MeasureConfig(min_seconds=-1.0)
+
+
+def test_a_cell_timed_again_pools_both_sessions_calls():
+  """The pooled figure is the median of both sessions' calls (throughput ~ 1 / median call),
+  its sessions counted, whose calls and its compile time kept from the first; and a cell
+  without calls (or over the budget) does not pool."""
+  first = _cell(1024, DP8, 100.0, times=(10.0, 10.0, 11.0))  # median 10 ms
+  again = dataclasses.replace(
+    _cell(1024, DP8, 50.0, times=(20.0, 21.0, 22.0)), compile_ms=0.0, timed_by='run'
+  )
+  both = pooled(first, again)
+  assert both.times_ms == (10.0, 10.0, 11.0, 20.0, 21.0, 22.0)
+  assert both.throughput == pytest.approx(100.0 * 10.0 / 15.5)  # the median of six: 15.5 ms
+  assert (both.sessions, both.timed_by, both.compile_ms) == (2, 'profile', 12.5)
+  assert pooled(both, first).sessions == 3
+  with pytest.raises(ValueError, match='only two timings of a cell pool'):
+    pooled(first, _cell(1024, DP8, None, oom=True))
+  with pytest.raises(ValueError, match='only two timings of a cell pool'):
+    pooled(_cell(1024, DP8, 100.0, times=()), again)
+  with pytest.raises(ValueError, match='retimes must be an int >= 0'):
+    ProfileSettings(retimes=-1)
 
 
 def test_a_profile_file_for_another_model_or_device_count_is_refused_in_one_line(
