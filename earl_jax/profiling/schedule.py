@@ -16,26 +16,31 @@ completes it as the run goes (`ProfileSettings`):
   next one up, and that before the second buckets; within each, a cell per stage leads: a stage
   measured nowhere yet with its cheapest cell (so that every stage, train included, is measured
   before its decisions rest on the analytic prior alone), and a stage with fewer than two layouts
-  measured where its latest decision ran with its most promising cell there (so that a new
-  bucket's ranking rests on measurements soon, whichever stage is cheapest to measure); then the
-  cheapest cells go first, their compile and calls counted, whatever their stage
-  (`order_wanted`): as many cells as the share allows, and a cell over what it allows yet is
-  passed by those behind it that fit (the share it needs accrues meanwhile). While the profile
-  compiles a cell, and while a compiled cell that fits waits for a step boundary with no compile
-  under way, the run's own speculative precompiles that have not started yet wait
-  (`Executables.hold`, agreed by every process), so that the next boundary is quiet: one started
-  beside the profile's compile (5-20 s on a loaded 2-core host) would keep the cell waiting step
-  after step. Last, a measured cell within its noise of the best measured one where a decision
-  ranks and runs (and that best) is timed again, its calls pooled with the first session's
+  measured where its latest decision ran with the layout it runs there where that is wanted
+  (the selector keeps a layout it barely knows until it is measured), else its most promising
+  cell there (so that a new bucket's ranking rests on measurements soon, whichever stage is
+  cheapest to measure); then the cheapest cells go first, their compile and calls counted,
+  whatever their stage (`order_wanted`): as many cells as the share allows, and a cell over
+  what it allows yet is passed by those behind it that fit (the share it needs accrues
+  meanwhile). While the profile compiles a cell, and while a compiled cell that fits waits for a
+  step boundary with no compile under way, the run's own speculative precompiles that have not
+  started yet wait (`Executables.hold`, agreed by every process), so that the next boundary is
+  quiet: one started beside the profile's compile (5-20 s on a loaded 2-core host) would keep
+  the cell waiting step after step. Last, once no cell a decision ranks by waits to be measured,
+  a measured cell within its noise of the best measured one where a decision ranks and runs
+  (and that best) is timed again, its calls pooled with the first session's
   (`ProfileSettings.retimes`, `Selector.wanted(again=True)`): one session's calls understate
   the noise between sessions.
 
 The run's own calls are measurements too (`observing`): the experience and train programs the
-run's steps call are timed where nothing compiled beside them, and a program's cell, at the rows
-it ran (its packed rows), becomes a measured cell (`Cell.timed_by` 'run') once its calls after
-the first give `SAMPLES`. The layout a stage runs is thus measured at the buckets it runs at,
-with no call of the profile's: those go to the layouts the run is not on; and where the cell it
-runs is wanted again, the run's calls time it again.
+run's steps call are timed where nothing compiled beside them. A step's call runs at its packed
+batch's rows, which change from step to step, so a call after its program's first is a sample
+per token of its layout at its bucket, and `SAMPLES` of them make a measured cell at the latest
+call's rows (`Cell.timed_by` 'run'). Where the run's latest call of a stage ran the layout of its
+latest decision at that bucket (`_run_timed`), the profile leaves that layout to the run's
+calls (its curve through their cell carries it to the load's rows), and its calls go to the
+layouts the run is not on; where the cell it runs is wanted again, the run's calls time it
+again.
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -149,12 +154,18 @@ class ProfileScheduler:
     self._share = _Share(settings.max_share)
     self.spent_s = 0.0  # spent timing cells between steps
     self._params = None  # the random weights cells are timed with, kept between steps
-    self._calls: dict[CellKey, list[float]] = {}  # the run's own calls' ms, after the first
+    # The run's own calls' ms per token, after each program's first, per (stage, bucket, layout).
+    self._calls: dict[tuple[Stage, int, str], list[float]] = {}
+    self._warm: set = set()  # the programs the run has called (`ProgramKey`s)
     self._observed: dict[CellKey, Cell] = {}  # complete, not yet in the profile
     # Per OBSERVED stage, the latest call the run made: (tokens, seconds), process 0's as of the
     # latest step boundary (what a cell's calls are priced at before the model knows the stage).
     self._latest: dict[Stage, tuple[int, float]] = {}
     self._latest_here: dict[Stage, tuple[int, float]] = {}
+    # Per OBSERVED stage, the cell of the run's latest call (process 0's, as of the latest step
+    # boundary, and this process's since).
+    self._ran: dict[Stage, CellKey] = {}
+    self._ran_here: dict[Stage, CellKey] = {}
     # The measured cells the stages run now that are wanted again (`Selector.wanted(again=True)`):
     # the run's own calls time them again (`observing`).
     self._again: set[CellKey] = set()
@@ -227,18 +238,23 @@ class ProfileScheduler:
   @contextlib.contextmanager
   def observing(self, program: Executable):
     """Times the call of `program` (a stage program the run's step calls) made inside, blocked
-    on, as a sample of its cell: kept when nothing compiled in the background as it began and
-    ended, and after the program's first call (a warm-up); `SAMPLES` of them make a measured
-    cell, which `between_steps` adds to the profile (pooled with the cell's earlier calls where
-    it is measured and wanted again). Only the `OBSERVED` stages' programs."""
+    on, as a sample of its layout at its bucket: kept when nothing compiled in the background as
+    it began and ended, and after the program's first call (a warm-up). The rows a call runs at
+    are its packed batch's, which change from step to step: a sample is kept per token, and
+    `SAMPLES` of them make a measured cell at the latest call's rows (`Cell.timed_by` 'run'),
+    which `between_steps` adds to the profile (pooled with the cell's earlier calls where it is
+    measured and wanted again). Only the `OBSERVED` stages' programs; a layout the run's calls
+    have timed at a bucket is not sampled there again unless wanted again."""
     key = program.key
     cell = (key.stage, key.bucket, key.rows, key.config.name)
+    if key.stage in OBSERVED:
+      self._ran_here[key.stage] = cell
     if (
       not self._background
       or key.stage not in OBSERVED
       or key.stage not in self._settings.stages
       or cell in self._observed
-      or (self._measured(cell) and cell not in self._again)
+      or (self._run_measured(cell) and cell not in self._again)
     ):
       yield
       return
@@ -246,15 +262,31 @@ class ProfileScheduler:
     t0 = time.perf_counter()
     yield
     ms = 1e3 * (time.perf_counter() - t0)
-    self._latest_here[key.stage] = (program.program.tokens, ms / 1e3)
-    if cell not in self._calls:
-      self._calls[cell] = []  # the first call warms the program up
+    tokens = program.program.tokens
+    self._latest_here[key.stage] = (tokens, ms / 1e3)
+    if key not in self._warm:
+      self._warm.add(key)  # the first call of a program warms it up
     elif quiet and self.quiet():
-      self._calls[cell].append(ms)
-      if len(self._calls[cell]) >= self.SAMPLES:
+      layout = (key.stage, key.bucket, key.config.name)
+      per_token = self._calls.setdefault(layout, [])
+      per_token.append(ms / tokens)
+      if len(per_token) >= self.SAMPLES:
+        times = [t * tokens for t in self._calls.pop(layout)]
         self._observed[cell] = dataclasses.replace(
-          profiler.timed_cell(program, self._calls.pop(cell)), timed_by='run'
+          profiler.timed_cell(program, times), timed_by='run'
         )
+
+  def _run_measured(self, cell: CellKey) -> bool:
+    """`cell` is measured, or the run's own calls timed its layout at its bucket (any rows)."""
+    stage, bucket, _, name = cell
+    if self._measured(cell):
+      return True
+    cells = () if self.profile is None else self.profile.cells.values()
+    return any(
+      c.stage == stage and c.bucket == bucket and c.config == name and c.timed_by == 'run'
+      for c in cells
+      if c.measured and c.throughput
+    )
 
   def _measured(self, cell: CellKey) -> bool:
     got = None if self.profile is None else self.profile.cells.get(cell)
@@ -267,10 +299,15 @@ class ProfileScheduler:
     mine = {
       'cells': [c.as_dict() for c in self._observed.values()],
       'latest': {str(s): list(v) for s, v in self._latest_here.items()},
+      'ran': {str(s): [str(c[0]), *c[1:]] for s, c in self._ran_here.items()},
     }
     new = distributed.broadcast_json(mine if jax.process_index() == 0 else None)
     self._observed.clear()
     self._latest = {Stage.parse(s): (int(t), float(x)) for s, (t, x) in new['latest'].items()}
+    self._ran = {
+      Stage.parse(s): (Stage.parse(c[0]), int(c[1]), int(c[2]), str(c[3]))
+      for s, c in new['ran'].items()
+    }
     cells = {}
     for data in new['cells']:
       cell = Cell.from_dict(data)
@@ -344,7 +381,7 @@ class ProfileScheduler:
     self._add_observed(selector)
     self._again = {
       cell
-      for cell in self._running(selector)
+      for cell in self._run_timed(selector)
       if cell[1:] in selector.wanted(cell[0], stats, again=True)
     }
     seconds, held = self._measure_ready(selector, stats)
@@ -399,6 +436,11 @@ class ProfileScheduler:
     # the profile's or the run's own precompiles (a compile takes a core: the timings it
     # overlaps are slower, and more so for layouts whose collectives wait on every device).
     wanted = [c for c in self._queue if c not in self._failed]
+    stages = selector.config.profile.stages
+    needed = {(s, *c) for s in stages for c in selector.wanted(s, stats)}
+    if any(c in needed for c in wanted):  # the cells the decisions rank by are timed first:
+      again = {(s, *c) for s in stages for c in selector.wanted(s, stats, again=True)}
+      wanted = [c for c in wanted if c not in again]  # (a re-time's program is compiled)
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
     if not ready:
@@ -445,24 +487,28 @@ class ProfileScheduler:
       calls[cell] = self._cell_s(selector, cell)
       return calls[cell] + compiles.get(cell[0], 0.0)
 
-    return {c: calls[c] for c in self.order_wanted(selector, stats, cost=cost)}
+    running = self._run_timed(selector)
+    return {c: calls[c] for c in self.order_wanted(selector, stats, cost=cost, running=running)}
 
   @staticmethod
-  def order_wanted(selector, stats, *, cost: Callable[[CellKey], float]) -> list[CellKey]:
-    """Every profiled stage's wanted cells but those a stage runs now (`_running`: the run's own
-    calls time them), the needed buckets' before the next one up's, those before the second
-    buckets', and those before the measured cells to time again (`Selector.wanted`, `_KINDS`). Among each, one cell per stage leads, the cheapest lead
-    first: a stage measured nowhere yet leads with its cheapest cell (the rollout: the
-    `OBSERVED` stages are measured by their own calls), and a stage with fewer than two layouts
-    measured at the bucket its latest decision ran at (its ranking there rests on the model)
-    with its most promising cell there. Then the cheapest cells (by `cost`, the seconds of
-    their compile and calls: within the share, a cell that costs little is not held back by one
-    that costs much, and a stage whose programs are slow to compile and call, usually train, is
-    measured as the share accrues). `selector`: a `Selector`, or what reads as one
-    (`config.profile.stages`, `wanted`, `profile`, `history`)."""
+  def order_wanted(
+    selector, stats, *, cost: Callable[[CellKey], float], running: set[CellKey]
+  ) -> list[CellKey]:
+    """Every profiled stage's wanted cells but `running` (`_run_timed`: the cells the run's own
+    calls time), the needed buckets' before the next one up's, those before the second
+    buckets', and those before the measured cells to time again (`Selector.wanted`, `_KINDS`).
+    Among each, one cell per stage leads, the cheapest lead first: a stage measured nowhere
+    yet leads with its cheapest cell (the rollout: the `OBSERVED` stages are measured by their
+    own calls), and a stage with fewer than two layouts measured at the bucket its latest
+    decision ran at (its ranking there rests on the model) with the layout it runs, where that
+    is wanted there (a switch weighs the best against it), else its most promising cell there.
+    Then the cheapest cells (by `cost`, the seconds of their compile and calls: within the
+    share, a cell that costs little is not held back by one that costs much, and a stage whose
+    programs are slow to compile and call, usually train, is measured as the share accrues).
+    `selector`: a `Selector`, or what reads as one (`config.profile.stages`, `wanted`,
+    `profile`, `history`)."""
     out: list[CellKey] = []
-    running = ProfileScheduler._running(selector)
-    latest = {d.stage: d.run_bucket for d in selector.history}
+    latest = {d.stage: d for d in selector.history}
     for kind in _KINDS:
       cells = [
         (stage, *cell)
@@ -477,21 +523,27 @@ class ProfileScheduler:
         if stage not in OBSERVED and not _measured_layouts(profile, stage):
           lead.append(next(c for c in by_cost if c[0] == stage))
           continue
-        bucket = latest.get(stage) if not kind else None  # the needed buckets only
+        decision = latest.get(stage) if not kind else None  # the needed buckets only
+        bucket = None if decision is None else decision.run_bucket
         unranked = [c for c in cells if c[0] == stage and c[1] == bucket]
         if unranked and len(_measured_layouts(profile, stage, bucket)) < 2:
-          lead.append(unranked[0])  # the most promising (`Selector.wanted`'s order)
+          runs = [c for c in unranked if c[3] == decision.config.name]
+          lead.append((runs or unranked)[0])  # else the most promising (`wanted`'s order)
       lead.sort(key=cost)
       out += lead + [c for c in by_cost if c not in lead]
     return out
 
-  @staticmethod
-  def _running(selector) -> set[CellKey]:
-    """The cell each stage the run's own calls measure (`OBSERVED`) ran at its latest decision."""
-    latest = {}
-    for d in selector.history:
-      latest[d.stage] = (d.stage, d.run_bucket, d.rows, d.config.name)
-    return {cell for stage, cell in latest.items() if stage in OBSERVED}
+  def _run_timed(self, selector) -> set[CellKey]:
+    """The cells the run's own calls time: each `OBSERVED` stage's at its latest decision
+    (bucket, load, layout), where the run's latest call of the stage ran that layout at that
+    bucket (at its packed rows: `observing` keeps a sample per token)."""
+    latest = {d.stage: d for d in selector.history if d.stage in OBSERVED}
+    out = set()
+    for stage, d in latest.items():
+      ran = self._ran.get(stage)
+      if ran is not None and (ran[1], ran[3]) == (d.run_bucket, d.config.name):
+        out.add((stage, d.run_bucket, d.rows, d.config.name))
+    return out
 
   def _cell_s(self, selector, cell: CellKey) -> float:
     stage, bucket, rows, name = cell

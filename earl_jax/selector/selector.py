@@ -489,21 +489,20 @@ def _bound(value: float | None, option: Option) -> str:
 
 # The uncertainty (a log-scale standard deviation) within which the cost model's figure of the
 # current layout is weighed as it is against a measured best: within a factor e, the model knows
-# the layout from cells near it; beyond, it barely does, and the measured layout is the better bet.
+# the layout from cells near it; beyond, it barely does, and the layout is kept until measured.
 HELD_AT_FIGURE = 1.0
 
 
-def _held_at(option: Option) -> float | None:
-  """What the current layout is weighed at against the best: its figure where it is measured,
-  the model fitted it to its own cells, or the model's figure is within `HELD_AT_FIGURE` (a
-  switch must beat what the model expects of it, not its lower bound: a layout is not left on
-  the model's caution alone; weighed at its lower bound, a layout known from the other layouts'
-  cells lost to whichever layout was measured first at a new bucket, slower or not:
-  docs/results/main-job.md, issue 40), else its score."""
+def _unknown(option: Option) -> bool:
+  """Whether the current layout's figure is too uncertain to weigh a switch against: not
+  measured, not fitted to its own cells, and beyond `HELD_AT_FIGURE`. Such a layout is kept
+  until it is measured: weighed at its lower bound, a layout known from the other layouts'
+  cells lost to whichever layout was measured first at a new bucket, slower or not; and
+  elsewhere a switch must beat what the model expects of it, not its lower bound
+  (docs/results/main-job.md, issue 40)."""
   unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
-  if option.measured or option.prior not in unanchored or option.uncertainty <= HELD_AT_FIGURE:
-    return option.throughput
-  return option.score
+  anchored = option.measured or option.prior not in unanchored
+  return not anchored and option.uncertainty > HELD_AT_FIGURE
 
 
 def _figures(options: Sequence[Option]) -> str:
@@ -1025,8 +1024,16 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
+    if ranked and _unknown(current.option):  # the profile's order leads with it (`order_wanted`)
+      return _Choice(
+        current,
+        f'kept {prev.name}: measured nowhere near here (the model: '
+        f'{current.option.throughput:.1f}+-{current.option.uncertainty:.0%}, '
+        f'{current.option.prior}); '
+        f'{best.config.name} is weighed against it once it is',
+      )
     if ranked:
-      now, top = _held_at(current.option), best.option.score
+      now, top = current.option.throughput, best.option.score
     else:
       now, top = current.option.throughput, best.option.throughput
     figures = (

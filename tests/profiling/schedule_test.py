@@ -212,6 +212,39 @@ def test_the_runs_own_calls_measure_the_layout_it_runs(tmp_path):
     assert cached.cells[cell].timed_by == 'run'
 
 
+def test_the_runs_calls_at_changing_packed_rows_make_one_cell_per_token(tmp_path):
+  """The run's calls of a layout at a bucket run at the packed rows of each step: after each
+  program's first call (a warm-up), a call is a sample per token, and three make one cell at the
+  latest call's rows; the layout is not sampled at that bucket again."""
+  _, exe, run_profile, sel = _run_parts(tmp_path, stages=('experience',), max_share=1.0)
+  stats = StepStats(episode_lengths=(40, 50), num_responses=8)
+  dp8 = ParallelConfig(dp=8)
+  with exe:
+    rows16, rows8 = (exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, r)) for r in (16, 8))
+    assert rows16.program.tokens == 2 * rows8.program.tokens
+
+    def call(program, seconds):
+      with run_profile.observing(program):
+        time.sleep(seconds)
+
+    call(rows16, 0.3)  # warm-ups, one per program
+    call(rows8, 0.3)
+    run_profile.wait_compiles()
+    call(rows16, 0.08)
+    call(rows8, 0.04)  # the same time per token
+    call(rows16, 0.08)
+    run_profile.between_steps(sel, stats)
+    cells = run_profile.profile.cells
+    cell = cells[(Stage.EXPERIENCE, 64, 16, 'dp8.tp1')]
+    assert cell.timed_by == 'run' and len(cell.times_ms) == 3
+    assert all(80 <= t < 130 for t in cell.times_ms), cell.times_ms  # at 16 rows' tokens
+    assert (Stage.EXPERIENCE, 64, 8, 'dp8.tp1') not in cells
+    for _ in range(4):
+      call(rows8, 0.01)
+    run_profile.between_steps(sel, stats)
+    assert (Stage.EXPERIENCE, 64, 8, 'dp8.tp1') not in run_profile.profile.cells
+
+
 def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_path):
   """Experience at bucket 64 and load 8 has two measured layouts within their noise: dp8.tp1
   (which it runs) and dp4.tp2, 5% slower. Between steps the profile times dp4.tp2 again and the
@@ -237,6 +270,8 @@ def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_pat
     )
     sel.use_profile(run_profile.profile)
     assert sel.decide(Stage.EXPERIENCE, stats).config == dp8
+    with run_profile.observing(program):  # the run's latest call ran at the cell it ranks by
+      pass
     assert sel.wanted(Stage.EXPERIENCE, stats, again=True) == [
       (64, 8, 'dp8.tp1'),
       (64, 8, 'dp4.tp2'),
@@ -378,7 +413,10 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     (Stage.ROLLOUT, 256, 64, 'dp2.tp4'),
   ]
   train_lead = (Stage.TRAIN, 256, 64, 'fsdp8')  # its most promising at 256 (`wanted`'s first)
-  order = schedule.ProfileScheduler.order_wanted(_Wanting(), None, cost=cost.__getitem__)
+  running = {(Stage.TRAIN, 256, 64, 'dp8.tp1')}  # the run's calls time it (at its load's rows)
+  order = schedule.ProfileScheduler.order_wanted(
+    _Wanting(), None, cost=cost.__getitem__, running=running
+  )
   assert order == cheapest_first[:1] + [train_lead] + [
     c for c in cheapest_first[1:] if c != train_lead
   ]
@@ -386,7 +424,9 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   class TwoTrainLayouts(_Wanting):
     MEASURED: ClassVar = {**_Wanting.MEASURED, Stage.TRAIN: (('dp8.tp1', 32), ('dp2.tp4', 64))}
 
-  order = schedule.ProfileScheduler.order_wanted(TwoTrainLayouts(), None, cost=cost.__getitem__)
+  order = schedule.ProfileScheduler.order_wanted(
+    TwoTrainLayouts(), None, cost=cost.__getitem__, running=running
+  )
   assert order == cheapest_first
 
 

@@ -530,12 +530,21 @@ def test_a_decision_with_no_measured_cell_runs_on_the_model_and_says_so():
   }
   sel.use_profile(Profile(key=empty.key, cells=cells))
   d = sel.decide(Stage.ROLLOUT, _stats(100))
-  # dp8, measured nowhere, ranks by the model's lower bound: below dp2.tp4's measurement.
+  # dp8, measured nowhere, ranks by the model's lower bound: below dp2.tp4's measurement. It
+  # runs, known only from the others' cells beyond a factor e: kept until it is measured.
   dp8 = next(o for o in d.options if o.config == DP8.name)
   assert dp8.score == pytest.approx(dp8.throughput * np.exp(-2.0 * dp8.uncertainty))
-  assert d.config == DP2TP4 and d.measured and d.uncertainty == pytest.approx(0.05)
+  assert d.config == DP8 and not d.measured and 'kept dp8.tp1: measured nowhere near' in d.reason
   assert 'measured: dp2.tp4, dp1.tp8; model: dp8.tp1 (' in d.reason and ', stage)' in d.reason
   assert sel.wanted(Stage.ROLLOUT, _stats(100)) == [(128, 16, 'dp8.tp1')]
+  # Measured there at 200, below dp2.tp4's 300: the switch.
+  cells[(Stage.ROLLOUT, 128, 16, DP8.name)] = dataclasses.replace(
+    cells[(Stage.ROLLOUT, 128, 16, DP2TP4.name)], config=DP8.name, throughput=200.0
+  )
+  sel.use_profile(Profile(key=empty.key, cells=cells))
+  d = sel.decide(Stage.ROLLOUT, _stats(100))
+  assert d.config == DP2TP4 and d.measured and d.uncertainty == pytest.approx(0.05)
+  assert d.switched and 'dp2.tp4 is 50% faster than dp8.tp1' in d.reason, d.reason
   # At 256, ahead: tp8's upper bound (from its own cell at 128) is below dp2.tp4's lower bound.
   ahead = sel.wanted(Stage.ROLLOUT, _stats(100), ahead=True)
   assert {c[2] for c in ahead} == {'dp2.tp4', 'dp8.tp1'} and {c[0] for c in ahead} == {256}
@@ -779,3 +788,38 @@ def test_a_current_layout_the_model_knows_only_from_the_others_is_weighed_at_its
     assert held.score == pytest.approx(120 / np.e) and held.score < dp8
     if not switches:
       assert 'kept dp2.tp4 (within' in d.reason and '120.0' in d.reason, d.reason
+
+
+def test_a_current_layout_the_model_barely_knows_is_kept_until_it_is_measured():
+  """Held on dp2.tp4, known at 128 only from the other layouts' cells and beyond a factor e
+  (prior 'stage', 120 +-200%): dp8, measured at 150 there, is not weighed against a guess; the
+  layout is kept, the reason says so, and once it is measured (at 100) dp8 replaces it."""
+  table, key, cell = BucketConfig(lengths=(128, 256)), _TWO_LAYOUTS, _timed_cell
+  settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=2.0)
+  sel = Selector(
+    SelectorConfig(profile=settings, patience=1, initial_context=100),
+    buckets=table,
+    rows=16,
+    profile=Profile(
+      key=key,
+      cells={
+        (Stage.ROLLOUT, 128, 16, DP2TP4.name): cell(DP2TP4, 128, 100.0),
+        (Stage.ROLLOUT, 128, 16, DP8.name): cell(DP8, 128, 90.0),
+      },
+    ),
+  )
+  assert sel.decide(Stage.ROLLOUT, _stats(100)).config == DP2TP4
+  unknown = cell(DP2TP4, 128, 120.0, measured=False, prior='stage', uncertainty=2.0)
+  cells = {
+    (Stage.ROLLOUT, 128, 16, DP2TP4.name): unknown,  # say its measurement was withdrawn
+    (Stage.ROLLOUT, 128, 16, DP8.name): cell(DP8, 128, 150.0),
+  }
+  sel.use_profile(Profile(key=key, cells=cells))
+  d = sel.decide(Stage.ROLLOUT, _stats(100))
+  assert d.config == DP2TP4 and not d.switched
+  assert 'kept dp2.tp4: measured nowhere near here (the model: 120.0+-200%, stage)' in d.reason
+  assert 'dp8.tp1 is weighed against it once it is' in d.reason
+  cells[(Stage.ROLLOUT, 128, 16, DP2TP4.name)] = cell(DP2TP4, 128, 100.0)
+  sel.use_profile(Profile(key=key, cells=cells))
+  d = sel.decide(Stage.ROLLOUT, _stats(100))
+  assert d.config == DP8 and d.switched, d.reason
