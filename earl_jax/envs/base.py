@@ -136,6 +136,14 @@ class EnvConfig:
       the reset seed, after the first-move coin and in turn from the side that moves first;
       0 (the default) draws nothing. At most `MAX_OPENING_MOVES`, fewer than any line needs,
       so an opening never ends a game. For training episodes; an evaluation's config keeps 0.
+    full_column_starts: the share of episodes (drawn per group from the reset seed) that start
+      with one column, drawn uniformly, already full of alternating stones (Connect Four only):
+      the state in which a policy that stacks one column loses by playing into it, met from the
+      first step in every column rather than only once the policy has collapsed onto one, when
+      the gradient that would move it off has vanished (docs/results.md, "Where the default
+      plateaus"). A column of alternating stones makes no line. Drawn after the first-move
+      coins and before `opening_moves`; 0 (the default) draws nothing. For training episodes;
+      an evaluation's config keeps 0.
     series_games: the games of one episode, played one after the other in one context (a
       match, 1 by default): when a game ends and the match goes on, the observation is the
       final board with its outcome line followed by the next game's first observation (a fresh
@@ -163,6 +171,7 @@ class EnvConfig:
   parse: ParseMode = 'strict'
   think_depth: int = 0
   opening_moves: int = 0
+  full_column_starts: float = 0.0
   series_games: int = 1
 
   def __post_init__(self):
@@ -190,6 +199,14 @@ class EnvConfig:
       raise ConfigError(
         f'EnvConfig.opening_moves must be an int in [0, {most}] for {self.game} (a side that '
         f'plays more could win in the opening), got {opening!r}.'
+      )
+    share = self.full_column_starts
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
+      raise ConfigError(f'EnvConfig.full_column_starts must be in [0, 1], got {share!r}.')
+    if share and self.game != 'connect_four':
+      raise ConfigError(
+        f'EnvConfig.full_column_starts is for connect_four (a column game), got {share!r} '
+        f'for {self.game}.'
       )
     games = self.series_games
     if not isinstance(games, int) or isinstance(games, bool) or not 1 <= games <= MAX_SERIES_GAMES:

@@ -212,6 +212,8 @@ class BoardGameEnv(base.TextEnv):
     else:
       boards = np.zeros((n, game.rows, game.cols), dtype=np.int8)
       opponent_first = self._opponent_first(coins)
+    if start_boards is None and self.config.full_column_starts:
+      boards = self._full_column(boards, rng)
     if start_boards is None and self.config.opening_moves:
       boards = self._opening(boards, opponent_first, rng)
     last_opponent = self._opponent_opens(boards, opponent_first, noise)
@@ -255,6 +257,22 @@ class BoardGameEnv(base.TextEnv):
       boards[first] = self.game.play(boards[first], moves, base.OPPONENT)
       last_opponent[first] = moves
     return last_opponent
+
+  def _full_column(self, boards: Int8[np.ndarray, 'B R W'], rng) -> Int8[np.ndarray, 'B R W']:
+    """One uniformly drawn column filled with alternating stones, the opponent's at the
+    bottom, on a `full_column_starts` share of the boards (one [n, 2] draw, shared by the
+    episodes of a group)."""
+    game = self.game
+    draws = self._draw(rng, (self._batch, 2))
+    idx = np.flatnonzero(draws[:, 0] < self.config.full_column_starts)
+    if idx.size:
+      columns = np.minimum(
+        (draws[idx, 1] * game.num_actions).astype(np.int64), game.num_actions - 1
+      )
+      for height in range(game.rows):
+        side = base.OPPONENT if height % 2 == 0 else base.AGENT
+        boards[idx] = game.play(boards[idx], columns, side)
+    return boards
 
   def _opening(
     self, boards: Int8[np.ndarray, 'B R W'], opponent_first: Bool[np.ndarray, ' B'], rng

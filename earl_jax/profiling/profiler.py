@@ -437,8 +437,8 @@ def _profile_cell(exe, stage, bucket, rows, candidates, config, params, cells, p
       )
       times[c].extend(ts)
       del args
-  for c in feasible:
-    cell = timed_cell(entries[c], times[c])
+  for c in feasible:  # each round a separate visit: a session (`Cell.sessions`)
+    cell = dataclasses.replace(timed_cell(entries[c], times[c]), sessions=settings.rounds)
     cells[(stage, bucket, rows, c.name)] = cell
     if progress:
       progress(cell)

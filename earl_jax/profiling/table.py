@@ -174,8 +174,9 @@ class Cell:
       the cost model's uncertainty; `cost_model.complete` fills it).
     timed_by: whose calls a measurement times: 'profile' (the profile's own, between steps or
       offline) or 'run' (the calls the run's steps made of the program it ran: no extra calls).
-    sessions: how many separate timings `times_ms` pools (a cell near the best is timed again:
-      `ProfileSettings.retimes`, `pooled`).
+    sessions: how many separate timings `times_ms` pools: a profile's rounds (`MeasureConfig`:
+      each a visit of its own), and one more each time a cell near the best is timed again
+      (`ProfileSettings.retimes`, `pooled`).
   """
 
   stage: Stage

@@ -390,6 +390,35 @@ def test_random_openings_start_the_episodes_from_varied_positions(game):
     base.EnvConfig(game=game, opening_moves=k + 1)
 
 
+def test_full_column_starts_put_every_column_full_on_their_share_of_the_episodes():
+  """With a share of 1 every training episode starts with one column full of alternating
+  stones (the opponent's at the bottom, no line), every column in turn among 128 episodes, a
+  group sharing its column; the agent cannot play it. With 0.25, about a quarter; the first-move
+  coins are those of before; another game or a share out of [0, 1] is refused."""
+  n = 128
+  env = _env(full_column_starts=1.0, agent_first='always')
+  env.reset(n, seed=5, group_size=2)
+  g = env.game
+  full = ~g.legal_mask(env.boards)
+  assert (full.sum(axis=1) == 1).all()
+  assert set(full.argmax(axis=1).tolist()) == set(range(7))
+  assert (env.boards[0::2] == env.boards[1::2]).all()
+  column = env.boards[np.arange(n), :, full.argmax(axis=1)]  # [n, rows], top row first
+  assert (column[:, -1] == base.OPPONENT).all() and (column[:, -2] == base.AGENT).all()
+  assert (np.abs(column.sum(axis=1)) == 0).all() and not (g.winner(env.boards) != 0).any()
+  quarter = _env(full_column_starts=0.25)
+  quarter.reset(1024, seed=5)
+  started = (~g.legal_mask(quarter.boards)).any(axis=1)
+  assert 0.18 < started.mean() < 0.32  # binomial sd 0.014
+  plain = _env()
+  plain.reset(1024, seed=5)
+  assert (plain.agent_first == quarter.agent_first).all()
+  with pytest.raises(ConfigError, match=r'full_column_starts must be in \[0, 1\], got 1.5'):
+    base.EnvConfig(full_column_starts=1.5)
+  with pytest.raises(ConfigError, match='full_column_starts is for connect_four'):
+    base.EnvConfig(game='tic_tac_toe', full_column_starts=0.5)
+
+
 def test_tic_tac_toe_observations():
   env = _env(game='tic_tac_toe', agent_first='never', opponent='minimax', minimax_depth=9)
   obs = env.reset(2, seed=0)
