@@ -70,7 +70,7 @@ from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.profiling import cost_model, profiler
 from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings, pooled
-from earl_jax.programs import Executable, Executables, StageSpec
+from earl_jax.programs import Executable, Executables, ProgramKey, StageSpec
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
 
@@ -156,7 +156,7 @@ class ProfileScheduler:
     self._params = None  # the random weights cells are timed with, kept between steps
     # The run's own calls' ms per token, after each program's first, per (stage, bucket, layout).
     self._calls: dict[tuple[Stage, int, str], list[float]] = {}
-    self._warm: set = set()  # the programs the run has called (`ProgramKey`s)
+    self._warm: set[ProgramKey] = set()  # the programs the run has called
     self._observed: dict[CellKey, Cell] = {}  # complete, not yet in the profile
     # Per OBSERVED stage, the latest call the run made: (tokens, seconds), process 0's as of the
     # latest step boundary (what a cell's calls are priced at before the model knows the stage).
