@@ -37,10 +37,10 @@ run's steps call are timed where nothing compiled beside them. A step's call run
 batch's rows, which change from step to step, so a call after its program's first is a sample
 per token of its layout at its bucket, and `SAMPLES` of them make a measured cell at the latest
 call's rows (`Cell.timed_by` 'run'). Where the run's latest call of a stage ran the layout of its
-latest decision at that bucket (`_run_timed`), the profile leaves that layout to the run's
-calls (its curve through their cell carries it to the load's rows), and its calls go to the
-layouts the run is not on; where the cell it runs is wanted again, the run's calls time it
-again.
+latest decision at that bucket, and the model knows that layout there (`_run_timed`), the
+profile leaves it to the run's calls (its curve through their cell carries it to the load's
+rows), and its calls go to the layouts the run is not on; where the cell it runs is wanted
+again, the run's calls time it again.
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -536,13 +536,19 @@ class ProfileScheduler:
   def _run_timed(self, selector) -> set[CellKey]:
     """The cells the run's own calls time: each `OBSERVED` stage's at its latest decision
     (bucket, load, layout), where the run's latest call of the stage ran that layout at that
-    bucket (at its packed rows: `observing` keeps a sample per token)."""
+    bucket (at its packed rows: `observing` keeps a sample per token), and the model knows the
+    layout well enough there (`selector.barely_known`): one it barely knows is held until it
+    is measured, and the run's calls, kept only where nothing compiles beside them, may take
+    many steps to time it."""
     latest = {d.stage: d for d in selector.history if d.stage in OBSERVED}
     out = set()
     for stage, d in latest.items():
       ran = self._ran.get(stage)
-      if ran is not None and (ran[1], ran[3]) == (d.run_bucket, d.config.name):
-        out.add((stage, d.run_bucket, d.rows, d.config.name))
+      cell = (stage, d.run_bucket, d.rows, d.config.name)
+      if ran is None or (ran[1], ran[3]) != (d.run_bucket, d.config.name):
+        continue
+      if not selector_lib.barely_known(selector.profile(stage).cell(*cell)):
+        out.add(cell)
     return out
 
   def _cell_s(self, selector, cell: CellKey) -> float:

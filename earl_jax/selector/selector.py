@@ -493,7 +493,7 @@ def _bound(value: float | None, option: Option) -> str:
 HELD_AT_FIGURE = 1.0
 
 
-def _unknown(option: Option) -> bool:
+def barely_known(option: Option | Cell) -> bool:
   """Whether the current layout's figure is too uncertain to weigh a switch against: not
   measured, not fitted to its own cells, and beyond `HELD_AT_FIGURE`. Such a layout is kept
   until it is measured: weighed at its lower bound, a layout known from the other layouts'
@@ -1024,7 +1024,9 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    if ranked and _unknown(current.option):  # the profile's order leads with it (`order_wanted`)
+    if ranked and barely_known(
+      current.option
+    ):  # the profile's order leads with it (`order_wanted`)
       return _Choice(
         current,
         f'kept {prev.name}: measured nowhere near here (the model: '

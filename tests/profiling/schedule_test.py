@@ -301,6 +301,34 @@ def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_pat
     assert sel.wanted(Stage.EXPERIENCE, stats, again=True) == []
 
 
+def test_the_layout_a_stage_runs_is_left_to_its_own_calls_only_where_the_model_knows_it():
+  """Train runs dp8.tp1 at 256 and its latest call ran it there (at 24 packed rows): the profile
+  leaves that cell to the run's calls while the model knows dp8 there (fitted to its own cells,
+  or within a factor e); while it barely does (+-200%, from the others' cells) the profile
+  measures it itself, since the selector holds the layout until it is measured. A latest call
+  at another bucket leaves nothing to the run."""
+  from earl_jax.profiling.table import Cell
+
+  sched = schedule.ProfileScheduler(None, None, settings=ProfileSettings(stages=('train',)))
+  decision = types.SimpleNamespace(
+    stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
+  )
+
+  def selector(prior, uncertainty):
+    figure = Cell(stage=Stage.TRAIN, config='dp8.tp1', bucket=256, rows=64, peak_bytes=1,
+                  oom=False, throughput=1.0, measured=False, prior=prior, uncertainty=uncertainty)  # fmt: skip
+    profile = types.SimpleNamespace(cell=lambda *key: figure)
+    return types.SimpleNamespace(history=[decision], profile=lambda stage: profile)
+
+  cell = (Stage.TRAIN, 256, 64, 'dp8.tp1')
+  sched._ran = {Stage.TRAIN: (Stage.TRAIN, 256, 24, 'dp8.tp1')}
+  assert sched._run_timed(selector('dp8.tp1@128', 0.3)) == {cell}
+  assert sched._run_timed(selector('stage', 0.5)) == {cell}
+  assert sched._run_timed(selector('stage', 2.0)) == set()
+  sched._ran = {Stage.TRAIN: (Stage.TRAIN, 512, 24, 'dp8.tp1')}
+  assert sched._run_timed(selector('dp8.tp1@128', 0.3)) == set()
+
+
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
   """A cell is timed while the time spent measuring, with the cell's estimate (its calls at the
   model's figures, plus the median time the cells timed so far took beyond their calls), stays
