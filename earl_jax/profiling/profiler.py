@@ -48,7 +48,15 @@ from earl_jax.config import BucketConfig, ModelConfig, ParallelConfig
 from earl_jax.errors import ConfigError
 from earl_jax.models import qwen2
 from earl_jax.profiling import cost_model
-from earl_jax.profiling.table import Cell, CellKey, MeasureConfig, Profile, load_cached, pooled
+from earl_jax.profiling.table import (
+  Cell,
+  CellKey,
+  MeasureConfig,
+  Profile,
+  load_cached,
+  poolable,
+  pooled,
+)
 from earl_jax.programs import builders
 from earl_jax.programs import memory as memory_lib
 from earl_jax.programs.executables import Executables, background_pool
@@ -613,7 +621,7 @@ class Profiler:
       agreed = _agreed(profile.key, measured)
       for key, cell in agreed.cells.items():
         earlier = profile.cells.get(key)
-        if earlier is not None and earlier.measured and earlier.throughput and cell.throughput:
+        if poolable(earlier, cell):
           agreed.cells[key] = pooled(earlier, cell)
       profile = profile.merged(agreed)
       measured_any = True

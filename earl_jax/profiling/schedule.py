@@ -69,7 +69,7 @@ from absl import logging
 from earl_jax import distributed
 from earl_jax.config import BucketConfig, ModelConfig
 from earl_jax.profiling import cost_model, profiler
-from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings, pooled
+from earl_jax.profiling.table import Cell, CellKey, Profile, ProfileSettings, poolable, pooled
 from earl_jax.programs import Executable, Executables, ProgramKey, StageSpec
 from earl_jax.selector import selector as selector_lib
 from earl_jax.stage import Stage
@@ -314,8 +314,11 @@ class ProfileScheduler:
       key = (cell.stage, cell.bucket, cell.rows, cell.config)
       if not self._measured(key):
         cells[key] = cell
-      elif self.profile.cells[key].sessions <= self._settings.retimes:
-        cells[key] = pooled(self.profile.cells[key], cell)
+      elif (
+        poolable(earlier := self.profile.cells[key], cell)
+        and earlier.sessions <= self._settings.retimes
+      ):
+        cells[key] = pooled(earlier, cell)
     if not cells:
       return
     self.profile = self.profile.merged(Profile(key=self.profile.key, cells=cells))

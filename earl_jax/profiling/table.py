@@ -214,11 +214,18 @@ class Cell:
 CellKey = tuple[Stage, int, int, str]
 
 
+def poolable(first: Cell | None, again: Cell) -> bool:
+  """Whether `again` can be pooled with `first` (`pooled`): both timed, with their calls."""
+  return first is not None and all(
+    c.measured and c.throughput and c.times_ms for c in (first, again)
+  )
+
+
 def pooled(first: Cell, again: Cell) -> Cell:
   """A measured cell timed again: the two sessions' calls pooled, its figure the pooled median
   (the throughput scales as 1 / the median call), its sessions counted; whose calls it times
   and its compile time stay the first's."""
-  if not all(c.measured and c.throughput and c.times_ms for c in (first, again)):
+  if not poolable(first, again):
     raise ValueError(f'only two timings of a cell pool, got {first} and {again}')
   times = first.times_ms + again.times_ms
   scale = statistics.median(first.times_ms) / statistics.median(times)

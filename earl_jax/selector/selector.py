@@ -1024,9 +1024,8 @@ class Selector:
         f'held {prev.name} ({state.since_switch}/{cfg.patience} decisions since the last switch; '
         f'best now {best.config.name})',
       )
-    if ranked and barely_known(
-      current.option
-    ):  # the profile's order leads with it (`order_wanted`)
+    # A layout the model barely knows is measured first (the profile's lead, `order_wanted`).
+    if ranked and barely_known(current.option):
       return _Choice(
         current,
         f'kept {prev.name}: measured nowhere near here (the model: '
