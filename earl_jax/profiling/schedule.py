@@ -40,7 +40,8 @@ call's rows (`Cell.timed_by` 'run'). Where the run's latest call of a stage ran 
 latest decision at that bucket, and the model knows that layout there (`_run_timed`), the
 profile leaves it to the run's calls (its curve through their cell carries it to the load's
 rows), and its calls go to the layouts the run is not on; where the cell it runs is wanted
-again, the run's calls time it again.
+again, the run's calls time it again. They get `PATIENCE` step boundaries to do so: then the
+profile measures the cell (the run's precompiles can deny them a quiet call for many steps).
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -136,6 +137,11 @@ class ProfileScheduler:
   # compiled cell is timed at the next boundary with no other compile of the profile's beside it.
   IN_FLIGHT = 1
   SAMPLES = 3  # the run's own calls a cell is the median of (after its first, a warm-up)
+  # The step boundaries the run's own calls get to time a cell a stage runs (`_run_timed`) while
+  # it is wanted, before the profile measures it: a call is kept only with nothing compiling
+  # beside it, and the run's own precompiles (a program per packed row count and neighbouring
+  # bucket) can keep every call of a stage company for dozens of steps.
+  PATIENCE = 3
 
   def __init__(
     self,
@@ -169,6 +175,8 @@ class ProfileScheduler:
     # The measured cells the stages run now that are wanted again (`Selector.wanted(again=True)`):
     # the run's own calls time them again (`observing`).
     self._again: set[CellKey] = set()
+    # The step boundaries each cell has been left to the run's own calls while wanted.
+    self._left: dict[CellKey, int] = {}
     # Whether the run's speculative precompiles are held (`Executables.hold`; the same on every
     # process): while a compiled cell that fits the share waits for a step boundary with no
     # compile under way.
@@ -382,6 +390,7 @@ class ProfileScheduler:
     if not self._background or stats is None:
       return 0.0
     self._add_observed(selector)
+    self._count_left(selector, stats)
     self._again = {
       cell
       for cell in self._run_timed(selector)
@@ -537,12 +546,26 @@ class ProfileScheduler:
     return out
 
   def _run_timed(self, selector) -> set[CellKey]:
-    """The cells the run's own calls time: each `OBSERVED` stage's at its latest decision
-    (bucket, load, layout), where the run's latest call of the stage ran that layout at that
-    bucket (at its packed rows: `observing` keeps a sample per token), and the model knows the
-    layout well enough there (`selector.barely_known`): one it barely knows is held until it
-    is measured, and the run's calls, kept only where nothing compiles beside them, may take
-    many steps to time it."""
+    """The cells the run's own calls time: `_runs_known`'s, for at most `PATIENCE` step
+    boundaries each while wanted; the profile measures one they have not timed by then."""
+    return {c for c in self._runs_known(selector) if self._left.get(c, 0) <= self.PATIENCE}
+
+  def _count_left(self, selector, stats) -> None:
+    """Counts a boundary for each cell of `_runs_known` that is wanted (to measure, or to
+    time again)."""
+    for cell in self._runs_known(selector):
+      stage, *key = cell
+      if any(
+        tuple(key) in selector.wanted(stage, stats, **kind) for kind in (_KINDS[0], _KINDS[-1])
+      ):
+        self._left[cell] = self._left.get(cell, 0) + 1
+
+  def _runs_known(self, selector) -> set[CellKey]:
+    """Each `OBSERVED` stage's cell at its latest decision (bucket, load, layout), where the
+    run's latest call of the stage ran that layout at that bucket (at its packed rows:
+    `observing` keeps a sample per token), and the model knows the layout well enough there
+    (`selector.barely_known`): one it barely knows is held until it is measured, and the run's
+    calls, kept only where nothing compiles beside them, may take many steps to time it."""
     latest = {d.stage: d for d in selector.history if d.stage in OBSERVED}
     out = set()
     for stage, d in latest.items():

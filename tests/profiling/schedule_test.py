@@ -329,6 +329,37 @@ def test_the_layout_a_stage_runs_is_left_to_its_own_calls_only_where_the_model_k
   assert sched._run_timed(selector('dp8.tp1@128', 0.3)) == set()
 
 
+def test_the_profile_measures_a_cell_the_runs_calls_have_not_timed_within_its_patience():
+  """The cell a stage runs is left to the run's own calls for `PATIENCE` step boundaries while
+  it is wanted (a boundary where it is not wanted does not count); then the profile measures it:
+  the run's calls, kept only with no compile beside them, may never time it."""
+  from earl_jax.profiling.table import Cell
+
+  sched = schedule.ProfileScheduler(None, None, settings=ProfileSettings(stages=('train',)))
+  decision = types.SimpleNamespace(
+    stage=Stage.TRAIN, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
+  )
+  figure = Cell(stage=Stage.TRAIN, config='dp8.tp1', bucket=256, rows=64, peak_bytes=1,
+                oom=False, throughput=1.0, measured=False, prior='dp8.tp1@128', uncertainty=0.3)  # fmt: skip
+  wanted = [(256, 64, 'dp8.tp1')]
+  sel = types.SimpleNamespace(
+    history=[decision],
+    profile=lambda stage: types.SimpleNamespace(cell=lambda *key: figure),
+    wanted=lambda stage, stats, again=False: [] if again else list(wanted),
+  )
+  cell = (Stage.TRAIN, 256, 64, 'dp8.tp1')
+  sched._ran = {Stage.TRAIN: (Stage.TRAIN, 256, 24, 'dp8.tp1')}
+  for _ in range(schedule.ProfileScheduler.PATIENCE):
+    sched._count_left(sel, None)
+    assert sched._run_timed(sel) == {cell}
+  wanted.clear()  # not wanted: not counted
+  sched._count_left(sel, None)
+  assert sched._run_timed(sel) == {cell}
+  wanted.append((256, 64, 'dp8.tp1'))
+  sched._count_left(sel, None)
+  assert sched._run_timed(sel) == set()
+
+
 def test_measuring_between_steps_keeps_within_its_share(monkeypatch):
   """A cell is timed while the time spent measuring, with the cell's estimate (its calls at the
   model's figures, plus the median time the cells timed so far took beyond their calls), stays
