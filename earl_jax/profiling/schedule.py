@@ -10,9 +10,10 @@ completes it as the run goes (`ProfileSettings`):
   (`Selector.wanted`: those the model cannot rule out, and every layout at the longest bucket
   reached), those of the next bucket up, and a second bucket for each layout measured at one
   only (the shortest the stage has decided at) are compiled in the background as soon as they are
-  wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first), and timed at
-  the start of a later step, while the devices are idle, once compiled on every process
-  (`between_steps`), within `max_share` of the run's time. The needed buckets come before the
+  wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first that fits the
+  compile budget, `compile_share`), and timed at the start of a later step, while the devices
+  are idle, once compiled on every process (`between_steps`), within `max_share` of the run's
+  time. The needed buckets come before the
   next one up, and that before the second buckets; within each, a cell per stage leads: a stage
   measured nowhere yet with its cheapest cell (so that every stage, train included, is measured
   before its decisions rest on the analytic prior alone), and a stage with fewer than two layouts
@@ -42,6 +43,10 @@ profile leaves it to the run's calls (its curve through their cell carries it to
 rows), and its calls go to the layouts the run is not on; where the cell it runs is wanted
 again, the run's calls time it again. They get `PATIENCE` step boundaries to do so: then the
 profile measures the cell (the run's precompiles can deny them a quiet call for many steps).
+Where the model barely knows the layout a stage runs (measured nowhere near: the selector holds
+it until it is), the profile first times the program the run runs, at its latest call's rows:
+compiled already, so that every stage, train included, is measured as soon as a boundary is
+quiet, with no compile of the profile's (`_placer`).
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -228,9 +233,11 @@ class ProfileScheduler:
     profile lacks for it (handing them to `selector`); with it, only queues the cells
     `selector` wants measured for compiling. Returns the seconds the decision waited."""
     if self._background:
+      place = self._placer(selector)
       for kind in _KINDS:
-        for cell in selector.wanted(stage, stats, **kind):
-          self._queue.setdefault((stage, *cell), self._cell_s(selector, (stage, *cell)))
+        for cell in _cells(stage, selector.wanted(stage, stats, **kind)):
+          if (timed := place(cell)) is not None:
+            self._queue.setdefault(timed, self._cell_s(selector, timed))
       self._pump()
       return 0.0
     if self._profiler is None or not self._settings.lazy:
@@ -351,17 +358,26 @@ class ProfileScheduler:
     wanted cell is compiled and fits the share now (then the compiles under way drain, so that
     `between_steps` times it with no compile beside it), and within the compile budget:
     the profile's background compiles take at most `compile_share` of the run's time, a compile
-    counted at the median of those done so far (a compile takes a core from the steps)."""
+    counted at the median of its stage's done so far (of any stage's before one), and one that
+    does not fit yet passed by those behind it that do (a train program takes 5-10 times an
+    experience program's compile; a compile takes a core from the steps)."""
     live = [c for c in self._queue if c not in self._failed]
     if any(self._ready_here(c) and self._share.fits(self._queue[c]) for c in live):
       return
-    busy = sum(not f.done() for f in self._compiling.values())
-    done = [f.result() for f in self._compiling.values() if f.done() and not f.exception()]
-    spent = sum(done)
-    each = statistics.median(done) if done else 0.0
+    busy = [c for c, f in self._compiling.items() if not f.done()]
+    done = {c: f.result() for c, f in self._compiling.items() if f.done() and not f.exception()}
+    by_stage: dict[Stage, list[float]] = {}
+    for cell, seconds in done.items():
+      by_stage.setdefault(cell[0], []).append(seconds)
+
+    def each(cell: CellKey) -> float:  # a compile of its stage, as its done ones took
+      took = by_stage.get(cell[0]) or list(done.values())
+      return statistics.median(took) if took else 0.0
+
+    committed = sum(done.values()) + sum(each(c) for c in busy)
     allowed = self._settings.compile_share * (time.perf_counter() - self._share.start)
     for cell in self._queue:
-      if busy >= self.IN_FLIGHT:
+      if len(busy) >= self.IN_FLIGHT:
         return
       running = self._compiling.get(cell)
       if running is not None and not running.done():
@@ -373,10 +389,11 @@ class ProfileScheduler:
         continue
       if self._profiler.compiled_here(cell):
         continue
-      if spent + (busy + 1) * each > allowed:
-        return
+      if committed + each(cell) > allowed:
+        continue  # passed by a cheaper compile behind it, while the budget accrues
       self._compiling[cell] = self._profiler.compile(cell)
-      busy += 1
+      busy.append(cell)
+      committed += each(cell)
 
   def between_steps(
     self, selector: selector_lib.Selector, stats: selector_lib.StepStats | None
@@ -449,9 +466,10 @@ class ProfileScheduler:
     # overlaps are slower, and more so for layouts whose collectives wait on every device).
     wanted = [c for c in self._queue if c not in self._failed]
     stages = selector.config.profile.stages
-    needed = {(s, *c) for s in stages for c in selector.wanted(s, stats)}
+    place = self._placer(selector)
+    needed = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats))}
     if any(c in needed for c in wanted):  # the cells the decisions rank by are timed first:
-      again = {(s, *c) for s in stages for c in selector.wanted(s, stats, again=True)}
+      again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
       wanted = [c for c in wanted if c not in again]  # (a re-time's program is compiled)
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
@@ -491,16 +509,22 @@ class ProfileScheduler:
 
   def _wanted(self, selector, stats) -> dict[CellKey, float]:
     """`order_wanted`'s cells, each with the seconds of its calls (`_calls_s`), ordered by those
-    plus its compile's (its stage's median compile, the same on every process)."""
+    plus its compile's (its stage's median compile, the same on every process; none for the
+    program a stage runs). The layout an `OBSERVED` stage runs, where the profile measures it
+    (`_run_timed` does not leave it to the run's calls), is timed at the rows of the run's latest
+    call (`_running`): the program the run runs, compiled already."""
     calls: dict[CellKey, float] = {}
     compiles = self._compile_s()
+    place = self._placer(selector)
 
     def cost(cell: CellKey) -> float:
-      calls[cell] = self._cell_s(selector, cell)
-      return calls[cell] + compiles.get(cell[0], 0.0)
+      timed = place(cell) or cell
+      calls[cell] = self._cell_s(selector, timed)
+      return calls[cell] + (0.0 if timed != cell else compiles.get(cell[0], 0.0))
 
-    running = self._run_timed(selector)
-    return {c: calls[c] for c in self.order_wanted(selector, stats, cost=cost, running=running)}
+    left = {c for s in selector.config.profile.stages for c in self._left_out(selector, s, stats)}
+    ordered = self.order_wanted(selector, stats, cost=cost, running=left)
+    return {place(c): calls[c] for c in ordered}
 
   @staticmethod
   def order_wanted(
@@ -561,20 +585,64 @@ class ProfileScheduler:
         self._left[cell] = self._left.get(cell, 0) + 1
 
   def _runs_known(self, selector) -> set[CellKey]:
-    """Each `OBSERVED` stage's cell at its latest decision (bucket, load, layout), where the
-    run's latest call of the stage ran that layout at that bucket (at its packed rows:
-    `observing` keeps a sample per token), and the model knows the layout well enough there
+    """The cells of `_running` where the model knows the layout well enough
     (`selector.barely_known`): one it barely knows is held until it is measured, and the run's
     calls, kept only where nothing compiles beside them, may take many steps to time it."""
+    return {
+      cell
+      for cell in self._running(selector)
+      if not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
+    }
+
+  def _left_out(self, selector, stage: Stage, stats) -> set[CellKey]:
+    """`stage`'s wanted cells the profile does not time (`_placer`)."""
+    place = self._placer(selector)
+    return {
+      cell
+      for kind in _KINDS
+      for cell in _cells(stage, selector.wanted(stage, stats, **kind))
+      if place(cell) is None
+    }
+
+  def _placer(self, selector) -> Callable[[CellKey], CellKey | None]:
+    """Where the profile times a wanted cell: None where it does not. The cell an `OBSERVED`
+    stage runs is left to the run's own calls (`_run_timed`), or measured by the profile. While
+    the model barely knows its layout there (`selector.barely_known`: the selector holds it
+    until it is measured), the profile first times the program the run runs, at the rows of its
+    latest call (`_running`: compiled already, so the stage is measured at once, with no
+    compile), which anchors the layout's curve at that bucket; the layout is still timed at the
+    load, where the other layouts are, once wanted there (a layout's speed per token moves with
+    the rows it runs at: experience on this CPU, 5-12% slower at 64 rows than at 16 at 768-1024
+    tokens). A cell of
+    the layout a stage runs at a bucket its calls have not reached waits for them (they compile
+    that program, at the packed batch's rows)."""
+    left = self._run_timed(selector)
+    running = self._running(selector)
+    layouts = {d.stage: d.config.name for d in selector.history if d.stage in OBSERVED}
+
+    def place(cell: CellKey) -> CellKey | None:
+      if cell in left:
+        return None
+      if self._measured(cell):
+        return cell
+      if cell in running:
+        anchor = running[cell]
+        known = not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
+        return cell if known or self._measured(anchor) else anchor
+      return None if layouts.get(cell[0]) == cell[3] else cell
+
+    return place
+
+  def _running(self, selector) -> dict[CellKey, CellKey]:
+    """Each `OBSERVED` stage's cell at its latest decision (bucket, load, layout), where the
+    run's latest call of the stage ran that layout at that bucket, to the cell of that call (at
+    its packed rows: `observing` keeps a sample per token; the program is compiled)."""
     latest = {d.stage: d for d in selector.history if d.stage in OBSERVED}
-    out = set()
+    out = {}
     for stage, d in latest.items():
       ran = self._ran.get(stage)
-      cell = (stage, d.run_bucket, d.rows, d.config.name)
-      if ran is None or (ran[1], ran[3]) != (d.run_bucket, d.config.name):
-        continue
-      if not selector_lib.barely_known(selector.profile(stage).cell(*cell)):
-        out.add(cell)
+      if ran is not None and (ran[1], ran[3]) == (d.run_bucket, d.config.name):
+        out[(stage, d.run_bucket, d.rows, d.config.name)] = ran
     return out
 
   def _cell_s(self, selector, cell: CellKey) -> float:
@@ -592,7 +660,7 @@ class ProfileScheduler:
     measure = self._profiler.config.measure
     decode = self._profiler.config.spec.decode_tokens
     unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
-    here = [profile.cell(stage, bucket, rows, c) for c in profile.candidates(stage)]
+    here = [_figure(profile, stage, bucket, rows, c.name) for c in profile.candidates(stage)]
     known = [
       cost_model.seconds_per_call(c, decode)
       for c in here
@@ -604,7 +672,7 @@ class ProfileScheduler:
       tokens, seconds = self._latest[stage]
       latest = seconds * cost_model.tokens_per_call(stage, bucket, rows, decode) / tokens
     for name in names:
-      cell = profile.cell(stage, bucket, rows, name)
+      cell = _figure(profile, stage, bucket, rows, name)
       if cell.prior == cost_model.ANALYTIC or not cell.throughput:
         continue
       call_s = cost_model.seconds_per_call(cell, decode)
@@ -629,6 +697,20 @@ class ProfileScheduler:
     """The profiled compile time of a program (0 when not profiled)."""
     cell = None if self.profile is None else self.profile.cells.get((stage, bucket, rows, layout))
     return cell.compile_ms if cell is not None and cell.compile_ms else 0.0
+
+
+def _cells(stage: Stage, wanted: Sequence[tuple[int, int, str]]) -> list[CellKey]:
+  return [(stage, *cell) for cell in wanted]
+
+
+def _figure(profile: Profile, stage: Stage, bucket: int, rows: int, name: str) -> Cell:
+  """`profile`'s cell, or at rows it does not profile (a packed batch's), its cell at the
+  nearest profiled load, at those rows (the same tokens per second a device)."""
+  cell = profile.cells.get((stage, bucket, rows, name))
+  if cell is not None:
+    return cell
+  load = min(profile.rows_for(stage), key=lambda r: abs(r - rows))
+  return dataclasses.replace(profile.cell(stage, bucket, load, name), rows=rows)
 
 
 def _measured_layouts(profile: Profile, stage: Stage, bucket: int | None = None) -> set[str]:

@@ -1090,8 +1090,11 @@ class Selector:
 
     For the next bucket down, and the next one up once the longest episode nears it (past
     `ProfileSettings.ahead` of the way through its bucket, as for `wanted`): the fastest
-    feasible layout there (once that bucket is profiled), and the chosen layout too when it fits
-    there (hysteresis may keep it). Each key is (stage, config, bucket, rows), the arguments of
+    feasible layout there (once that bucket is profiled), where the model knows it from its own
+    cells (a layout measured nowhere is fastest only by the other layouts' curves: a compile of a
+    guess, 5-15 s of a train program on a 2-core host, that takes a core from the steps and
+    from the profile's measurements), and the chosen layout too when it fits there (hysteresis
+    may keep it). Each key is (stage, config, bucket, rows), the arguments of
     `Executables.precompile`.
     """
     stage, rows = decision.stage, decision.rows
@@ -1108,8 +1111,21 @@ class Selector:
         continue
       options = self._options(stage, profile, nb, nb, rows, self.budget_bytes)
       feasible = {o.config: o.option.feasible for o in options}
-      for config in (self.best_for(stage, nb, rows), decision.config):
+      best = self.best_for(stage, nb, rows)
+      if best is not None and _guessed(profile.cell(stage, nb, rows, best)):
+        best = None
+      for config in (best, decision.config):
         key = (stage, config, nb, rows)
         if config is not None and feasible[config] and key not in keys:
           keys.append(key)
     return keys
+
+
+def _guessed(cell: Cell) -> bool:
+  """The figure of a layout measured nowhere: the stage's or the device's curve, or the
+  analytic model's."""
+  return not cell.measured and cell.prior in (
+    cost_model.ANALYTIC,
+    cost_model.DEVICE,
+    cost_model.STAGE,
+  )

@@ -245,6 +245,44 @@ def test_the_runs_calls_at_changing_packed_rows_make_one_cell_per_token(tmp_path
     assert (Stage.EXPERIENCE, 64, 8, 'dp8.tp1') not in run_profile.profile.cells
 
 
+def test_the_profile_times_the_program_a_stage_runs_where_the_model_barely_knows_its_layout(
+  tmp_path,
+):
+  """Experience runs dp8 at bucket 64, its load 8 rows, its latest call at 16 packed rows; the
+  model knows dp8 from nothing measured (+-500%): the profile first times the program the run
+  runs (16 rows, compiled already: measured at once, no compile of its own), then, as for the
+  other layout, dp8 at the load's 8 rows, where the ranking compares them."""
+  _, exe, run_profile, sel = _run_parts(
+    tmp_path, stages=('experience',), max_share=1.0, compile_share=1.0
+  )
+  stats = StepStats(episode_lengths=(40, 50), num_responses=8)
+  dp8 = ParallelConfig(dp=8)
+  with exe:
+    decision = sel.decide(Stage.EXPERIENCE, stats)
+    assert (decision.config, decision.run_bucket, decision.rows) == (dp8, 64, 8)
+    run_profile.before_decision(sel, Stage.EXPERIENCE, stats)  # the next step's
+    program = exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 16))  # the run's, at 16 packed rows
+    with run_profile.observing(program):  # its first call: a warm-up, no sample
+      time.sleep(0.01)
+    run_profile.wait_compiles()
+    anchor, load = (Stage.EXPERIENCE, 64, 16, 'dp8.tp1'), (Stage.EXPERIENCE, 64, 8, 'dp8.tp1')
+    assert exe.key(Stage.EXPERIENCE, dp8, 64, 8) not in exe  # nothing compiled for dp8 at 8
+    run_profile.between_steps(sel, stats)
+    cells = run_profile.profile.cells
+    assert anchor in cells and cells[anchor].timed_by == 'profile'
+    assert len(cells[anchor].times_ms) >= 3 and load not in cells
+    assert 'dp8.tp1@64' in sel.profile(Stage.EXPERIENCE).cell(*load).prior  # its own curve
+    for _ in range(120):
+      run_profile.wait_compiles()
+      run_profile.between_steps(sel, stats)
+      if load in run_profile.profile.cells:
+        break
+      time.sleep(0.25)  # the run's time passes: the compile budget accrues
+    timed = {k for k, c in run_profile.profile.cells.items() if c.measured}
+    assert timed == {anchor, load, (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')}
+    assert sel.wanted(Stage.EXPERIENCE, stats) == []
+
+
 def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_path):
   """Experience at bucket 64 and load 8 has two measured layouts within their noise: dp8.tp1
   (which it runs) and dp4.tp2, 5% slower. Between steps the profile times dp4.tp2 again and the
@@ -584,6 +622,36 @@ def test_background_compiles_keep_within_the_share(monkeypatch):
   scheduler._queue = dict.fromkeys(cells[2:], 0.0)  # the second timed meanwhile
   scheduler._pump()
   assert compiler.started == cells
+
+
+def test_a_compile_over_the_budget_is_passed_by_a_cheaper_stages_behind_it(monkeypatch):
+  """Each compile is counted at its stage's median: with a train compile done in 20 s and an
+  experience one in 2 s, 250 s into a run at 10% (25 s), a second train compile (20 more) waits
+  and the experience cell behind it starts (2 more; done in 5); the train cell starts once 47 s
+  are allowed."""
+  from concurrent import futures
+
+  now = [0.0]
+  monkeypatch.setattr(schedule.time, 'perf_counter', lambda: now[0])
+  compiler = _Compiler()
+  settings = ProfileSettings(stages=('experience', 'train'), lazy=True, compile_share=0.1)
+  with unchecked():  # a stand-in for the Profiler
+    scheduler = schedule.ProfileScheduler(compiler, None, settings=settings)
+  for cell, seconds in (((Stage.TRAIN, 128, 16, 'dp8.tp1'), 20.0), ((Stage.EXPERIENCE, 128, 16, 'dp8.tp1'), 2.0)):  # fmt: skip
+    scheduler._compiling[cell] = futures.Future()
+    scheduler._compiling[cell].set_result(seconds)
+  train, experience = (Stage.TRAIN, 256, 16, 'dp4.tp2'), (Stage.EXPERIENCE, 256, 16, 'dp4.tp2')
+  scheduler._queue = {train: 0.0, experience: 0.0}
+  now[0] = 250.0
+  scheduler._pump()
+  assert compiler.started == [experience]
+  scheduler._queue = {train: 0.0}  # the experience cell compiled (in 5 s) and timed
+  now[0] = 460.0  # 46 s allowed: 27 + 20 does not fit
+  scheduler._pump()
+  assert compiler.started == [experience]
+  now[0] = 470.0
+  scheduler._pump()
+  assert compiler.started == [experience, train]
 
 
 def test_a_compiled_cell_holds_compiles_back_only_while_it_fits_the_share(monkeypatch):

@@ -823,3 +823,40 @@ def test_a_current_layout_the_model_barely_knows_is_kept_until_it_is_measured():
   sel.use_profile(Profile(key=key, cells=cells))
   d = sel.decide(Stage.ROLLOUT, _stats(100))
   assert d.config == DP8 and d.switched, d.reason
+
+
+def test_lookahead_leaves_out_a_neighbours_best_the_model_knows_only_from_the_others(monkeypatch):
+  """At 256, the neighbour of a decision at 128 (near its top), the fastest by the model is a
+  layout measured nowhere (tp8, by the stage's curve: a guess): not precompiled; once measured
+  there, it is."""
+  cfg = ModelConfig.preset('small-kv')
+  table = BucketConfig(lengths=(128, 256, 512))
+  key = {
+    'stages': ['rollout'],
+    'candidates': {'rollout': [DP8.name, TP8.name]},
+    'buckets': list(table.lengths),
+    'rows': [16],
+  }
+
+  def cell(config, bucket, tgs):
+    return Cell(stage=Stage.ROLLOUT, config=config.name, bucket=bucket, rows=16, peak_bytes=MiB,
+                oom=False, throughput=tgs, times_ms=(1.0, 1.0, 1.0))  # fmt: skip
+
+  settings = ProfileSettings(stages=('rollout',), lazy=True, confidence=2.0)
+  measured = {(Stage.ROLLOUT, 128, 16, DP8.name): cell(DP8, 128, 200.0)}
+  profile = Profile(key=key, cells=measured)
+  sel = Selector(
+    SelectorConfig(profile=settings), buckets=table, rows=16, profile=profile, model=cfg
+  )
+  d = sel.decide(Stage.ROLLOUT, _stats(120))
+  assert d.config == DP8 and d.run_bucket == 128
+  monkeypatch.setattr(sel, 'best_for', lambda stage, bucket, rows: TP8)
+  assert sel.profile(Stage.ROLLOUT).cell(Stage.ROLLOUT, 256, 16, TP8.name).prior == 'stage'
+  assert sel.lookahead(d) == [(Stage.ROLLOUT, DP8, 128, 16), (Stage.ROLLOUT, DP8, 256, 16)]
+  measured[(Stage.ROLLOUT, 256, 16, TP8.name)] = cell(TP8, 256, 400.0)
+  sel.use_profile(Profile(key=key, cells=measured))
+  assert sel.lookahead(d) == [
+    (Stage.ROLLOUT, DP8, 128, 16),
+    (Stage.ROLLOUT, TP8, 256, 16),
+    (Stage.ROLLOUT, DP8, 256, 16),
+  ]
