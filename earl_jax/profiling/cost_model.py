@@ -356,17 +356,13 @@ def to_measure(
   layout's own measurements, is confident it is slower (a layout measured nowhere yet is never
   pruned: each is measured once, at the shortest bucket it is wanted at, where calls are
   cheapest). `every`: none is pruned (the longest bucket a run reaches measures every layout that
-  fits once). Nor is a layout wanted that the run's own calls timed at this bucket at another
-  load (`Cell.timed_by` 'run': the rows its packed batch ran at): its curve through that cell
-  carries it to this load, and the profile's calls go to the layouts the run is not on.
+  fits once). A layout timed at this bucket at other rows only (the run's own calls, at its
+  packed batch's rows) is still wanted at these: its speed per token moves with the rows (on
+  this CPU, experience 5-12% faster at 16 rows than at 64 at 768-1024 tokens), by as much as
+  the layouts differ, which a curve linear in the rows does not carry (docs/results/tried.md).
   `profile` must have a cell for every candidate (`complete`).
   """
   cells = [profile.cell(stage, bucket, rows, c) for c in profile.candidates(stage)]
-  run_timed = {
-    c.config
-    for c in profile.cells.values()
-    if c.stage == stage and c.bucket == bucket and c.timed_by == 'run' and _timed(c)
-  }
 
   def fits(cell: Cell) -> bool:
     need = cell.peak_bytes if cell.measured else lower_need(cell.peak_bytes)
@@ -377,7 +373,7 @@ def to_measure(
   best_lower = max((bounds(c, confidence)[0] for c in anchored), default=0.0)
   out = []
   for cell in fitting:
-    if cell.measured or cell.config in run_timed:
+    if cell.measured:
       continue
     # A layout measured nowhere is never pruned: until one cell anchors its own curve, the model
     # knows its terms' weights only from the other layouts (a CPU's collectives are far cheaper

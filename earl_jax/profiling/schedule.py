@@ -585,13 +585,15 @@ class ProfileScheduler:
         self._left[cell] = self._left.get(cell, 0) + 1
 
   def _runs_known(self, selector) -> set[CellKey]:
-    """The cells of `_running` where the model knows the layout well enough
+    """The cells of `_running` whose latest call ran at the load's rows (elsewhere the run's
+    calls make a cell at other rows, which stands for the layout there only through the model's
+    curve: `cost_model.to_measure`), where the model knows the layout well enough
     (`selector.barely_known`): one it barely knows is held until it is measured, and the run's
     calls, kept only where nothing compiles beside them, may take many steps to time it."""
     return {
       cell
-      for cell in self._running(selector)
-      if not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
+      for cell, ran in self._running(selector).items()
+      if ran[2] == cell[2] and not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
     }
 
   def _left_out(self, selector, stage: Stage, stats) -> set[CellKey]:
