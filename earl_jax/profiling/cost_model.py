@@ -43,6 +43,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -84,6 +85,13 @@ def seconds_per_call(cell: Cell, decode_tokens: int) -> float:
   devices = ParallelConfig.parse(cell.config).num_devices
   tokens = tokens_per_call(cell.stage, cell.bucket, cell.rows, decode_tokens)
   return tokens / (cell.throughput * devices)
+
+
+def anchored(cell: Any) -> bool:
+  """Whether a figure rests on its layout's own measurements: measured, or fitted to the
+  layout's own cells (not the stage's or the device's curve, nor the analytic model's). `cell`:
+  a `Cell`, or what has its `measured` and `prior` (a selector's `Option`)."""
+  return cell.measured or cell.prior not in (ANALYTIC, DEVICE, STAGE)
 
 
 def noise(cell: Cell) -> float:
@@ -369,8 +377,7 @@ def to_measure(
     return budget is None or need * (1 + margin) <= budget
 
   fitting = [c for c in cells if fits(c) and not c.oom and c.throughput]
-  anchored = [c for c in fitting if c.measured or c.prior not in (ANALYTIC, DEVICE, STAGE)]
-  best_lower = max((bounds(c, confidence)[0] for c in anchored), default=0.0)
+  best_lower = max((bounds(c, confidence)[0] for c in fitting if anchored(c)), default=0.0)
   out = []
   for cell in fitting:
     if cell.measured:
@@ -378,8 +385,7 @@ def to_measure(
     # A layout measured nowhere is never pruned: until one cell anchors its own curve, the model
     # knows its terms' weights only from the other layouts (a CPU's collectives are far cheaper
     # against its FLOPs than the analytic model's nominal speeds say).
-    unanchored = cell.prior in (ANALYTIC, DEVICE, STAGE)
-    if confidence > 0 and not every and not unanchored and bounds(cell, confidence)[1] < best_lower:
+    if confidence > 0 and not every and anchored(cell) and bounds(cell, confidence)[1] < best_lower:
       continue
     out.append(cell)
   return [c.config for c in sorted(out, key=lambda c: -bounds(c, confidence)[1])]

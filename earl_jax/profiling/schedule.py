@@ -13,11 +13,11 @@ completes it as the run goes (`ProfileSettings`):
   wanted (`before_decision`; at most `IN_FLIGHT` at a time, the most wanted first that fits the
   compile budget, `compile_share`), and timed at the start of a later step, while the devices
   are idle, once compiled on every process (`between_steps`), within `max_share` of the run's
-  time. The needed buckets come before the
-  next one up, and that before the second buckets; within each, a cell per stage leads: a stage
-  measured nowhere yet with its cheapest cell (so that every stage, train included, is measured
-  before its decisions rest on the analytic prior alone), and a stage with fewer than two layouts
-  measured where its latest decision ran with the layout it runs there where that is wanted
+  time. The needed buckets come before the next one up, and that before the second buckets;
+  within each, a cell per stage leads: a stage measured nowhere yet with its cheapest cell (so
+  that every stage, train included, is measured before its decisions rest on the analytic prior
+  alone), and a stage with fewer than two layouts measured where its latest decision ran with
+  the layout it runs there where that is wanted
   (the selector keeps a layout it barely knows until it is measured), else its most promising
   cell there (so that a new bucket's ranking rests on measurements soon, whichever stage is
   cheapest to measure); then the cheapest cells go first, their compile and calls counted,
@@ -522,7 +522,13 @@ class ProfileScheduler:
       calls[cell] = self._cell_s(selector, timed)
       return calls[cell] + (0.0 if timed != cell else compiles.get(cell[0], 0.0))
 
-    left = {c for s in selector.config.profile.stages for c in self._left_out(selector, s, stats)}
+    left = {  # the wanted cells the profile does not time
+      cell
+      for stage in selector.config.profile.stages
+      for kind in _KINDS
+      for cell in _cells(stage, selector.wanted(stage, stats, **kind))
+      if place(cell) is None
+    }
     ordered = self.order_wanted(selector, stats, cost=cost, running=left)
     return {place(c): calls[c] for c in ordered}
 
@@ -579,9 +585,7 @@ class ProfileScheduler:
     time again)."""
     for cell in self._runs_known(selector):
       stage, *key = cell
-      if any(
-        tuple(key) in selector.wanted(stage, stats, **kind) for kind in (_KINDS[0], _KINDS[-1])
-      ):
+      if any(tuple(key) in selector.wanted(stage, stats, **kind) for kind in ({}, {'again': True})):
         self._left[cell] = self._left.get(cell, 0) + 1
 
   def _runs_known(self, selector) -> set[CellKey]:
@@ -596,16 +600,6 @@ class ProfileScheduler:
       if ran[2] == cell[2] and not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
     }
 
-  def _left_out(self, selector, stage: Stage, stats) -> set[CellKey]:
-    """`stage`'s wanted cells the profile does not time (`_placer`)."""
-    place = self._placer(selector)
-    return {
-      cell
-      for kind in _KINDS
-      for cell in _cells(stage, selector.wanted(stage, stats, **kind))
-      if place(cell) is None
-    }
-
   def _placer(self, selector) -> Callable[[CellKey], CellKey | None]:
     """Where the profile times a wanted cell: None where it does not. The cell an `OBSERVED`
     stage runs is left to the run's own calls (`_run_timed`), or measured by the profile. While
@@ -615,9 +609,8 @@ class ProfileScheduler:
     compile), which anchors the layout's curve at that bucket; the layout is still timed at the
     load, where the other layouts are, once wanted there (a layout's speed per token moves with
     the rows it runs at: experience on this CPU, 5-12% slower at 64 rows than at 16 at 768-1024
-    tokens). A cell of
-    the layout a stage runs at a bucket its calls have not reached waits for them (they compile
-    that program, at the packed batch's rows)."""
+    tokens). A cell of the layout a stage runs at a bucket its calls have not reached waits for
+    them (they compile that program, at the packed batch's rows)."""
     left = self._run_timed(selector)
     running = self._running(selector)
     layouts = {d.stage: d.config.name for d in selector.history if d.stage in OBSERVED}
@@ -661,12 +654,11 @@ class ProfileScheduler:
     figures."""
     measure = self._profiler.config.measure
     decode = self._profiler.config.spec.decode_tokens
-    unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
     here = [_figure(profile, stage, bucket, rows, c.name) for c in profile.candidates(stage)]
     known = [
       cost_model.seconds_per_call(c, decode)
       for c in here
-      if c.throughput and (c.measured or c.prior not in unanchored)
+      if c.throughput and cost_model.anchored(c)
     ]
     total = 0.0
     latest = None
@@ -678,9 +670,9 @@ class ProfileScheduler:
       if cell.prior == cost_model.ANALYTIC or not cell.throughput:
         continue
       call_s = cost_model.seconds_per_call(cell, decode)
-      if cell.prior in unanchored and known:
+      if not cost_model.anchored(cell) and known:
         call_s = statistics.median(known)
-      elif cell.prior in unanchored and latest is not None:
+      elif not cost_model.anchored(cell) and latest is not None:
         call_s = latest
       timed = max(measure.repeats * call_s, measure.min_seconds)
       total += measure.rounds * (measure.warmup * call_s + timed)

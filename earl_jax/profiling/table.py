@@ -112,8 +112,9 @@ class ProfileSettings:
     compile_share: the profile's background compiles (programs only the profile runs) start
       only while their seconds stay within this share of the run's time (each counted at its
       stage's median so far; one that does not fit yet is passed by a cheaper one behind it): a
-      compile takes a core from the steps. Why 0.3: on the default (2 cores), no limit took the demo from 5:23 to
-      8:48, and 0.1 left 4 cells measured in 60 steps (docs/results/tried.md).
+      compile takes a core from the steps. Why 0.3: on the default (2 cores), no limit took the
+      demo from 5:23 to 8:48, and 0.1 left 4 cells measured in 60 steps
+      (docs/results/tried.md).
     ahead: the next bucket's cells are wanted (compiled ahead) once the longest context has
       come this share of the way from the bucket below the run bucket to the run bucket (0: as
       soon as the run is in a bucket; 1: only at its top). Why 0.75: the default's 60 steps

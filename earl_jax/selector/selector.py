@@ -500,9 +500,7 @@ def barely_known(option: Option | Cell) -> bool:
   cells lost to whichever layout was measured first at a new bucket, slower or not; and
   elsewhere a switch must beat what the model expects of it, not its lower bound
   (docs/results/main-job.md, issue 40)."""
-  unanchored = (cost_model.ANALYTIC, cost_model.DEVICE, cost_model.STAGE)
-  anchored = option.measured or option.prior not in unanchored
-  return not anchored and option.uncertainty > HELD_AT_FIGURE
+  return not cost_model.anchored(option) and option.uncertainty > HELD_AT_FIGURE
 
 
 def _figures(options: Sequence[Option]) -> str:
@@ -1112,20 +1110,10 @@ class Selector:
       options = self._options(stage, profile, nb, nb, rows, self.budget_bytes)
       feasible = {o.config: o.option.feasible for o in options}
       best = self.best_for(stage, nb, rows)
-      if best is not None and _guessed(profile.cell(stage, nb, rows, best)):
+      if best is not None and not cost_model.anchored(profile.cell(stage, nb, rows, best)):
         best = None
       for config in (best, decision.config):
         key = (stage, config, nb, rows)
         if config is not None and feasible[config] and key not in keys:
           keys.append(key)
     return keys
-
-
-def _guessed(cell: Cell) -> bool:
-  """The figure of a layout measured nowhere: the stage's or the device's curve, or the
-  analytic model's."""
-  return not cell.measured and cell.prior in (
-    cost_model.ANALYTIC,
-    cost_model.DEVICE,
-    cost_model.STAGE,
-  )
