@@ -281,7 +281,9 @@ def test_the_profile_times_the_program_a_stage_runs_where_the_model_barely_knows
       if load in run_profile.profile.cells:
         break
       time.sleep(0.25)  # the run's time passes: the compile budget accrues
-    timed = {k for k, c in run_profile.profile.cells.items() if c.measured}
+    # At the load's bucket; the next bucket's cells (the lookahead's) may be timed in the
+    # same boundary where the compile budget has accrued more (a slower machine).
+    timed = {k for k, c in run_profile.profile.cells.items() if c.measured and k[1] == 64}
     assert timed == {anchor, load, (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')}
     assert sel.wanted(Stage.EXPERIENCE, stats) == []
 
