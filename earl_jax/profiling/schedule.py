@@ -27,11 +27,13 @@ completes it as the run goes (`ProfileSettings`):
   step boundary with no compile under way, the run's own speculative precompiles that have not
   started yet wait (`Executables.hold`, agreed by every process), so that the next boundary is
   quiet: one started beside the profile's compile (5-20 s on a loaded 2-core host) would keep
-  the cell waiting step after step. Last, once no cell a decision ranks by waits to be measured,
+  the cell waiting step after step. Last, once no cell of its stage and bucket that could beat
+  the best waits to be measured (`Selector.wanted(contenders=True)`: not another stage's, nor a
+  layout the bounds rank below, wanted only because the longest bucket measures every layout),
   a measured cell within its noise of the best measured one where a decision ranks and runs
   (and that best) is timed again, its calls pooled with the first session's
   (`ProfileSettings.retimes`, `Selector.wanted(again=True)`): one session's calls understate
-  the noise between sessions.
+  the noise between sessions (10-20% mid-run on a loaded 2-core host).
 
 The run's own calls are measurements too (`observing`): the experience and train programs the
 run's steps call are timed where nothing compiled beside them. A step's call runs at its packed
@@ -467,10 +469,17 @@ class ProfileScheduler:
     wanted = [c for c in self._queue if c not in self._failed]
     stages = selector.config.profile.stages
     place = self._placer(selector)
-    needed = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats))}
-    if any(c in needed for c in wanted):  # the cells the decisions rank by are timed first:
-      again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
-      wanted = [c for c in wanted if c not in again]  # (a re-time's program is compiled)
+    # A stage's re-times wait while that stage has a cell to measure at their bucket that could
+    # beat its best (a re-time's program is compiled: it would pass them within the share). A
+    # layout the bounds rank below the best, wanted only because the longest bucket measures
+    # every layout once, and another stage's cells do not hold them: one session's calls move
+    # 10-20% mid-run, and the layouts a decision weighs are those timed again.
+    first = {
+      place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, contenders=True))
+    }
+    waiting = {c[:2] for c in wanted if c in first}  # (stage, bucket)
+    again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
+    wanted = [c for c in wanted if c not in again or c[:2] not in waiting]
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
     if not ready:

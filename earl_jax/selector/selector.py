@@ -693,6 +693,7 @@ class Selector:
     ahead: bool = False,
     second: bool = False,
     again: bool = False,
+    contenders: bool = False,
   ) -> list[tuple[int, int, str]]:
     """The cells worth measuring for `stage`'s decisions on `stats`, as (bucket, rows, layout),
     the most promising first (`cost_model.to_measure`): at the buckets a decision would rank and
@@ -704,7 +705,8 @@ class Selector:
     its curve rests on two buckets (one cannot tell its fixed cost from its compute). `again`:
     the measured cells to time again at the buckets a decision would rank and run at, where the
     best and another are within their noise (`cost_model.to_retime`,
-    `ProfileSettings.retimes`). [] for a
+    `ProfileSettings.retimes`). `contenders`: the cells to measure that could beat the best
+    (the longest bucket's every layout left out where the bounds rank it below). [] for a
     stage ranked by the analytic model, and without the prior (see `missing`). Pure: the same on
     every process that holds the same profile."""
     stage = Stage.parse(stage)
@@ -740,7 +742,9 @@ class Selector:
     settled = settings.settle == 0 or (
       state.bucket == reading.bucket and state.bucket_steps >= settings.settle
     )
-    longest = not ahead and reading.run_bucket >= (state.top_bucket or 0) and settled
+    longest = (
+      not ahead and not contenders and reading.run_bucket >= (state.top_bucket or 0) and settled
+    )
     out = []
     for bucket in dict.fromkeys(buckets):
       names = cost_model.to_measure(

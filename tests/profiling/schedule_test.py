@@ -344,6 +344,41 @@ def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_pat
     assert sel.wanted(Stage.EXPERIENCE, stats, again=True) == []
 
 
+def test_a_stage_times_again_while_another_stage_waits_to_be_measured(tmp_path):
+  """Experience at bucket 64 has both its layouts measured, within their noise of each other;
+  train has nothing measured (its programs still to compile). Experience's re-time of dp4.tp2
+  (compiled already) does not wait for train's first cells: a stage's re-times wait only for
+  its own cells that could beat its best."""
+  _, exe, run_profile, sel = _run_parts(
+    tmp_path, stages=('experience', 'train'), max_share=1.0, compile_share=1.0
+  )
+  stats = StepStats(episode_lengths=(40, 50), num_responses=8)
+  dp8, dp4tp2 = ParallelConfig(dp=8), ParallelConfig(dp=4, tp=2)
+  runs, other = (Stage.EXPERIENCE, 64, 8, 'dp8.tp1'), (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')
+  with exe:
+    program = exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 8))
+    first = {
+      runs: profiler.timed_cell(program, (30.0, 30.0, 31.0)),
+      other: profiler.timed_cell(exe.get(exe.key(Stage.EXPERIENCE, dp4tp2, 64, 8)), (31.5,) * 3),
+    }
+    run_profile.profile = run_profile.profile.merged(
+      Profile(key=run_profile.profile.key, cells=first)
+    )
+    sel.use_profile(run_profile.profile)
+    assert sel.decide(Stage.EXPERIENCE, stats).config == dp8
+    assert sel.wanted(Stage.TRAIN, stats)  # train's first cells: not measured yet
+    assert (64, 8, 'dp4.tp2') in sel.wanted(Stage.EXPERIENCE, stats, again=True)
+    for _ in range(40):  # quiet boundaries (the profile compiles train's cells one at a time)
+      run_profile.wait_compiles()
+      run_profile.between_steps(sel, stats)
+      if run_profile.profile.cells[other].sessions == 2:
+        break
+      time.sleep(0.25)
+    assert run_profile.profile.cells[other].sessions == 2
+    assert len(run_profile.profile.cells[other].times_ms) > 3
+    assert sel.wanted(Stage.TRAIN, stats)  # timed again before train's cells were all measured
+
+
 def test_the_layout_a_stage_runs_is_left_to_its_own_calls_only_where_the_model_knows_it():
   """Train runs dp8.tp1 at 256 and its latest call ran it there at the load's rows: the profile
   leaves that cell to the run's calls while the model knows dp8 there (fitted to its own cells,

@@ -561,6 +561,11 @@ def test_a_decision_with_no_measured_cell_runs_on_the_model_and_says_so():
     'dp2.tp4',
     'dp1.tp8',
   }
+  # What could beat the best there: tp8, which the bounds rank below, left out.
+  assert {c[2] for c in sel.wanted(Stage.ROLLOUT, _stats(200), contenders=True)} == {
+    'dp8.tp1',
+    'dp2.tp4',
+  }
 
 
 # A rollout profile of dp8 and dp2.tp4 at buckets 128 and 256, and a cell of it timed 3 times.
