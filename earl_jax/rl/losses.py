@@ -52,6 +52,11 @@ class LossConfig:
       after a long stretch above the target (an untrained policy starts far above it).
     entropy_adapt_rate: how fast the coefficient adapts (per nat of entropy error per step).
     entropy_coef_min, entropy_coef_max: the range the adapted coefficient stays in.
+    unlikelihood_coef: weight of an unlikelihood term on the tokens with a negative advantage
+      (Welleck et al. 2019's -log(1 - p) for a token to avoid, weighted here by -A): its
+      gradient on the token's logit is -A x p(a), largest where the policy is sure of a reply
+      that scored below the baseline, where the policy gradient's -A x (1 - p(a)) vanishes. 0
+      disables it.
     aggregation: 'token' or 'sequence'.
     ratio: the importance ratio that is clipped: 'token' (each token's) or 'sequence' (GSPO:
       each episode's, the exp of its mean log-ratio; see the module docstring). GSPO's ratios
@@ -67,6 +72,7 @@ class LossConfig:
   entropy_adapt_rate: float = 1.0
   entropy_coef_min: float = 1e-4
   entropy_coef_max: float = 0.5
+  unlikelihood_coef: float = 0.0
   aggregation: Aggregation = 'token'
   ratio: Ratio = 'token'
 
@@ -80,6 +86,7 @@ class LossConfig:
       'entropy_adapt_rate',
       'entropy_coef_min',
       'entropy_coef_max',
+      'unlikelihood_coef',
       *optional,
     )
     if not 0 < self.clip_eps < 1:
@@ -88,6 +95,8 @@ class LossConfig:
       raise ConfigError(f'LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high}.')
     if not self.kl_coef >= 0:
       raise ConfigError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
+    if not self.unlikelihood_coef >= 0:
+      raise ConfigError(f'LossConfig.unlikelihood_coef must be >= 0, got {self.unlikelihood_coef}.')
     if not self.entropy_coef >= 0:
       raise ConfigError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
     if self.entropy_target is not None:
@@ -204,6 +213,11 @@ def ppo_loss(
     kl = aggregate(kl_k3(logp, ref_logp), mask, config.aggregation)
     metrics['kl_ref'] = kl
     loss = pg_loss + config.kl_coef * kl
+  if config.unlikelihood_coef:
+    unlikely = -jnp.log(jnp.maximum(-jnp.expm1(logp), 1e-6))  # -log(1 - p), p = exp(logp)
+    weighted = jnp.maximum(-advantages, 0.0) * unlikely
+    metrics['unlikelihood'] = aggregate(weighted, mask, config.aggregation)
+    loss = loss + config.unlikelihood_coef * metrics['unlikelihood']
   if entropy is not None:
     ent = aggregate(entropy, mask, config.aggregation)
     metrics['entropy'] = ent

@@ -55,6 +55,42 @@ def test_entropy_bonus_is_subtracted(aggregation):
     losses.ppo_loss(*args, config)
 
 
+@pytest.mark.parametrize('aggregation', ['token', 'sequence'])
+def test_unlikelihood_of_negative_advantage_tokens_matches_numpy(aggregation):
+  logp, old, ref, adv, mask = _inputs(3)
+  args = tuple(map(jnp.asarray, (logp, old, ref, adv, mask)))
+  base_loss, _ = losses.ppo_loss(*args, losses.LossConfig(aggregation=aggregation))
+  config = losses.LossConfig(unlikelihood_coef=0.5, aggregation=aggregation)
+  loss, m = losses.ppo_loss(*args, config)
+  term = np.maximum(-adv, 0.0) * -np.log(1.0 - np.exp(logp))
+  if aggregation == 'token':
+    want = (term * mask).sum() / mask.sum()
+  else:
+    want = np.mean([(term[i] * mask[i]).sum() / mask[i].sum() for i in range(2)])
+  np.testing.assert_allclose(float(m['unlikelihood']), want, rtol=1e-5)
+  np.testing.assert_allclose(float(loss), float(base_loss) + 0.5 * want, rtol=1e-5)
+
+
+def test_unlikelihood_pushes_a_sure_bad_token_down_where_the_policy_gradient_vanishes():
+  """A token at p = 0.999 with advantage -1: the policy gradient on its log-prob is -A x 1
+  (on its logit, x (1 - p) ~ 0.001); the unlikelihood term's on the log-prob is -A x p / (1 - p),
+  about 1000 times larger, and nothing for a token with a positive advantage."""
+  import jax
+
+  logp = jnp.log(jnp.asarray([[0.999, 0.999]]))
+  adv = jnp.asarray([[-1.0, 1.0]])
+  mask = jnp.ones((1, 2), bool)
+
+  def grad(coef):
+    config = losses.LossConfig(unlikelihood_coef=coef)
+    return jax.grad(lambda lp: losses.ppo_loss(lp, logp, logp, adv, mask, config)[0])(logp)
+
+  base, with_ul = grad(0.0), grad(1.0)
+  np.testing.assert_allclose(float(base[0, 0]), 0.5, rtol=1e-5)  # -A / N tokens
+  np.testing.assert_allclose(float(with_ul[0, 0] - base[0, 0]), 0.5 * 999.0, rtol=1e-2)
+  assert float(with_ul[0, 1]) == float(base[0, 1])
+
+
 def test_gradient_is_zero_outside_the_clip_region_for_positive_advantage():
   import jax
 
@@ -80,6 +116,8 @@ def test_bad_config():
     losses.LossConfig(clip_eps=1.5)
   with pytest.raises(ValueError, match='kl_coef must be >= 0'):
     losses.LossConfig(kl_coef=-1.0)
+  with pytest.raises(ValueError, match=r'unlikelihood_coef must be >= 0, got -1\.0'):
+    losses.LossConfig(unlikelihood_coef=-1.0)
   with pytest.raises(ValueError, match=r'entropy_coef must be >= 0, got -0\.1'):
     losses.LossConfig(entropy_coef=-0.1)
   with pytest.raises(ValueError, match=r'\[0\.0001, 0\.5\], which must hold entropy_coef'):
