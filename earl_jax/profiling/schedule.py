@@ -478,8 +478,9 @@ class ProfileScheduler:
       place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, contenders=True))
     }
     waiting = {c[:2] for c in wanted if c in first}  # (stage, bucket)
-    again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
-    wanted = [c for c in wanted if c not in again or c[:2] not in waiting]
+    if waiting:
+      again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
+      wanted = [c for c in wanted if c not in again or c[:2] not in waiting]
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
     if not ready:
