@@ -53,45 +53,6 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the games and of the model.')
 _OUT = flags.DEFINE_string('out', None, 'JSON output (default: none).')
 
 
-def play_games(n: int, seed: int, bucket: int, stack: float):
-  """(tokens int32 [n, bucket], full int32 [n, bucket]): n games that meet a full column, as the
-  rollout's token rows; `full` holds, at each agent reply, the bitmask of the full columns
-  (bit c: column c + 1), 0 elsewhere."""
-  from earl_jax.envs import base, registry
-  from earl_jax.models import tokenizer as tokenizer_lib
-
-  tokenizer = tokenizer_lib.load_tokenizer('game')
-  env = registry.make_env(base.EnvConfig(game='connect_four', opponent='random'))
-  rng = np.random.default_rng(seed)
-  tokens = np.zeros((n, bucket), np.int32)
-  full = np.zeros((n, bucket), np.int32)
-  kept = 0
-  while kept < n:
-    observations = env.reset(1, int(rng.integers(1 << 30)))
-    replies, masks = [], []
-    own = int(rng.integers(env.num_actions))
-    while True:
-      legal = env.legal_mask()[0]
-      move = own if legal[own] and rng.random() < stack else int(rng.choice(np.flatnonzero(legal)))
-      masks.append(legal)
-      replies.append(tokenizer.encode(env.action_text(move)))
-      result = env.step([env.action_text(move)])
-      if result.dones[0]:
-        break
-      observations = observations + result.observations[:1]
-    if all(m.all() for m in masks):
-      continue
-    ids, generated = tokenizer_lib.conversation_ids(tokenizer, observations, replies)
-    ids, generated = np.asarray(ids[:bucket]), np.asarray(generated[:bucket], bool)
-    # One generated digit a reply (its end-of-turn token is template, not generated).
-    reply_at = np.flatnonzero(generated)
-    tokens[kept, : len(ids)] = ids
-    for at, legal in zip(reply_at, masks):
-      full[kept, at] = int(np.sum((~legal) << np.arange(legal.size)))
-    kept += 1
-  return tokens, full
-
-
 def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
@@ -103,6 +64,7 @@ def main(argv):
   from flax import nnx
 
   from earl_jax.config import ModelConfig, ParallelConfig
+  from earl_jax.evaluation import board_eval
   from earl_jax.models import qwen2
   from earl_jax.models import tokenizer as tokenizer_lib
   from earl_jax.sharding import mesh as mesh_lib
@@ -118,8 +80,12 @@ def main(argv):
     cfg = cfg.replace(**{name: value.lower() == 'true' if kind is bool else kind(value)})
   tokenizer = tokenizer_lib.load_tokenizer('game')
   digits = jnp.asarray([tokenizer.encode(str(c + 1))[0] for c in range(7)])
-  train_x, train_full = play_games(_GAMES.value, _SEED.value, _BUCKET.value, _STACK.value)
-  test_x, test_full = play_games(_HELDOUT.value, _SEED.value + 1, _BUCKET.value, _STACK.value)
+  train_x, train_full = board_eval.full_column_rows(
+    _GAMES.value, _SEED.value, _BUCKET.value, _STACK.value
+  )
+  test_x, test_full = board_eval.full_column_rows(
+    _HELDOUT.value, _SEED.value + 1, _BUCKET.value, _STACK.value
+  )
   print(
     f'replies with a full column: {int((train_full > 0).sum())} in {_GAMES.value} training '
     f'games, {int((test_full > 0).sum())} in {_HELDOUT.value} held-out',

@@ -11,6 +11,9 @@ moves a game.
   mesh = code_eval.eval_mesh()
   policy = code_eval.load_policy(PolicySource(checkpoint='runs/default'), mesh)
   records = play(config, policy, mesh, opponents=base.OPPONENTS, episodes=512, seed=0)
+
+`full_column_rows` plays scripted games into labelled token rows, for
+experiments/board_reading.py (how fast a model learns to read which columns are full).
 """
 
 import dataclasses
@@ -18,11 +21,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jaxtyping import Int32
 
-from earl_jax.envs import base
+from earl_jax.envs import base, registry
 from earl_jax.errors import UserError
 from earl_jax.evaluation.code_eval import Policy
 from earl_jax.experiment import ExperimentConfig
+from earl_jax.models import tokenizer as tokenizer_lib
 from earl_jax.rollout.trajectories import EpisodeStats
 from earl_jax.run import metrics
 
@@ -114,3 +119,48 @@ def table(records: dict[str, dict[str, float]]) -> str:
       f'{r["eval/turns_mean"]:.1f} |'
     )
   return '\n'.join(lines)
+
+
+def full_column_rows(
+  n: int, seed: int, bucket: int, stack: float
+) -> tuple[Int32[np.ndarray, 'B T'], Int32[np.ndarray, 'B T']]:
+  """Labelled Connect Four rows (experiments/board_reading.py): n games against the random
+  opponent, with the default's board observation and the game tokenizer, in which the agent
+  plays a column of its own while it is legal with chance `stack`, else a random legal one, and
+  meets a full column; each as the rollout's token row, cut at `bucket` tokens (T = bucket).
+
+  Returns:
+    (tokens, full): `full` holds, at each agent reply, the bitmask of the columns that are full
+    there (bit c: column c + 1), 0 elsewhere.
+  """
+
+  tokenizer = tokenizer_lib.load_tokenizer('game')
+  env = registry.make_env(base.EnvConfig(game='connect_four', opponent='random'))
+  rng = np.random.default_rng(seed)
+  tokens = np.zeros((n, bucket), np.int32)
+  full = np.zeros((n, bucket), np.int32)
+  kept = 0
+  while kept < n:
+    observations = env.reset(1, int(rng.integers(1 << 30)))
+    replies, masks = [], []
+    own = int(rng.integers(env.num_actions))
+    while True:
+      legal = env.legal_mask()[0]
+      move = own if legal[own] and rng.random() < stack else int(rng.choice(np.flatnonzero(legal)))
+      masks.append(legal)
+      replies.append(tokenizer.encode(env.action_text(move)))
+      result = env.step([env.action_text(move)])
+      if result.dones[0]:
+        break
+      observations = observations + result.observations[:1]
+    if all(m.all() for m in masks):
+      continue
+    ids, generated = tokenizer_lib.conversation_ids(tokenizer, observations, replies)
+    ids, generated = np.asarray(ids[:bucket]), np.asarray(generated[:bucket], bool)
+    # One generated digit a reply (its end-of-turn token is template, not generated).
+    reply_at = np.flatnonzero(generated)
+    tokens[kept, : len(ids)] = ids
+    for at, legal in zip(reply_at, masks):
+      full[kept, at] = int(np.sum((~legal) << np.arange(legal.size)))
+    kept += 1
+  return tokens, full

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from earl_jax.config import ParallelConfig
 from earl_jax.evaluation import board_eval, code_eval
 from earl_jax.evaluation.code_eval import PolicySource
+from earl_jax.models import tokenizer as tokenizer_lib
 from earl_jax.run import metrics
 from earl_jax.sharding import mesh as mesh_lib
 from earl_jax.testing.configs import smoke_experiment
@@ -78,3 +80,22 @@ def test_the_app_says_a_bad_flag_in_one_line(tmp_path):
     out.stderr
   )
   assert 'Traceback' not in out.stderr
+
+
+def test_full_column_rows_label_each_reply_with_the_full_columns_of_the_board_before_it():
+  """Read back from the rows: at every agent reply, bit c is set exactly where the top row of
+  the board text just before it has a stone in column c + 1, and every game meets one."""
+  tokenizer = tokenizer_lib.load_tokenizer('game')
+  tokens, full = board_eval.full_column_rows(6, seed=3, bucket=2048, stack=0.7)
+  digits = [tokenizer.encode(str(c + 1))[0] for c in range(7)]
+  act = tokenizer.turn_prompt_ids('', first=False)[-1]  # the token before every reply
+  for row, labels in zip(tokens, full):
+    replies = np.flatnonzero(np.isin(row, digits) & (np.roll(row, 1) == act))
+    assert replies.size and (labels > 0).any()
+    assert set(np.flatnonzero(labels)) <= set(replies)
+    for at in replies:
+      board = tokenizer.decode(row[:at].tolist()).rsplit('1234567\n', 1)[1]
+      top = board.split('\n')[0]
+      assert len(top) == 7
+      want = sum(1 << c for c, cell in enumerate(top) if cell != '.')
+      assert labels[at] == want, (at, top, labels[at])
