@@ -25,9 +25,9 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from earl_jax import runtime
+from earl_jax import config_cli, runtime
 
 _MODEL = flags.DEFINE_string('model', 'tiny-game', 'Model preset (from scratch).')
 _MODEL_SET = flags.DEFINE_list(
@@ -63,21 +63,13 @@ def main(argv):
   import optax
   from flax import nnx
 
-  from earl_jax.config import ModelConfig, ParallelConfig
-  from earl_jax.evaluation import board_eval
+  from earl_jax.config import ModelConfig
+  from earl_jax.evaluation import board_eval, code_eval
   from earl_jax.models import qwen2
   from earl_jax.models import tokenizer as tokenizer_lib
-  from earl_jax.sharding import mesh as mesh_lib
 
-  cfg = ModelConfig.preset(_MODEL.value)
-  for item in _MODEL_SET.value:
-    name, _, value = item.partition('=')
-    if not hasattr(cfg, name) or not value:
-      raise app.UsageError(
-        f'--model_set: expected name=value of a ModelConfig field, got {item!r}.'
-      )
-    kind = type(getattr(cfg, name))
-    cfg = cfg.replace(**{name: value.lower() == 'true' if kind is bool else kind(value)})
+  pairs = [item.partition('=')[::2] for item in _MODEL_SET.value]
+  cfg = config_cli.apply_overrides(ModelConfig.preset(_MODEL.value), pairs, flag='model_set')
   tokenizer = tokenizer_lib.load_tokenizer('game')
   digits = jnp.asarray([tokenizer.encode(str(c + 1))[0] for c in range(7)])
   train_x, train_full = board_eval.full_column_rows(
@@ -91,8 +83,7 @@ def main(argv):
     f'games, {int((test_full > 0).sum())} in {_HELDOUT.value} held-out',
     flush=True,
   )
-  mesh = mesh_lib.make_mesh(ParallelConfig(), jax.devices()[:1])
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(code_eval.eval_mesh()):  # the one device
     graphdef, params = nnx.split(qwen2.Qwen2(cfg, rngs=nnx.Rngs(_SEED.value)))
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(_LR.value))
   opt_state = optimizer.init(params)

@@ -133,7 +133,6 @@ def full_column_rows(
     (tokens, full): `full` holds, at each agent reply, the bitmask of the columns that are full
     there (bit c: column c + 1), 0 elsewhere.
   """
-
   tokenizer = tokenizer_lib.load_tokenizer('game')
   env = registry.make_env(base.EnvConfig(game='connect_four', opponent='random'))
   rng = np.random.default_rng(seed)
