@@ -238,6 +238,12 @@ class ExperimentConfig:
         'one always does; expected rollout.group_size >= 2, or dynamic_sampling_rounds=0.'
       )
     _check_series_schedule(self.series_schedule, self.env)
+    if self.loss.legal_move_coef and not isinstance(self.env, envs.EnvConfig):
+      raise ConfigError(
+        f'loss.legal_move_coef={self.loss.legal_move_coef} labels the legal moves of a '
+        f'board game; env is a {type(self.env).__name__}, whose replies are free text: expected '
+        'an EnvConfig, or loss.legal_move_coef=0.'
+      )
     samples = self.eval_samples
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0 or samples == 1:
       raise ConfigError(
@@ -307,6 +313,11 @@ class ExperimentConfig:
       engine.reply_token_ids(tokenizer, self.rollout.reply_tokens, vocab_size)
     except ValueError as e:
       raise ConfigError(f'rollout.reply_tokens={self.rollout.reply_tokens!r}: {e}') from None
+    if self.loss.legal_move_coef:
+      try:
+        engine.move_token_ids(tokenizer, registry.make_env(self.env), vocab_size)
+      except ValueError as e:
+        raise ConfigError(f'loss.legal_move_coef={self.loss.legal_move_coef}: {e}.') from None
     largest = self.rollout.prompt_buckets[-1]
     for field in ('env', 'eval_env'):
       env = registry.make_env(getattr(self, field))

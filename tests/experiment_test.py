@@ -11,6 +11,7 @@ from earl_jax.envs import code_env
 from earl_jax.envs.base import CodeEnvConfig
 from earl_jax.errors import ConfigError
 from earl_jax.experiment import ExperimentConfig, config_diff
+from earl_jax.rl.losses import LossConfig
 from earl_jax.testing.configs import smoke_experiment
 
 
@@ -140,6 +141,18 @@ def test_the_series_schedule_sets_the_games_of_each_step():
   code = CodeEnvConfig()
   with pytest.raises(ConfigError, match='schedules the games of a board game match'):
     ExperimentConfig(env=code, eval_env=code.replace(split='heldout'), series_schedule=((0, 1),))
+
+
+def test_the_rules_term_is_refused_on_a_task_without_moves():
+  code = CodeEnvConfig()
+  with pytest.raises(
+    ConfigError, match=r'legal_move_coef=1.0 labels the legal moves .* CodeEnvConfig'
+  ):
+    ExperimentConfig(
+      env=code, eval_env=code.replace(split='heldout'), loss=LossConfig(legal_move_coef=1.0)
+    )
+  with pytest.raises(ConfigError, match=r'legal_move_coef must be >= 0, got -1\.0'):
+    LossConfig(legal_move_coef=-1.0)
 
 
 def test_the_default_is_a_valid_config():

@@ -475,7 +475,7 @@ def token_logprobs(
   with its own positions from 0; attention stays within a segment, and the first token of a
   segment (which has no prefix in its row) gets log-prob 0, as column 0 does.
   """
-  return _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=False)[0]
+  return _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=False).logprobs
 
 
 def token_logprobs_and_entropy(
@@ -491,9 +491,40 @@ def token_logprobs_and_entropy(
   alone when given); col 0 is 0. It is computed in the same [B, C, V] chunks as the log-probs
   (one extra reduction per chunk).
   """
-  logp, ent = _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=True)
-  assert ent is not None
-  return logp, ent
+  stats = _next_token_stats(model, tokens, temperature, token_ids, segments, entropy=True)
+  assert stats.entropy is not None
+  return stats.logprobs, stats.entropy
+
+
+class TokenStats(typing.NamedTuple):
+  """Per token t (column 0 and each segment's first token 0): log p(tokens[t] | tokens[:t]), and,
+  when asked for (else None), the entropy of that distribution and the log of the probability
+  it gives a subset of tokens."""
+
+  logprobs: Float[Array, 'B T']
+  entropy: Float[Array, 'B T'] | None
+  subset_logprobs: Float[Array, 'B T'] | None
+
+
+def token_stats(
+  model: Qwen2,
+  tokens: Int[Array, 'B T'],
+  temperature: float = 1.0,
+  token_ids: tuple[int, ...] | None = None,
+  segments: tuple[Int[Array, 'B T'], Int[Array, 'B T']] | None = None,
+  *,
+  entropy: bool = False,
+  subset: tuple[Int[Array, 'B T'], tuple[int, ...]] | None = None,
+) -> TokenStats:
+  """`token_logprobs`, with the entropy when `entropy`, and with `subset` = (bits, ids) the
+  log-probability of a subset of tokens: subset_logprobs[b, t] = log sum_k p(ids[k]) over the k
+  whose bit is set in bits[b, t], under the distribution that tokens[b, t] came from (0 where
+  no bit is set). The rules' label of the replies that are legal there (`Batch.legal_moves`
+  over the environment's move tokens): one more reduction of each [B, C, V] chunk.
+  """
+  return _next_token_stats(
+    model, tokens, temperature, token_ids, segments, entropy=entropy, subset=subset
+  )
 
 
 def _allowed(vocab_size: int, token_ids: tuple[int, ...]) -> np.ndarray:
@@ -518,9 +549,10 @@ def _next_token_stats(
   segments: tuple[Int[Array, 'B T'], Int[Array, 'B T']] | None,
   *,
   entropy: bool,
-) -> tuple[Float[Array, 'B T'], Float[Array, 'B T'] | None]:
-  """Log-probs (and entropies) of `token_logprobs[_and_entropy]`: one forward, then the LM head
-  over chunks of C positions (`_chunk_stats`), shifted so column t holds token t's value."""
+  subset: tuple[Int[Array, 'B T'], tuple[int, ...]] | None = None,
+) -> TokenStats:
+  """The values of `token_stats`: one forward, then the LM head over chunks of C positions
+  (`_chunk_stats`), shifted so column t holds token t's value."""
   B, T = tokens.shape
   if segments is None:
     segment_ids = None
@@ -536,15 +568,26 @@ def _next_token_stats(
   num_chunks = T // C
   h_chunks = h.reshape(B, num_chunks, C, h.shape[-1]).swapaxes(0, 1)  # [num_chunks, B, C, D]
   target_chunks = targets.reshape(B, num_chunks, C).swapaxes(0, 1)  # [num_chunks, B, C]
+  # The bits of token t + 1's distribution, aligned with its target.
+  bits, subset_ids = subset if subset is not None else (jnp.zeros_like(tokens), None)
+  bits = jnp.concatenate([bits[:, 1:], jnp.zeros((B, 1), bits.dtype)], axis=1)
+  bit_chunks = bits.reshape(B, num_chunks, C).swapaxes(0, 1)
 
   @jax.checkpoint
-  def chunk_stats(h_BxCxD, targets_BxC):
-    return _chunk_stats(model, h_BxCxD, targets_BxC, temperature, token_ids, entropy=entropy)
+  def chunk_stats(h_BxCxD, targets_BxC, bits_BxC):
+    return _chunk_stats(
+      model,
+      h_BxCxD,
+      targets_BxC,
+      temperature,
+      token_ids,
+      entropy=entropy,
+      subset=None if subset_ids is None else (bits_BxC, subset_ids),
+    )
 
   # [num_chunks, B, C] each.
-  logp, ent = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, target_chunks))
-  logp = _shift_to_tokens(logp, segment_ids)
-  return logp, None if ent is None else _shift_to_tokens(ent, segment_ids)
+  stats = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, target_chunks, bit_chunks))
+  return TokenStats(*(None if x is None else _shift_to_tokens(x, segment_ids) for x in stats))
 
 
 def _chunk_stats(
@@ -555,9 +598,11 @@ def _chunk_stats(
   token_ids: tuple[int, ...] | None,
   *,
   entropy: bool,
-) -> tuple[Float[Array, 'B C'], Float[Array, 'B C'] | None]:
+  subset: tuple[Int[Array, 'B C'], tuple[int, ...]] | None = None,
+) -> TokenStats:
   """Log-prob of each target under softmax(logits / temperature) (restricted to `token_ids`),
-  and with `entropy` the entropy of that distribution, for one chunk of C positions."""
+  with `entropy` the entropy of that distribution, and with `subset` the log of the probability
+  it gives the subset's tokens (`token_stats`), for one chunk of C positions."""
   V = model.cfg.vocab_size
   logits = rules.constrain(model.logits(h_BxCxD), ('batch', 'seq', 'act_vocab'))
   if temperature != 1.0:
@@ -569,11 +614,19 @@ def _chunk_stats(
   logp = picked - lse
   if token_ids is not None:  # targets the restricted policy cannot produce (prompt tokens)
     logp = jnp.where(jnp.asarray(_allowed(V, token_ids))[targets_BxC], logp, 0.0)
-  if not entropy:
-    return logp, None
-  # H = lse - E_p[logits], with p = exp(logits - lse).
-  mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
-  return logp, lse - mean_logit
+  ent = subset_logp = None
+  if entropy:
+    # H = lse - E_p[logits], with p = exp(logits - lse).
+    mean_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+    ent = lse - mean_logit
+  if subset is not None:
+    bits_BxC, subset_ids = subset
+    K = len(subset_ids)
+    member = (bits_BxC[..., None] >> jnp.arange(K, dtype=bits_BxC.dtype)[None, None]) & 1
+    chosen = logits[..., jnp.asarray(subset_ids)]  # [B, C, K]
+    subset_lse = jax.nn.logsumexp(jnp.where(member > 0, chosen, _MASKED_LOGIT), axis=-1)
+    subset_logp = jnp.where(bits_BxC > 0, subset_lse - lse, 0.0)
+  return TokenStats(logp, ent, subset_logp)
 
 
 def _shift_to_tokens(

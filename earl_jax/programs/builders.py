@@ -71,6 +71,9 @@ class StageSpec:
     loss: loss settings of the train step.
     packed: the experience and train programs take packed rows (several episodes per row,
       `rl.packing`); their batch carries segment ids and positions.
+    move_token_ids: the token of each of the environment's moves, in move order
+      (`move_token_ids`): the train step's rules term (`LossConfig.legal_move_coef`) reads
+      the policy's probability of the legal ones there. None without that term.
   """
 
   sampling: sampler.SamplingConfig = dataclasses.field(default_factory=sampler.SamplingConfig)
@@ -80,8 +83,13 @@ class StageSpec:
   optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
   packed: bool = False
+  move_token_ids: tuple[int, ...] | None = None
 
   def __post_init__(self):
+    if self.loss.legal_move_coef and self.move_token_ids is None:
+      raise ValueError(
+        'StageSpec: LossConfig.legal_move_coef > 0 needs the move tokens (move_token_ids).'
+      )
     if self.token_ids is not None and (
       not isinstance(self.token_ids, tuple)
       or not self.token_ids
@@ -384,6 +392,7 @@ def train_program(
     temperature=spec.temperature,
     token_ids=spec.token_ids,
     packed=spec.packed,
+    move_token_ids=spec.move_token_ids,
     state_shardings=jax.tree.map(lambda a: a.sharding, state),
     batch_shardings=batch_sh,
     metrics_sharding=_replicated(mesh),

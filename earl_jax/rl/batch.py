@@ -4,8 +4,10 @@ Rows are whole multi-turn conversations (prompt, observations and the policy's r
 token sequence; `loss_mask` marks the positions the policy generated. Every stage adds fields:
 
   rollout     tokens, loss_mask, sample_logprobs, rewards (the episode return), returns (each
-              generated token's discounted reward-to-go from its turn on), lengths, group_ids,
-              valid
+              generated token's discounted reward-to-go from its turn on), legal_moves (at
+              the first token of each reply, the moves the rules allowed there: bit a set when
+              move a was legal; 0 elsewhere and for tasks without moves), lengths,
+              group_ids, valid
   experience  old_logprobs (current params), ref_logprobs (frozen reference)
   advantages  advantages (per token)
 
@@ -46,6 +48,7 @@ class Batch:
   ref_logprobs: Float[Arr, 'B T']
   advantages: Float[Arr, 'B T']
   returns: Float[Arr, 'B T']
+  legal_moves: Int[Arr, 'B T']
   segment_ids: Int[Arr, 'B T']
   positions: Int[Arr, 'B T']
   rewards: Float[Arr, ' B']
@@ -72,6 +75,7 @@ class Batch:
       ref_logprobs=ROW_TOKEN,
       advantages=ROW_TOKEN,
       returns=ROW_TOKEN,
+      legal_moves=ROW_TOKEN,
       segment_ids=ROW_TOKEN,
       positions=ROW_TOKEN,
       rewards=ROW,
@@ -98,6 +102,7 @@ class Batch:
       ref_logprobs=f((rows, bucket), xp.float32),
       advantages=f((rows, bucket), xp.float32),
       returns=f((rows, bucket), xp.float32),
+      legal_moves=f((rows, bucket), xp.int32),
       segment_ids=f((rows, bucket), xp.int32),
       positions=xp.broadcast_to(xp.arange(bucket, dtype=xp.int32), (rows, bucket)) + 0,
       rewards=f((rows,), xp.float32),

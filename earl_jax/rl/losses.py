@@ -57,6 +57,15 @@ class LossConfig:
       gradient on the token's logit is -A x p(a), largest where the policy is sure of a reply
       that scored below the baseline, where the policy gradient's -A x (1 - p(a)) vanishes. 0
       disables it.
+    legal_move_coef: weight of a supervised term from the environment's rules: at the first
+      token of every reply, -log p(legal), p(legal) the probability the policy gives the moves
+      that are legal there (`Batch.legal_moves`; `legal_move_loss`). A label at every reply,
+      whatever was sampled, where the reward says only that the sampled move lost: the policy
+      learns from the rules which moves the position forbids (a full column), rather than
+      from the one sampled move, whose gradient vanishes once the policy is sure of it. With
+      replies constrained to the moves (`RolloutConfig.reply_tokens`) it is -log(1 -
+      p(illegal moves)), 0 where every move is legal; without, the reply's format counts too.
+      Needs an environment with a finite move set (the board games). 0 disables it.
     aggregation: 'token' or 'sequence'.
     ratio: the importance ratio that is clipped: 'token' (each token's) or 'sequence' (GSPO:
       each episode's, the exp of its mean log-ratio; see the module docstring). GSPO's ratios
@@ -73,6 +82,7 @@ class LossConfig:
   entropy_coef_min: float = 1e-4
   entropy_coef_max: float = 0.5
   unlikelihood_coef: float = 0.0
+  legal_move_coef: float = 0.0
   aggregation: Aggregation = 'token'
   ratio: Ratio = 'token'
 
@@ -87,6 +97,7 @@ class LossConfig:
       'entropy_coef_min',
       'entropy_coef_max',
       'unlikelihood_coef',
+      'legal_move_coef',
       *optional,
     )
     if not 0 < self.clip_eps < 1:
@@ -97,6 +108,8 @@ class LossConfig:
       raise ConfigError(f'LossConfig.kl_coef must be >= 0, got {self.kl_coef}.')
     if not self.unlikelihood_coef >= 0:
       raise ConfigError(f'LossConfig.unlikelihood_coef must be >= 0, got {self.unlikelihood_coef}.')
+    if not self.legal_move_coef >= 0:
+      raise ConfigError(f'LossConfig.legal_move_coef must be >= 0, got {self.legal_move_coef}.')
     if not self.entropy_coef >= 0:
       raise ConfigError(f'LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}.')
     if self.entropy_target is not None:
@@ -124,6 +137,36 @@ class LossConfig:
   def uses_entropy(self) -> bool:
     """Whether the train forward computes the policy's entropy."""
     return self.entropy_coef > 0
+
+
+def legal_move_loss(
+  legal_logp: Float[Array, 'B T'],
+  legal_moves: Int[Array, 'B T'],
+  mask: Bool[Array, 'B T'],
+  aggregation: Aggregation,
+  num_moves: int,
+) -> tuple[Float[Array, ''], dict[str, Float[Array, '']]]:
+  """The rules' term of `LossConfig.legal_move_coef` (to minimise), and its metrics.
+
+  At each generated token t that starts a reply (legal_moves[t] != 0: the bits of the moves
+  legal there, of `num_moves`), -log p_t, where log p_t = legal_logp[t] is the log-probability
+  the policy gives those moves (`qwen2.token_stats`); 0 at the other generated tokens,
+  aggregated over all of them like the policy loss. Metrics: `legal_move_loss`;
+  `illegal_move_prob`, 1 - p_t averaged over the replies where some move is illegal (a full
+  column: 1/7 of a uniform policy over Connect Four's moves, with one); and
+  `illegal_move_frac`, the share of the generated tokens that start such a reply.
+  """
+  labelled = mask & (legal_moves != 0)
+  per_token = jnp.where(labelled, -legal_logp, 0.0)
+  value = aggregate(per_token, mask, aggregation)
+  some_illegal = (labelled & (legal_moves != (1 << num_moves) - 1)).astype(jnp.float32)
+  num_some = jnp.sum(some_illegal)
+  illegal_prob = -jnp.expm1(jnp.where(labelled, legal_logp, 0.0))
+  return value, {
+    'legal_move_loss': value,
+    'illegal_move_prob': jnp.sum(illegal_prob * some_illegal) / jnp.maximum(num_some, 1.0),
+    'illegal_move_frac': num_some / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0),
+  }
 
 
 def adapt_entropy_coef(

@@ -185,6 +185,7 @@ _TOKEN_FIELDS = (
   'ref_logprobs',
   'advantages',
   'returns',
+  'legal_moves',
 )
 
 

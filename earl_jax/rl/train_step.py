@@ -203,16 +203,26 @@ def loss_fn(
   entropy_coef: Float[Array, ''] | None = None,
   token_ids: tuple[int, ...] | None = None,
   packed: bool = False,
+  move_token_ids: tuple[int, ...] | None = None,
 ) -> tuple[Float[Array, ''], dict]:
+  """The PPO loss of `batch` (`losses.ppo_loss`), plus the rules' term
+  (`losses.legal_move_loss`, with `config.legal_move_coef`; `move_token_ids`: the token of
+  each of the environment's moves, in move order), and the metrics."""
   model = nnx.merge(graphdef, params)
-  entropy = None
   segments = (batch.segment_ids, batch.positions) if packed else None
-  if config.uses_entropy:
-    logp, entropy = qwen2.token_logprobs_and_entropy(
-      model, batch.tokens, temperature, token_ids, segments
-    )
-  else:
-    logp = qwen2.token_logprobs(model, batch.tokens, temperature, token_ids, segments)
+  rules_term = bool(config.legal_move_coef)
+  if rules_term and move_token_ids is None:
+    raise ValueError('LossConfig.legal_move_coef > 0 needs the move tokens (move_token_ids).')
+  stats = qwen2.token_stats(
+    model,
+    batch.tokens,
+    temperature,
+    token_ids,
+    segments,
+    entropy=config.uses_entropy,
+    subset=(batch.legal_moves, move_token_ids) if rules_term else None,
+  )
+  logp, entropy = stats.logprobs, stats.entropy
   loss, metrics = losses.ppo_loss(
     logp,
     batch.old_logprobs,
@@ -224,6 +234,16 @@ def loss_fn(
     entropy_coef=entropy_coef,
     segments=batch.segment_ids,
   )
+  if rules_term:
+    term, rules_metrics = losses.legal_move_loss(
+      stats.subset_logprobs,
+      batch.legal_moves,
+      batch.loss_mask,
+      config.aggregation,
+      len(move_token_ids),
+    )
+    metrics.update(rules_metrics)
+    loss = loss + config.legal_move_coef * term
   # The sampler's recorded log-probs against the experience forward's: ~0 unless the rollout and
   # the training forward disagree (numerics, a temperature mismatch, stale weights).
   weights = batch.loss_mask.astype(jnp.float32)
@@ -251,12 +271,14 @@ def train_step(
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
   packed: bool = False,
+  move_token_ids: tuple[int, ...] | None = None,
 ) -> tuple[TrainState, dict[str, Float[Array, '']]]:
   """One optimizer update on `batch`, averaging gradients over `micro_batches` slices.
 
   The policy is softmax(logits / temperature) (over `token_ids` alone when given: constrained
   decoding), the distribution the rollout sampled from. `packed`: the rows hold several
-  episodes each (`rl.packing`), attended within their segments.
+  episodes each (`rl.packing`), attended within their segments. `move_token_ids`: the
+  environment's move tokens, for the rules' term (`loss_fn`).
   """
 
   def grad_fn(micro_batch):
@@ -270,6 +292,7 @@ def train_step(
       state.entropy_coef,
       token_ids,
       packed,
+      move_token_ids,
     )
 
   if micro_batches == 1:
@@ -357,6 +380,7 @@ def make_train_step(
   temperature: float = 1.0,
   token_ids: tuple[int, ...] | None = None,
   packed: bool = False,
+  move_token_ids: tuple[int, ...] | None = None,
   state_shardings: TrainState | None = None,
   batch_shardings: Batch | None = None,
   metrics_sharding: jax.sharding.Sharding | None = None,
@@ -375,6 +399,7 @@ def make_train_step(
     temperature=temperature,
     token_ids=token_ids,
     packed=packed,
+    move_token_ids=move_token_ids,
   )
   kwargs = {}
   if state_shardings is not None:

@@ -139,23 +139,46 @@ def reply_token_ids(
   """
   if not reply_tokens:
     return None
-  ids = []
-  for text in reply_tokens:
-    encoded = tokenizer.encode(text)
-    if len(encoded) != 1:
-      raise ValueError(
-        f'RolloutConfig.reply_tokens entry {text!r} encodes to {len(encoded)} tokens '
-        f'{encoded}; each entry must be exactly one token of {tokenizer!r}.'
-      )
-    if not 0 <= encoded[0] < vocab_size:
-      raise ValueError(
-        f'RolloutConfig.reply_tokens entry {text!r} is id {encoded[0]}, outside the model '
-        f'vocabulary of {vocab_size}.'
-      )
-    ids.append(encoded[0])
+  ids = [
+    _one_token(tokenizer, text, vocab_size, 'RolloutConfig.reply_tokens entry')
+    for text in reply_tokens
+  ]
   if len(set(ids)) != len(ids):
     raise ValueError(f'RolloutConfig.reply_tokens {reply_tokens!r} map to repeated ids {ids}.')
   return tuple(sorted(ids))
+
+
+def move_token_ids(tokenizer: Tokenizer, env: envs.TextEnv, vocab_size: int) -> tuple[int, ...]:
+  """The vocabulary id of each of `env`'s moves, in move order (`TextEnv.action_text`): the
+  tokens whose probability the rules' term reads (`LossConfig.legal_move_coef`).
+
+  Raises ValueError if `env` takes free-text replies, or a move is not exactly one token of
+  `tokenizer` inside the model's vocabulary.
+  """
+  if env.num_actions is None:
+    raise ValueError(
+      f'{type(env).__name__} takes free-text replies: it has no moves whose legality the '
+      'rules could label (expected a board game)'
+    )
+  return tuple(
+    _one_token(tokenizer, env.action_text(a), vocab_size, 'the move')
+    for a in range(env.num_actions)
+  )
+
+
+def _one_token(tokenizer: Tokenizer, text: str, vocab_size: int, what: str) -> int:
+  """The id of `text`, which must be exactly one token of `tokenizer` below `vocab_size`."""
+  encoded = tokenizer.encode(text)
+  if len(encoded) != 1:
+    raise ValueError(
+      f'{what} {text!r} encodes to {len(encoded)} tokens {encoded}; each entry must be exactly '
+      f'one token of {tokenizer!r}.'
+    )
+  if not 0 <= encoded[0] < vocab_size:
+    raise ValueError(
+      f'{what} {text!r} is id {encoded[0]}, outside the model vocabulary of {vocab_size}.'
+    )
+  return encoded[0]
 
 
 @runtime_checkable
@@ -183,6 +206,7 @@ class _Episodes:
   rows: list[list[int]]
   masks: list[list[bool]]
   logprobs: list[list[float]]
+  legal_moves: list[list[int]]  # bits of the moves legal where each reply starts, else 0
   turn_starts: list[list[int]]
   turn_tokens: list[list[int]]
   turn_rewards: list[list[float]]
@@ -207,6 +231,7 @@ class _Episodes:
       rows=lists(),
       masks=lists(),
       logprobs=lists(),
+      legal_moves=lists(),
       turn_starts=lists(),
       turn_tokens=lists(),
       turn_rewards=lists(),
@@ -224,12 +249,17 @@ class _Episodes:
       env_stats={name: np.zeros(E, np.float64) for name in stat_names},
     )
 
-  def record(self, i: int, prompt: list[int], reply: list[int], logprobs: list[float]) -> None:
-    """Appends one turn (its prompt and the policy's reply) to episode i."""
+  def record(
+    self, i: int, prompt: list[int], reply: list[int], logprobs: list[float], legal: int = 0
+  ) -> None:
+    """Appends one turn (its prompt and the policy's reply) to episode i; `legal`: the bits
+    of the moves that were legal in the position the reply answers."""
     self.turn_starts[i].append(len(self.rows[i]))
     self.rows[i] += prompt + reply
     self.masks[i] += [False] * len(prompt) + [True] * len(reply)
     self.logprobs[i] += [0.0] * len(prompt) + logprobs
+    self.legal_moves[i] += [0] * len(prompt) + [legal] * min(len(reply), 1)
+    self.legal_moves[i] += [0] * (len(reply) - 1)
     self.turn_tokens[i].append(len(prompt) + len(reply))
     self.fill[i] += len(prompt) + len(reply)
     self.generated += len(reply)
@@ -274,15 +304,18 @@ class _Episodes:
     tokens = np.full((E, T), pad_id, np.int32)
     loss_mask = np.zeros((E, T), bool)
     logprobs = np.zeros((E, T), np.float32)
+    legal_moves = np.zeros((E, T), np.int32)
     for i in range(E):
       n = len(self.rows[i])
       tokens[i, :n] = self.rows[i]
       loss_mask[i, :n] = self.masks[i]
       logprobs[i, :n] = self.logprobs[i]
+      legal_moves[i, :n] = self.legal_moves[i]
     return Trajectories(
       tokens=tokens,
       loss_mask=loss_mask,
       logprobs=logprobs,
+      legal_moves=legal_moves,
       lengths=np.array([len(r) for r in self.rows], np.int32),
       returns=self.returns,
       turn_rewards=self.turn_rewards,
@@ -315,6 +348,20 @@ class _Cohort:
 
   members: list[int]  # this process's episode indices, in the environment's order
   env: envs.TextEnv
+
+
+def _legal_moves(cohorts: list[_Cohort]) -> dict[int, int]:
+  """By episode index, the bits of the moves legal in each game now (bit a: move a), what
+  `Batch.legal_moves` records at the reply that answers it; none for an environment whose
+  replies are free text."""
+  out: dict[int, int] = {}
+  for cohort in cohorts:
+    if cohort.env.num_actions is None:
+      continue
+    legal = cohort.env.legal_mask()
+    bits = legal.astype(np.int64) @ (1 << np.arange(legal.shape[1], dtype=np.int64))
+    out.update(zip(cohort.members, bits.tolist()))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -625,7 +672,7 @@ class RolloutEngine:
     run.timings['generate_s'] += time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    replies = self._record_replies(run, episodes, inputs, host)
+    replies = self._record_replies(run, episodes, inputs, host, _legal_moves(run.cohorts))
     run.timings['host_s'] += time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -669,14 +716,17 @@ class RolloutEngine:
       host.append(values)
     return tuple(host), cache
 
-  def _record_replies(self, run: _Run, episodes: _Episodes, turn: _Turn, host) -> dict[int, str]:
-    """Books each playing slot's reply; returns the reply texts by episode index."""
+  def _record_replies(
+    self, run: _Run, episodes: _Episodes, turn: _Turn, host, legal: dict[int, int]
+  ) -> dict[int, str]:
+    """Books each playing slot's reply (`legal`: the bits of the moves legal where it answers,
+    by episode index); returns the reply texts by episode index."""
     gen_tokens, gen_lps, gen_n, gen_stop = host
     replies: dict[int, str] = {}
     for s in np.flatnonzero(turn.played).tolist():
       i, n = int(run.slots[s]), int(gen_n[s])
       reply = gen_tokens[s, :n].tolist()
-      episodes.record(i, turn.prompts[s], reply, gen_lps[s, :n].tolist())
+      episodes.record(i, turn.prompts[s], reply, gen_lps[s, :n].tolist(), legal.get(i, 0))
       episodes.unterminated[i] = not gen_stop[s]
       episodes.turns[i] += 1
       text_ids = reply[:-1] if gen_stop[s] else reply

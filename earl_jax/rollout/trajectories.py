@@ -66,6 +66,9 @@ class Trajectories:
       engine's padded fractions and slot occupancy; default: none).
     env_stats: what the environment reported per episode (`TextEnv.episode_stats`: name ->
       float [B]; default: none).
+    legal_moves: at the first token of each reply, the moves the environment's rules allowed
+      in the position it answered, as bits (bit a: move a was legal); 0 elsewhere, and
+      everywhere for a task without moves (default: zeros).
   """
 
   tokens: Int32[np.ndarray, 'B T']
@@ -88,9 +91,12 @@ class Trajectories:
   rollout_stats: dict[str, float] = dataclasses.field(default_factory=dict)
   env_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   turn_move_rewards: list[list[float]] | None = None
+  legal_moves: Int32[np.ndarray, 'B T'] | None = None
 
   def __post_init__(self):
     B = len(self.outcomes)
+    if self.legal_moves is None:
+      self.legal_moves = np.zeros(self.tokens.shape, np.int32)
     if self.turn_move_rewards is None:
       self.turn_move_rewards = [[0.0] * len(r) for r in self.turn_rewards]
     if self.episode_seconds is None:
@@ -157,6 +163,7 @@ class Trajectories:
       'tokens': self.tokens[i, :n].copy(),
       'loss_mask': self.loss_mask[i, :n].copy(),
       'logprobs': self.logprobs[i, :n].copy(),
+      'legal_moves': self.legal_moves[i, :n].copy(),
       'return': float(self.returns[i]),
       'turn_rewards': list(self.turn_rewards[i]),
       'turn_move_rewards': list(self.turn_move_rewards[i]),
@@ -188,14 +195,17 @@ class Trajectories:
     tokens = np.zeros((len(episodes), T), np.int32)
     loss_mask = np.zeros((len(episodes), T), bool)
     logprobs = np.zeros((len(episodes), T), np.float32)
+    legal_moves = np.zeros((len(episodes), T), np.int32)
     for j, e in enumerate(episodes):
       n = lengths[j]
       tokens[j, :n], loss_mask[j, :n], logprobs[j, :n] = e['tokens'], e['loss_mask'], e['logprobs']
+      legal_moves[j, :n] = e['legal_moves']
     stats = {k: float(np.mean([s.rollout_stats[k] for s in sources])) for k in first.rollout_stats}
     return cls(
       tokens=tokens,
       loss_mask=loss_mask,
       logprobs=logprobs,
+      legal_moves=legal_moves,
       lengths=lengths,
       returns=np.array([e['return'] for e in episodes], np.float32),
       group_ids=(first.row_ids // group_size).astype(np.int32),
@@ -253,6 +263,7 @@ class Trajectories:
       loss_mask=pad(self.loss_mask & kept[:, None], False),
       sample_logprobs=pad(self.logprobs).astype(np.float32),
       returns=pad(self.token_returns(gamma, bonus, move_credit=move_credit)),
+      legal_moves=pad(self.legal_moves).astype(np.int32),
       segment_ids=(
         np.arange(bucket)[None, :] < np.pad(self.lengths, (0, rows - B))[:, None]
       ).astype(np.int32),

@@ -500,15 +500,18 @@ def _plan_text(r: Mapping[str, Any], stage: str) -> str:
 
 
 def _learning_text(r: Mapping[str, Any]) -> str:
-  """'ent 1.23 clip 0.04 kl 0.002': the policy's entropy (the exact one where the loss computes
-  it, else the proxy), the clipped share of tokens and the KL to the reference (where the loss
-  has a KL term); '' before an update."""
+  """'ent 1.23 clip 0.04 kl 0.002 p(illegal) 0.08': the policy's entropy (the exact one where the
+  loss computes it, else the proxy), the clipped share of tokens, the KL to the reference (where
+  the loss has a KL term) and the probability it gives the illegal moves where some are (where
+  the loss has the rules' term); '' before an update."""
   entropy = r.get('loss/entropy', r.get('loss/entropy_proxy'))
   if entropy is None:
     return ''
   text = f'ent {entropy:.2f} clip {r.get("loss/clip_frac", 0.0):.2f}'
   if 'loss/kl_ref' in r:
     text += f' kl {r["loss/kl_ref"]:.3f}'
+  if 'loss/illegal_move_prob' in r:
+    text += f' p(illegal) {r["loss/illegal_move_prob"]:.2f}'
   return text
 
 

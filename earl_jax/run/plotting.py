@@ -113,6 +113,7 @@ DIAGNOSTICS = (
   ('loss/clip_frac', 'clipped tokens'),
   ('loss/kl_ref', 'KL to the reference (k3)'),
   ('loss/approx_kl_old', 'KL to the sampler (approx.)'),
+  ('loss/illegal_move_prob', 'p(illegal moves) where some are'),
 )
 
 

@@ -52,7 +52,13 @@ def load_model(config: ExperimentConfig) -> tuple[ModelConfig, tokenizer.Tokeniz
 
 
 def stage_spec(config: ExperimentConfig, tok: tokenizer.Tokenizer, model: ModelConfig) -> StageSpec:
-  """The static settings every stage program of the run is compiled with."""
+  """The static settings every stage program of the run is compiled with (the environment's
+  move tokens where the loss has the rules' term)."""
+  from earl_jax.envs import registry  # the environments, only where a run starts
+
+  moves = None
+  if config.loss.legal_move_coef:
+    moves = engine.move_token_ids(tok, registry.make_env(config.env), model.vocab_size)
   return StageSpec.for_rollout(
     config.rollout,
     tok,
@@ -61,6 +67,7 @@ def stage_spec(config: ExperimentConfig, tok: tokenizer.Tokenizer, model: ModelC
     optim=config.optim,
     loss=config.loss,
     packed=config.pack,
+    move_token_ids=moves,
   )
 
 

@@ -176,6 +176,51 @@ def test_restricted_vocabulary_matches_dense_softmax_over_the_subset():
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
 
+@pytest.mark.parametrize('token_ids', [None, (3, 7, 8, 20, 41, 42, 50)])
+def test_subset_logprobs_are_the_dense_mass_of_the_subset(token_ids):
+  """token_stats(subset=(bits, ids)): at column t, log of the probability that the distribution
+  of token t gives the ids whose bit is set at t (under the restriction to `token_ids` when
+  given); 0 where no bit is set; log-probs as without it; finite gradients."""
+  cfg = ModelConfig.preset('tiny').replace(logprob_chunk=16)
+  mesh = small_mesh(dp=2, tp=2)
+  graphdef, state = qwen2.init_model(cfg, mesh, seed=7)
+  move_ids = (3, 7, 8, 20, 41, 42, 50)
+  rng = np.random.RandomState(3)
+  tokens = rng.randint(0, cfg.vocab_size, (4, 64)).astype(np.int32)
+  bits = (rng.randint(0, 128, (4, 64)) * (rng.rand(4, 64) < 0.4)).astype(np.int32)
+
+  def fn(state):
+    model = nnx.merge(graphdef, state)
+    return qwen2.token_stats(
+      model, jnp.asarray(tokens), 0.8, token_ids, subset=(jnp.asarray(bits), move_ids)
+    )
+
+  def grads(state):
+    return jax.grad(lambda s: jnp.sum(fn(s).subset_logprobs))(state)
+
+  def logprobs(state):
+    return qwen2.token_logprobs(nnx.merge(graphdef, state), jnp.asarray(tokens), 0.8, token_ids)
+
+  with jax.set_mesh(mesh):
+    stats = jax.jit(fn)(state)
+    g = jax.jit(grads)(state)
+    lp = jax.jit(logprobs)(state)
+    logits = jax.jit(_full_logits, static_argnums=0)(graphdef, state, jnp.asarray(tokens))
+  logits = np.asarray(logits, np.float64) / 0.8
+  if token_ids is not None:
+    logits = np.where(np.isin(np.arange(cfg.vocab_size), token_ids), logits, -np.inf)
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))  # [B, T, V]: token t + 1's distribution
+  member = (bits[:, 1:, None] >> np.arange(7)) & 1  # [B, T - 1, 7]
+  mass = np.sum(np.exp(logp[:, :-1][..., list(move_ids)]) * member, axis=-1)
+  expected = np.where(bits[:, 1:] > 0, np.log(np.maximum(mass, 1e-300)), 0.0)
+  got = np.asarray(stats.subset_logprobs)
+  np.testing.assert_allclose(got[:, 1:], expected, atol=1e-4)
+  assert np.all(got[:, 0] == 0) and (bits[:, 1:] > 0).any()
+  assert stats.entropy is None
+  np.testing.assert_array_equal(np.asarray(stats.logprobs), np.asarray(lp))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+
+
 def test_chunked_logprobs_equal_unchunked():
   """The chunk size changes memory, never values."""
   cfg = ModelConfig.preset('tiny')

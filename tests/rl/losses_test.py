@@ -71,6 +71,35 @@ def test_unlikelihood_of_negative_advantage_tokens_matches_numpy(aggregation):
   np.testing.assert_allclose(float(loss), float(base_loss) + 0.5 * want, rtol=1e-5)
 
 
+@pytest.mark.parametrize('aggregation', ['token', 'sequence'])
+def test_legal_move_loss_matches_numpy_on_the_replies_only(aggregation):
+  """-log p(legal) at generated tokens that start a reply, 0 at the other generated tokens,
+  aggregated over all of them; 1 - p(legal) averaged over the replies with an illegal move."""
+  rng = np.random.RandomState(4)
+  _, _, _, _, mask = _inputs(4)
+  legal_logp = np.log(rng.uniform(0.01, 0.99, (3, 6))).astype(np.float32)
+  bits = rng.choice([0, 0, 127, 127, 0b1011111, 0b0000101], (3, 6)).astype(np.int32)
+  legal_logp = np.where(bits > 0, legal_logp, 0.0).astype(np.float32)  # as token_stats gives
+  value, m = losses.legal_move_loss(
+    jnp.asarray(legal_logp), jnp.asarray(bits), jnp.asarray(mask), aggregation, 7
+  )
+  replies = mask & (bits > 0)
+  term = np.where(replies, -legal_logp.astype(np.float64), 0.0)
+  if aggregation == 'token':
+    want = (term * mask).sum() / mask.sum()
+  else:
+    want = np.mean([(term[i] * mask[i]).sum() / mask[i].sum() for i in range(2)])
+  some_illegal = replies & (bits != 127)
+  assert some_illegal.any() and (replies & ~some_illegal).any() and (mask & ~replies).any()
+  np.testing.assert_allclose(float(value), want, rtol=1e-5)
+  np.testing.assert_allclose(float(m['legal_move_loss']), want, rtol=1e-5)
+  want_prob = (1 - np.exp(legal_logp))[some_illegal].mean()
+  np.testing.assert_allclose(float(m['illegal_move_prob']), want_prob, rtol=1e-5)
+  np.testing.assert_allclose(
+    float(m['illegal_move_frac']), some_illegal.sum() / mask.sum(), rtol=1e-6
+  )
+
+
 def test_unlikelihood_pushes_a_sure_bad_token_down_where_the_policy_gradient_vanishes():
   """A token at p = 0.999 with advantage -1: the policy gradient on its log-prob is -A x 1
   (on its logit, x (1 - p) ~ 0.001); the unlikelihood term's on the log-prob is -A x p / (1 - p),

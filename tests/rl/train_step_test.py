@@ -45,17 +45,21 @@ def _with_old_logprobs(graphdef, params, batch, mesh):
   return batch.replace(old_logprobs=lp, ref_logprobs=lp)
 
 
-def _run_steps(loss_config, n, *, seed, zero_advantages=False):
-  """`n` AdamW updates (lr 3e-3) on one fixed batch; returns the final state and each step's metrics."""
+def _run_steps(loss_config, n, *, seed, zero_advantages=False, edit=None, **step_kw):
+  """`n` AdamW updates (lr 3e-3) on one fixed batch (changed by `edit(batch)` when given);
+  returns the final state and each step's metrics."""
   mesh = small_mesh(dp=2, tp=2)
   graphdef, params = qwen2.init_model(CFG, mesh, seed=seed)
-  batch = _batch(mesh=mesh)
+  batch = _batch()
+  if edit is not None:
+    batch = edit(batch)
+  batch = jax.device_put(batch, Batch.shardings(mesh))
   if zero_advantages:
     batch = batch.replace(advantages=batch.advantages * 0)
   batch = _with_old_logprobs(graphdef, params, batch, mesh)
   opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
   state = train_step.init_train_state(params, opt, entropy_coef=loss_config.entropy_coef)
-  step = train_step.make_train_step(graphdef, opt, loss_config)
+  step = train_step.make_train_step(graphdef, opt, loss_config, **step_kw)
   seen = []
   with jax.set_mesh(mesh):
     for _ in range(n):
@@ -84,6 +88,35 @@ def test_entropy_bonus_raises_entropy_with_zero_advantages():
   # pg_loss is 0 with zero advantages, so the loss is exactly the entropy term.
   for m in seen:
     np.testing.assert_allclose(m['loss'], -0.1 * m['entropy'], rtol=1e-5, atol=1e-7)
+
+
+MOVES = (3, 7, 8, 20, 41, 42, 50)
+
+
+def _with_legal_moves(batch):
+  """Every generated token starts a reply in which moves 0 and 2 are illegal; it plays move 1."""
+  mask = np.asarray(batch.loss_mask)
+  return batch.replace(
+    tokens=np.where(mask, MOVES[1], batch.tokens).astype(np.int32),
+    legal_moves=np.where(mask, 0b1111010, 0).astype(np.int32),
+  )
+
+
+def test_the_rules_term_raises_the_legal_moves_probability_with_no_policy_signal():
+  """With zero advantages the loss is exactly coef x the rules' term, and the updates move the
+  policy's probability onto the moves labelled legal."""
+  config = losses.LossConfig(legal_move_coef=2.0)
+  _, seen = _run_steps(
+    config, 5, seed=4, zero_advantages=True, edit=_with_legal_moves, move_token_ids=MOVES
+  )
+  probs = [m['illegal_move_prob'] for m in seen]
+  # A random tiny model gives the 5 legal move tokens ~5/V: each update moves more onto them.
+  assert all(b < a for a, b in zip(probs, probs[1:])) and probs[-1] < probs[0] - 0.02, probs
+  np.testing.assert_allclose(seen[0]['illegal_move_frac'], 1.0)
+  for m in seen:
+    np.testing.assert_allclose(m['loss'], 2.0 * m['legal_move_loss'], rtol=1e-5)
+  with pytest.raises(ValueError, match='needs the move tokens'):
+    _run_steps(config, 1, seed=4, edit=_with_legal_moves)
 
 
 @pytest.mark.parametrize('target', [0.5, 8.0])

@@ -36,7 +36,7 @@ def _engine(
   refill=True,
   **env_kw,
 ):
-  env = envs.EnvConfig(game='tic_tac_toe', **env_kw)
+  env = envs.EnvConfig(**{'game': 'tic_tac_toe', **env_kw})
   sampling = sampler.SamplingConfig(temperature=temperature, max_new_tokens=max_new)
   rollout = engine.RolloutConfig(
     num_episodes=episodes,
@@ -166,6 +166,36 @@ def test_loss_mask_covers_exactly_the_generated_tokens(digit_policy):
       assert prompt[-1] == TOK.act_id  # the reply follows the compact template's <act>
       assert prompt[0] in (TOK.bos_id, TOK.obs_id, TOK.eot_id)
     assert not traj.loss_mask[i, traj.lengths[i] :].any()
+
+
+@pytest.mark.parametrize('game', ['tic_tac_toe', 'connect_four'])
+def test_legal_moves_label_each_reply_with_the_moves_its_board_allows(digit_policy, game):
+  """Batch.legal_moves: at each reply's token, the bits of the moves legal on the board the turn's
+  prompt shows (an empty cell, a column with room: read back from the text), 0 elsewhere;
+  carried through `episode` / `assemble` and into the batch."""
+  mesh, _, params = digit_policy
+  kw = {'full_column_starts': 1.0} if game == 'connect_four' else {}
+  traj = _engine(mesh=mesh, episodes=8, game=game, **kw).run(params, mesh, seed=2)
+  seen = 0
+  for i in range(traj.num_episodes):
+    starts = [*traj.turn_starts[i], int(traj.lengths[i])]
+    for k in range(len(starts) - 1):
+      lo, hi = starts[k], starts[k + 1]
+      reply = lo + np.flatnonzero(traj.loss_mask[i, lo:hi])[0]
+      board = envs.grid_from_text(TOK.decode(traj.tokens[i, lo:reply], skip_special_tokens=True))
+      allowed = board[0] == envs.EMPTY if game == 'connect_four' else board.ravel() == envs.EMPTY
+      want = int(np.sum(allowed << np.arange(allowed.size)))
+      assert traj.legal_moves[i, reply] == want, (i, k)
+      seen += not allowed.all()
+      others = np.delete(traj.legal_moves[i, lo:hi], reply - lo)
+      assert not others.any()
+    assert not traj.legal_moves[i, traj.lengths[i] :].any()
+  assert seen > 0
+  again = traj.assemble([traj.episode(i) for i in range(8)], [traj], group_size=1)
+  np.testing.assert_array_equal(again.legal_moves, traj.legal_moves)
+  batch = traj.to_batch(bucket=1024, rows=16)
+  np.testing.assert_array_equal(batch.legal_moves[:8, : traj.tokens.shape[1]], traj.legal_moves)
+  assert not batch.legal_moves[8:].any()
 
 
 def test_rollout_is_deterministic_in_its_seed(digit_policy):

@@ -393,4 +393,6 @@ def test_the_step_line_shows_entropy_clip_and_kl_once_the_policy_updates():
   assert '| eval 0.500 distinct 1.2 illegal 0.34 |' in metrics.format_line(board)
   exact = {**record, 'loss/entropy': 0.9, 'loss/kl_ref': 0.0123}
   assert '| ent 0.90 clip 0.05 kl 0.012 |' in metrics.format_line(exact)
+  rules = {**exact, 'loss/illegal_move_prob': 0.083}
+  assert '| ent 0.90 clip 0.05 kl 0.012 p(illegal) 0.08 |' in metrics.format_line(rules)
   assert ' ent ' not in metrics.format_line(RECORD)
