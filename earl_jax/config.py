@@ -263,6 +263,18 @@ _MODEL_PRESETS: dict[str, ModelConfig] = {
   'tiny-code': _TINY.replace(name='tiny-code', num_heads=4, head_dim=16),
   # The embedded default's policy: small enough to train from scratch on 2 CPU cores, with the
   # built-in game tokenizer's vocabulary (64 symbols).
+  # tiny-game with 8 heads of 16 (twice the attention width): it learns to read a full column
+  # from the board text in fewer updates (docs/results/tried.md, issue 41).
+  'tiny-game-8h': _TINY.replace(
+    name='tiny-game-8h',
+    vocab_size=64,
+    intermediate_size=128,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=16,
+    tie_word_embeddings=True,
+    logprob_chunk=128,
+  ),
   'tiny-game': _TINY.replace(
     name='tiny-game',
     vocab_size=64,

@@ -19,6 +19,7 @@ TOKEN_FIELDS = (
   'ref_logprobs',
   'advantages',
   'returns',
+  'legal_moves',
   'segment_ids',
   'positions',
 )
@@ -38,7 +39,7 @@ def test_zeros_is_an_all_padding_batch(xp):
   b = Batch.zeros(6, 32, xp=xp)
   assert b.num_rows == 6 and b.bucket == 32
   ints = {'tokens': np.int32, 'lengths': np.int32, 'group_ids': np.int32}
-  ints.update(segment_ids=np.int32, positions=np.int32)
+  ints.update(segment_ids=np.int32, positions=np.int32, legal_moves=np.int32)
   want = {**ints, 'loss_mask': np.bool_, 'valid': np.bool_}
   for name in TOKEN_FIELDS + ROW_FIELDS:
     x = getattr(b, name)

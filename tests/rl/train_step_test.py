@@ -1,5 +1,7 @@
 """The policy update: the loss falls on a fixed batch, micro-batching is exact, bad steps are skipped."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,7 +113,7 @@ def test_the_rules_term_raises_the_legal_moves_probability_with_no_policy_signal
   )
   probs = [m['illegal_move_prob'] for m in seen]
   # A random tiny model gives the 5 legal move tokens ~5/V: each update moves more onto them.
-  assert all(b < a for a, b in zip(probs, probs[1:])) and probs[-1] < probs[0] - 0.02, probs
+  assert all(b < a for a, b in itertools.pairwise(probs)) and probs[-1] < probs[0] - 0.02, probs
   np.testing.assert_allclose(seen[0]['illegal_move_frac'], 1.0)
   for m in seen:
     np.testing.assert_allclose(m['loss'], 2.0 * m['legal_move_loss'], rtol=1e-5)
