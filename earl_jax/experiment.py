@@ -244,6 +244,14 @@ class ExperimentConfig:
         f'board game; env is a {type(self.env).__name__}, whose replies are free text: expected '
         'an EnvConfig, or loss.legal_move_coef=0.'
       )
+    board = isinstance(self.env, envs.EnvConfig)
+    if self.loss.legal_move_coef and board and (self.env.think_depth or self.env.parse != 'strict'):
+      raise ConfigError(
+        f"loss.legal_move_coef={self.loss.legal_move_coef} reads each reply's first token as "
+        f'its move; env.think_depth={self.env.think_depth} and env.parse={self.env.parse!r} '
+        "allow other replies: expected think_depth=0 and parse='strict', or "
+        'loss.legal_move_coef=0.'
+      )
     samples = self.eval_samples
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0 or samples == 1:
       raise ConfigError(

@@ -8,7 +8,7 @@ import pytest
 
 from earl_jax.config import BucketConfig
 from earl_jax.envs import code_env
-from earl_jax.envs.base import CodeEnvConfig
+from earl_jax.envs.base import CodeEnvConfig, EnvConfig
 from earl_jax.errors import ConfigError
 from earl_jax.experiment import ExperimentConfig, config_diff
 from earl_jax.rl.losses import LossConfig
@@ -151,6 +151,9 @@ def test_the_rules_term_is_refused_on_a_task_without_moves():
     ExperimentConfig(
       env=code, eval_env=code.replace(split='heldout'), loss=LossConfig(legal_move_coef=1.0)
     )
+  for env in (EnvConfig(think_depth=2), EnvConfig(parse='lenient')):
+    with pytest.raises(ConfigError, match="reads each reply's first token as its move"):
+      smoke_experiment(env=env, loss=LossConfig(legal_move_coef=1.0))
   with pytest.raises(ConfigError, match=r'legal_move_coef must be >= 0, got -1\.0'):
     LossConfig(legal_move_coef=-1.0)
 

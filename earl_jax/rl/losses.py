@@ -65,7 +65,8 @@ class LossConfig:
       from the one sampled move, whose gradient vanishes once the policy is sure of it. With
       replies constrained to the moves (`RolloutConfig.reply_tokens`) it is -log(1 -
       p(illegal moves)), 0 where every move is legal; without, the reply's format counts too.
-      Needs an environment with a finite move set (the board games). 0 disables it.
+      Needs a board game whose replies are moves alone (`EnvConfig.parse='strict'`, no
+      thinking): the term reads each reply's first token as its move. 0 disables it.
     aggregation: 'token' or 'sequence'.
     ratio: the importance ratio that is clipped: 'token' (each token's) or 'sequence' (GSPO:
       each episode's, the exp of its mean log-ratio; see the module docstring). GSPO's ratios
