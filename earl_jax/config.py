@@ -248,6 +248,16 @@ _TINY = ModelConfig(
   logprob_chunk=64,
 )
 
+_TINY_GAME = _TINY.replace(
+  name='tiny-game',
+  vocab_size=64,
+  intermediate_size=128,
+  num_heads=4,
+  head_dim=16,
+  tie_word_embeddings=True,
+  logprob_chunk=128,
+)
+
 _MODEL_PRESETS: dict[str, ModelConfig] = {
   # The real Qwen2.5 shapes (config.json of the Qwen/Qwen2.5-*-Instruct checkpoints).
   'qwen2.5-0.5b': _qwen25('qwen2.5-0.5b', V=151_936, D=896, F=4864, L=24, H=14, K=2, tied=True),
@@ -263,27 +273,10 @@ _MODEL_PRESETS: dict[str, ModelConfig] = {
   'tiny-code': _TINY.replace(name='tiny-code', num_heads=4, head_dim=16),
   # The embedded default's policy: small enough to train from scratch on 2 CPU cores, with the
   # built-in game tokenizer's vocabulary (64 symbols).
+  'tiny-game': _TINY_GAME,
   # tiny-game with 8 heads of 16 (twice the attention width): it learns to read a full column
   # from the board text in fewer updates (docs/results/tried.md, issue 41).
-  'tiny-game-8h': _TINY.replace(
-    name='tiny-game-8h',
-    vocab_size=64,
-    intermediate_size=128,
-    num_heads=8,
-    num_kv_heads=8,
-    head_dim=16,
-    tie_word_embeddings=True,
-    logprob_chunk=128,
-  ),
-  'tiny-game': _TINY.replace(
-    name='tiny-game',
-    vocab_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    head_dim=16,
-    tie_word_embeddings=True,
-    logprob_chunk=128,
-  ),
+  'tiny-game-8h': _TINY_GAME.replace(name='tiny-game-8h', num_heads=8, num_kv_heads=8),
   # Sized for the selector's CPU heatmap: the KV cache, not the weights, decides what fits.
   'small-kv': _TINY.replace(
     name='small-kv',

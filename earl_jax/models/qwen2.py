@@ -568,13 +568,15 @@ def _next_token_stats(
   num_chunks = T // C
   h_chunks = h.reshape(B, num_chunks, C, h.shape[-1]).swapaxes(0, 1)  # [num_chunks, B, C, D]
   target_chunks = targets.reshape(B, num_chunks, C).swapaxes(0, 1)  # [num_chunks, B, C]
-  # The bits of token t + 1's distribution, aligned with its target.
-  bits, subset_ids = subset if subset is not None else (jnp.zeros_like(tokens), None)
-  bits = jnp.concatenate([bits[:, 1:], jnp.zeros((B, 1), bits.dtype)], axis=1)
-  bit_chunks = bits.reshape(B, num_chunks, C).swapaxes(0, 1)
+  chunks = (h_chunks, target_chunks)
+  subset_ids = None
+  if subset is not None:  # the bits of token t + 1's distribution, aligned with its target
+    bits, subset_ids = subset
+    bits = jnp.concatenate([bits[:, 1:], jnp.zeros((B, 1), bits.dtype)], axis=1)
+    chunks += (bits.reshape(B, num_chunks, C).swapaxes(0, 1),)
 
   @jax.checkpoint
-  def chunk_stats(h_BxCxD, targets_BxC, bits_BxC):
+  def chunk_stats(h_BxCxD, targets_BxC, *bits_BxC):
     return _chunk_stats(
       model,
       h_BxCxD,
@@ -582,11 +584,11 @@ def _next_token_stats(
       temperature,
       token_ids,
       entropy=entropy,
-      subset=None if subset_ids is None else (bits_BxC, subset_ids),
+      subset=(*bits_BxC, subset_ids) if bits_BxC else None,
     )
 
   # [num_chunks, B, C] each.
-  stats = jax.lax.map(lambda args: chunk_stats(*args), (h_chunks, target_chunks, bit_chunks))
+  stats = jax.lax.map(lambda args: chunk_stats(*args), chunks)
   return TokenStats(*(None if x is None else _shift_to_tokens(x, segment_ids) for x in stats))
 
 
