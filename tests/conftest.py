@@ -10,6 +10,11 @@ import os
 _flags = [
   f for f in os.environ.get('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f
 ]
+# The tests compile hundreds of small programs whose kernels then run for microseconds; LLVM's
+# optimisation of those kernels is about a third of each compile. Subprocesses inherit the
+# setting; an opt level in the caller's XLA_FLAGS wins.
+if not any('xla_backend_optimization_level' in f for f in _flags):
+  _flags.append('--xla_backend_optimization_level=0')
 os.environ['XLA_FLAGS'] = ' '.join([*_flags, '--xla_force_host_platform_device_count=8'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,15 +21,23 @@ def fixture_path(*parts: str) -> str:
   return os.path.join(FIXTURES_DIR, *parts)
 
 
+def entry_point_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+  """This process's environment for a subprocess that runs an entry point: the repository on
+  PYTHONPATH, and XLA_FLAGS without the tests' fake-device count (each entry point sets its
+  own), keeping the others (the tests' compiler settings); then `extra`."""
+  env = {**os.environ, 'PYTHONPATH': ROOT}
+  flags = [f for f in env.pop('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f]
+  if flags:
+    env['XLA_FLAGS'] = ' '.join(flags)
+  return {**env, **(extra or {})}
+
+
 def run_module(
   module: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-  """`python -m module args` from the repository root, as a user runs it, output captured.
-
-  The tests' fake-device XLA_FLAGS are dropped: each entry point sets its own device count.
-  """
-  full = {**os.environ, 'PYTHONPATH': ROOT, **(env or {})}
-  full.pop('XLA_FLAGS', None)
+  """`python -m module args` from the repository root, as a user runs it, output captured
+  (environment: `entry_point_env(env)`)."""
+  full = entry_point_env(env)
   return subprocess.run(
     [sys.executable, '-m', module, *args],
     cwd=ROOT,

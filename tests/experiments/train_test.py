@@ -201,8 +201,7 @@ def _bad_inputs(entry: str) -> list[tuple[str, list[str], str]]:
 
 def _run(args: list[str], cwd: str = ROOT, entry: str = 'train') -> subprocess.CompletedProcess:
   """`python -m <entry's module> --config=smoke args` in `cwd`, as a user runs it."""
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)  # the entry point sets its own device count
+  env = helpers.entry_point_env()
   return subprocess.run(
     [sys.executable, '-m', ENTRIES[entry].module, '--config=smoke', *args],
     cwd=cwd,
@@ -328,8 +327,7 @@ def reference(request, tmp_path_factory) -> Reference:
 
 def _start(args: list[str]) -> subprocess.Popen:
   """`python -m <args>` from the project root, as a user starts it, in its own process group."""
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)
+  env = helpers.entry_point_env()
   return subprocess.Popen(
     [sys.executable, '-m', *args],
     cwd=ROOT,
@@ -566,8 +564,7 @@ def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, re
   module = ENTRIES[reference.entry].module
 
   workdir = tmp_path / 'killed'
-  env = {**os.environ, 'PYTHONPATH': ROOT}
-  env.pop('XLA_FLAGS', None)
+  env = helpers.entry_point_env()
   proc = subprocess.Popen(
     [sys.executable, '-m', module, '--config=smoke', *run, f'--workdir={workdir}'],
     cwd=ROOT,
