@@ -4,7 +4,6 @@ line, exit code 2, and leaves the workdir as it was; SIGTERM and Ctrl-C stop at 
 --resume continues bitwise; a second Ctrl-C stops at once; a full or read-only disk stops in one
 line; a kill during a save loses nothing complete."""
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -17,7 +16,7 @@ import time
 import pytest
 
 from earl_jax.run import metrics
-from earl_jax.testing import helpers
+from earl_jax.testing import entry_runs, helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -244,9 +243,15 @@ def test_every_bad_input_ends_in_one_line_and_writes_nothing(tmp_path, entry):
       args.append(f'--workdir={workdir}')
     cases.append((name, args, fragment))
   before = _listing(tmp_path)
-  workers = min(4, os.cpu_count() or 1)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    results = list(pool.map(lambda c: _run(c[1], cwd=str(tmp_path), entry=entry), cases))
+  # Each as `python -m <module> --config=smoke args` runs, forked after one import of its
+  # libraries (every case is refused before anything compiles).
+  results = entry_runs.run_many(
+    ENTRIES[entry].module,
+    [['--config=smoke', *args] for _, args, _ in cases],
+    cwd=str(tmp_path),
+    env=helpers.entry_point_env(),
+    workers=min(4, os.cpu_count() or 1),
+  )
   failures = []
   for (name, args, fragment), r in zip(cases, results):
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -1,6 +1,6 @@
 """Code RL through the EARL loop: the Qwen presets on the tiny HF fixture (a smoke of the whole
 path a GPU run takes), and the code environment on 2 x 4 processes equal to 1 x 8, each process
-running only its own episodes' programs."""
+running only its own episodes' programs (with the online curriculum drawing the tasks)."""
 
 import dataclasses
 import os
@@ -99,56 +99,52 @@ def _compare(rows, ref):
         assert abs(a[k] - b[k]) <= 1e-5, (a['step'], k, a[k], b[k])
 
 
-@pytest.mark.multiprocess
-def test_code_on_two_processes_equals_one_and_each_runs_its_own_programs(tmp_path):
-  """2 processes x 4 devices play the same code episodes as this process's 8 devices, to the
-  same metrics; each process's sandbox judges exactly the programs of the episodes it played
-  (its rows of the batch), and the two together those of the one-process run."""
-  ref = mp_bodies.code_trainer_run(str(tmp_path / 'one'), steps=2)
-  two = multiprocess.run(
-    'earl_jax.testing.mp_bodies:code_trainer_run',
-    num_processes=2,
-    devices_per_process=4,
-    kwargs={'workdir': str(tmp_path / 'two'), 'steps': 2},
-  )
-  assert two[1]['rows'] is None  # process 0 writes the metrics
-  _compare(two[0]['rows'], ref['rows'])
-  assert any(r['loss/grad_norm'] > 0 for r in ref['rows'])  # the updates moved the policy
-  for step, everyone in enumerate(ref['played']):
+def _each_ran_its_own_programs(two: list[dict], everyone: list[dict], total: int) -> None:
+  """Every process of `two` played some of the one-process run's episodes (`everyone`: per step,
+  {row: programs}), none twice, together all of them with the same programs; its sandbox judged
+  exactly its own episodes' programs, `total` in all."""
+  for step, all_rows in enumerate(everyone):
     mine = [p['played'][step] for p in two]
     assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
-    assert {**mine[0], **mine[1]} == everyone  # the same episodes ran the same programs
+    assert {**mine[0], **mine[1]} == all_rows  # the same episodes ran the same programs
   for p in two:
     assert p['programs_run'] == sum(sum(played.values()) for played in p['played'])
-  total = sum(r['env/programs'] for r in ref['rows'])
-  assert ref['programs_run'] == total == sum(p['programs_run'] for p in two)
+  assert total == sum(p['programs_run'] for p in two)
   assert all(0 < p['programs_run'] < total for p in two)
 
 
 @pytest.mark.multiprocess
-def test_the_curriculum_on_two_processes_equals_one_and_resumes(tmp_path):
-  """Groups of 2 whose tasks the curriculum draws: 2 processes x 4 devices play the same tasks
-  to the same metrics as one process (every process draws from the same counts), and a run
-  resumed from step 2's checkpoint continues as the uninterrupted one (the counts are saved)."""
+def test_the_curriculum_on_two_processes_equals_one_runs_its_own_programs_and_resumes(tmp_path):
+  """Code episodes in groups of 2 whose tasks the curriculum draws: 2 processes x 4 devices play
+  the same tasks to the same metrics as this process's 8 devices (every process draws from the
+  same counts), each process's sandbox judging exactly the programs of the episodes it played
+  (its rows of the batch); and a run resumed from step 2's checkpoint continues as the
+  uninterrupted one (the counts are saved)."""
   ref = mp_bodies.code_trainer_run(str(tmp_path / 'one'), steps=3, curriculum=True)
   rows = [r for r in ref['rows'] if 'loss/loss' in r]
   seen = [r['curriculum/tasks_seen'] for r in rows]
   # 4 groups a step, each on a task drawn by weight: tasks not played yet weigh the most.
   assert len(seen) == 3 and seen[0] <= 4 and seen[0] < seen[1] < seen[2] <= 12, seen
   assert all(r['curriculum/effective_tasks'] > 0 for r in rows)
+  assert any(r['loss/grad_norm'] > 0 for r in rows)  # the updates moved the policy
+  programs = [r['env/programs'] for r in rows]
+  assert ref['programs_run'] == sum(programs)
   kwargs = {'workdir': str(tmp_path / 'two'), 'steps': 2, 'curriculum': True, 'checkpoint_every': 1}
-  multiprocess.run(
+  first = multiprocess.run(
     'earl_jax.testing.mp_bodies:code_trainer_run',
     num_processes=2,
     devices_per_process=4,
     kwargs=kwargs,
   )
+  assert first[1]['rows'] is None  # process 0 writes the metrics
+  _each_ran_its_own_programs(first, ref['played'][:2], sum(programs[:2]))
   two = multiprocess.run(
     'earl_jax.testing.mp_bodies:code_trainer_run',
     num_processes=2,
     devices_per_process=4,
     kwargs={**kwargs, 'steps': 3, 'resume': True},
   )
+  _each_ran_its_own_programs(two, ref['played'][2:], programs[2])
   _compare(two[0]['rows'], ref['rows'])
   for a, b in zip(two[0]['rows'], ref['rows']):
     assert {k: v for k, v in a.items() if k.startswith('curriculum/')} == {
