@@ -84,9 +84,10 @@ def _child(module: str, args: list[str], cwd: str, out_prefix: str) -> None:
     sys.argv = [importlib.util.find_spec(module).origin, *args]
     runpy.run_module(module, run_name='__main__', alter_sys=True)
     code = 0
-  except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    if not isinstance(e.code, int | None):
+  except SystemExit as e:  # as the interpreter ends: None is 0, another object is printed, 1
+    if e.code is None or isinstance(e.code, int):
+      code = e.code or 0
+    else:
       print(e.code, file=sys.stderr)
   except BaseException:  # an internal error: its traceback, as the interpreter would print it
     import traceback

@@ -64,16 +64,15 @@ def test_reply_tokens_constrain_every_stage(tmp_path):
     assert 0 < r['loss/entropy'] <= np.log(9) + 1e-5
 
 
+# The smoke's loss with an entropy bonus: every update has a gradient, even where every return
+# of the batch is equal (and the policy gradient zero), whatever the seed's games.
+_LOSS_WITH_A_GRADIENT = dataclasses.replace(smoke_experiment().loss, entropy_coef=0.01)
+
+
 def test_update_epochs_reuse_each_batch(tmp_path):
-  """update_epochs=3: three optimizer updates per step, the later ones off-policy (ratio != 1).
-  The entropy bonus gives each update a gradient even where every return is equal."""
-  base = smoke_experiment()
+  """update_epochs=3: three optimizer updates per step, the later ones off-policy (ratio != 1)."""
   config = smoke_experiment(
-    steps=2,
-    eval_every=0,
-    checkpoint_every=0,
-    update_epochs=3,
-    loss=dataclasses.replace(base.loss, entropy_coef=0.01),
+    steps=2, eval_every=0, checkpoint_every=0, update_epochs=3, loss=_LOSS_WITH_A_GRADIENT
   )
   t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
   t.run(progress=False)
@@ -227,8 +226,7 @@ def test_a_resume_decides_on_the_checkpoint_profile(tmp_path):
 
 def test_a_run_stops_after_too_many_skipped_steps(tmp_path):
   """A rate that blows the parameters up to 1e37 (finite, so kept) makes every later loss
-  non-finite: those steps are skipped and counted, and the run stops after two in a row. The
-  entropy bonus gives step 1 a gradient even if every return is equal."""
+  non-finite: those steps are skipped and counted, and the run stops after two in a row."""
   base = smoke_experiment()
   config = smoke_experiment(
     steps=8,
@@ -236,7 +234,7 @@ def test_a_run_stops_after_too_many_skipped_steps(tmp_path):
     checkpoint_every=0,
     max_skipped_in_a_row=2,
     optim=dataclasses.replace(base.optim, learning_rate=1e37),
-    loss=dataclasses.replace(base.loss, entropy_coef=0.01),
+    loss=_LOSS_WITH_A_GRADIENT,
   )
   t = trainer.Trainer(config, workdir=str(tmp_path), log_fn=lambda _: None)
   with pytest.raises(trainer.NonFiniteError, match=r'steps 2-3: 2 steps in a row were skipped'):
@@ -278,12 +276,11 @@ def test_bad_input_is_refused_before_compiling(tmp_path):
 
 
 def test_a_hf_checkpoint_trains_with_the_qwen_chat_template(tmp_path):
-  """--model_dir: weights and tokenizer from a HF directory, replies parsed leniently. The
-  entropy bonus gives the update a gradient even if every return is equal."""
+  """--model_dir: weights and tokenizer from a HF directory, replies parsed leniently."""
   base = smoke_experiment()
   env = dataclasses.replace(base.env, parse='lenient')
   config = smoke_experiment(
-    loss=dataclasses.replace(base.loss, entropy_coef=0.01),
+    loss=_LOSS_WITH_A_GRADIENT,
     model_dir=fixture_path('qwen2_tiny'),
     env=env,
     eval_env=env,
