@@ -94,6 +94,36 @@ def test_a_cut_build_resumes_to_the_same_instances_and_workers_do_not_matter(bui
     _build(copy, build.BuildConfig(per_project=5, seed=1, workers=2))
 
 
+@pytest.mark.parametrize(
+  'overruns, why',
+  [(1, 'kept'), (2, 'slow or hung')],  # one overrun is the machine's load; past 4x, the bug's
+)
+def test_a_bug_past_its_time_limit_runs_again_with_a_longer_one(
+  monkeypatch, tmp_path, overruns, why
+):
+  limits = []
+
+  def run_tests(box, files, *, timeout_s, **kwargs):  # a loaded machine: the first runs overrun
+    limits.append(timeout_s)
+    if len(limits) <= overruns:
+      raise testrun.TestRunError(f'the tests of [tests] ran past {timeout_s:.0f} s')
+    return testrun.TestRun({'a': 'failed', 'b': 'passed'}, 1, 9.0)
+
+  monkeypatch.setattr(testrun, 'run_tests', run_tests)
+  files = build.read_tree(FIXTURE)
+  baseline = build._Baseline({'a': 'passed', 'b': 'passed'}, (), 1.0, {})
+  with Sandbox(build.sandbox_config(1)) as box:  # not run: the runs are scripted
+    project = build._ProjectBuild(box, MINICALC, files, sys.executable, CONFIG, str(tmp_path))
+    modules = {m: files[m] for m in project.modules}
+    everything = {m: frozenset(range(1, 200)) for m in modules}
+    decision = project._decide(baseline, build.candidates(modules, everything, 0, 'x')[0], 'bug')
+  assert decision['why'] == why
+  limit = 1.0 * CONFIG.timeout_factor + build.SLACK_S
+  assert limits == [limit, limit * build.CONFIRM_FACTOR] + [limit] * (overruns == 1)
+  if why == 'kept':
+    assert decision['instance']['FAIL_TO_PASS'] == ['a'] and decision['seconds'] == [9.0, 9.0]
+
+
 def test_flaky_tests_are_left_out_and_a_bug_must_judge_alike_in_every_run():
   outcomes, flaky = build.stable([
     {'a': 'passed', 'b': 'passed', 'c': 'passed'},
