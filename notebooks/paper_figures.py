@@ -65,7 +65,11 @@ import time
 t0 = time.perf_counter()
 cmd = [sys.executable, 'experiments/reproduce_paper.py', f'--out_dir={OUT_DIR}']
 cmd += ['--quick'] if QUICK else []
-env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # each experiment sets its own
+# Each experiment sets its own device count; the caller's other XLA flags are kept.
+flags = [
+  f for f in os.environ.get('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f
+]
+env = {**os.environ, 'XLA_FLAGS': ' '.join(flags)}
 run = subprocess.run(cmd, env=env, capture_output=True, text=True)
 summary = [x for x in run.stdout.splitlines() if x.startswith('== ') and x.endswith(' s')]
 print('\n'.join(summary))

@@ -33,7 +33,9 @@
 # The device count must be set before JAX is imported.
 import os
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+flags = os.environ.get('XLA_FLAGS', '')  # the caller's XLA flags are kept
+if 'host_platform_device_count' not in flags:
+  os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count=8'.strip()
 
 import pathlib
 import subprocess

@@ -41,8 +41,9 @@ import sys
 
 REPO_URL = 'https://github.com/earl-jax/earl_jax'  # the repository to install on Colab
 ON_GPU = MODEL != 'fixture'
-if not ON_GPU:  # 8 fake CPU devices; set before JAX is imported
-  os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+flags = os.environ.get('XLA_FLAGS', '')  # the caller's XLA flags are kept
+if not ON_GPU and 'host_platform_device_count' not in flags:  # 8 fake CPU devices, before JAX
+  os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count=8'.strip()
 
 
 def _checkout() -> pathlib.Path | None:

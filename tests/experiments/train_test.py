@@ -49,8 +49,8 @@ ENTRIES = {
   ),
   'sft': Entry(
     module='experiments.sft',
-    run=('--config.steps=12', '--config.eval_every=2'),
-    steps=12,
+    run=('--config.steps=6', '--config.eval_every=2'),
+    steps=6,
     keep=('step', 'loss', 'grad_norm', 'heldout/loss'),
     long=('--config.steps=500', '--config.eval_every=0'),
   ),

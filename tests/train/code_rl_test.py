@@ -20,17 +20,18 @@ from experiments.configs import train as presets
 
 def _on_the_fixture(config, max_turns: int, prompt_buckets=(256, 1024), context=1152, **env):
   """`config` on the tiny HF fixture, sized for CPU: 8 episodes in groups of 2, 8-token replies,
-  up to `max_turns` turns, one step, an evaluation of 8 episodes before and after it, a
-  checkpoint; the smoke's analytic selector instead of a measured profile. The fixture's
-  tokenizer makes a HumanEval prompt up to 942 tokens (hence the 1024 prompt bucket) and a
-  2-turn 'functions' episode up to ~650: one context bucket holds every episode, so that each
-  program compiles once. `env`: more settings of both environments."""
+  up to `max_turns` turns (the evaluations' episodes too), one step, an evaluation of 8
+  episodes before and after it, a checkpoint; the smoke's analytic selector instead of a
+  measured profile. The fixture's tokenizer makes a HumanEval prompt up to 942 tokens (hence the
+  1024 prompt bucket) and a 2-turn 'functions' episode up to ~650: one context bucket holds
+  every episode, so that each program compiles once. `env`: more settings of both
+  environments."""
   sandbox = SandboxConfig(workers=2)
   return dataclasses.replace(
     config,
     model_dir=fixture_path('qwen2_tiny'),
     env=config.env.replace(max_turns=max_turns, sandbox=sandbox, **env),
-    eval_env=config.eval_env.replace(sandbox=sandbox, **env),
+    eval_env=config.eval_env.replace(max_turns=max_turns, sandbox=sandbox, **env),
     rollout=dataclasses.replace(
       config.rollout,
       num_episodes=8,
