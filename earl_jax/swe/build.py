@@ -47,8 +47,8 @@ from earl_jax.swe.sources import Project
 _SKIPPED_DIRS = ('.git', '.tox', '__pycache__', 'docs', 'doc')
 _LARGEST_FILE = 1 << 20
 SLACK_S = 2.0  # added to a bug's time limit (`BuildConfig.timeout_factor`)
-# A bug's run that goes past its limit runs once more with this many times the limit: a loaded
-# machine must not decide which bugs are kept (CI's 2 cores once stopped a 1 s suite at 4.7 s).
+# A bug's run that fails to run runs once more, and one that went past its time limit with this
+# many times the limit: a loaded machine must not decide which bugs are kept.
 CONFIRM_FACTOR = 4.0
 # What the problem statement shows of the failing tests.
 _SHOWN_TESTS = 5
@@ -76,7 +76,8 @@ class BuildConfig:
       `SLACK_S`); a longer one is stopped and run once more with `CONFIRM_FACTOR` times the
       limit, and a bug past both is rejected as 'slow or hung' (a task whose tests take many
       times the suite's time makes slow episodes; the margin and the second chance keep the
-      decision from depending on the machine's load).
+      decision from depending on the machine's load). A run that reports no outcomes also
+      runs once more before the bug is rejected as a 'broken run'.
   """
 
   per_project: int = 100
@@ -313,9 +314,8 @@ class _ProjectBuild:
         try:
           runs.append(self._run(files, timeout_s=timeout))
         except testrun.TestRunError as e:
-          if 'ran past' not in str(e):
-            raise
-          runs.append(self._run(files, timeout_s=timeout * CONFIRM_FACTOR))
+          longer = CONFIRM_FACTOR if 'ran past' in str(e) else 1.0
+          runs.append(self._run(files, timeout_s=timeout * longer))
       except testrun.TestRunError as e:
         why = 'slow or hung' if 'ran past' in str(e) else 'broken run'
         return {'key': candidate.key, 'kept': False, 'why': why, 'seconds': []}

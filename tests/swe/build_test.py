@@ -95,18 +95,23 @@ def test_a_cut_build_resumes_to_the_same_instances_and_workers_do_not_matter(bui
 
 
 @pytest.mark.parametrize(
-  'overruns, why',
-  [(1, 'kept'), (2, 'slow or hung')],  # one overrun is the machine's load; past 4x, the bug's
+  'failures, error, why',
+  [
+    (1, 'ran past 5 s', 'kept'),  # one overrun is the machine's load; past 4x, the bug's
+    (2, 'ran past 5 s', 'slow or hung'),
+    (1, 'reported no outcomes', 'kept'),
+    (2, 'reported no outcomes', 'broken run'),
+  ],
 )
-def test_a_bug_past_its_time_limit_runs_again_with_a_longer_one(
-  monkeypatch, tmp_path, overruns, why
+def test_a_bug_whose_run_fails_runs_again_past_a_time_limit_with_a_longer_one(
+  monkeypatch, tmp_path, failures, error, why
 ):
   limits = []
 
-  def run_tests(box, files, *, timeout_s, **kwargs):  # a loaded machine: the first runs overrun
+  def run_tests(box, files, *, timeout_s, **kwargs):  # a loaded machine: the first runs fail
     limits.append(timeout_s)
-    if len(limits) <= overruns:
-      raise testrun.TestRunError(f'the tests of [tests] ran past {timeout_s:.0f} s')
+    if len(limits) <= failures:
+      raise testrun.TestRunError(f'the tests of [tests] {error}')
     return testrun.TestRun({'a': 'failed', 'b': 'passed'}, 1, 9.0)
 
   monkeypatch.setattr(testrun, 'run_tests', run_tests)
@@ -119,7 +124,8 @@ def test_a_bug_past_its_time_limit_runs_again_with_a_longer_one(
     decision = project._decide(baseline, build.candidates(modules, everything, 0, 'x')[0], 'bug')
   assert decision['why'] == why
   limit = 1.0 * CONFIG.timeout_factor + build.SLACK_S
-  assert limits == [limit, limit * build.CONFIRM_FACTOR] + [limit] * (overruns == 1)
+  second = limit * (build.CONFIRM_FACTOR if error.startswith('ran past') else 1)
+  assert limits == [limit, second] + [limit] * (failures == 1)
   if why == 'kept':
     assert decision['instance']['FAIL_TO_PASS'] == ['a'] and decision['seconds'] == [9.0, 9.0]
 
