@@ -201,6 +201,12 @@ def launch_local(
   return results
 
 
+def xla_flags_without_device_count(flags: str) -> list[str]:
+  """The flags of an XLA_FLAGS value, less a fake CPU device count: for a process that sets its
+  own and keeps the caller's other compiler settings."""
+  return [f for f in flags.split() if 'host_platform_device_count' not in f]
+
+
 def _child_env(
   extra: Mapping[str, str] | None,
   coordinator: str,
@@ -211,9 +217,7 @@ def _child_env(
   """A child's environment: ours, `extra`, its fake CPU devices and the launcher's variables."""
   child_env = dict(os.environ)
   child_env.update(extra or {})
-  flags = [
-    f for f in child_env.get('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f
-  ]
+  flags = xla_flags_without_device_count(child_env.get('XLA_FLAGS', ''))
   flags.append(f'--xla_force_host_platform_device_count={devices_per_process}')
   child_env['XLA_FLAGS'] = ' '.join(flags)
   child_env.setdefault('JAX_PLATFORMS', 'cpu')

@@ -20,6 +20,8 @@ import jupytext
 import nbformat
 from nbclient import NotebookClient
 
+from earl_jax import distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,9 +32,7 @@ def execute(
   a fake-device count in XLA_FLAGS, plus `env`); and its run time in seconds."""
   nb = jupytext.read(source)
   nb.metadata['kernelspec'] = {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'}
-  flags = [
-    f for f in os.environ.get('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f
-  ]
+  flags = distributed.xla_flags_without_device_count(os.environ.get('XLA_FLAGS', ''))
   env = {**os.environ, 'XLA_FLAGS': ' '.join(flags), **(env or {})}
   t0 = time.perf_counter()
   client = NotebookClient(

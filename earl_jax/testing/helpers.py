@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import jax
 from flax import nnx
 
+from earl_jax import distributed
 from earl_jax.config import ParallelConfig
 from earl_jax.models import qwen2
 from earl_jax.sharding import mesh as mesh_lib
@@ -26,7 +27,7 @@ def entry_point_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
   PYTHONPATH, and XLA_FLAGS without the tests' fake-device count (each entry point sets its
   own), keeping the others (the tests' compiler settings); then `extra`."""
   env = {**os.environ, 'PYTHONPATH': ROOT}
-  flags = [f for f in env.pop('XLA_FLAGS', '').split() if 'host_platform_device_count' not in f]
+  flags = distributed.xla_flags_without_device_count(env.pop('XLA_FLAGS', ''))
   if flags:
     env['XLA_FLAGS'] = ' '.join(flags)
   return {**env, **(extra or {})}
