@@ -221,8 +221,10 @@ print(f'through the controller: every block in and out, {2 * total * 7 / 8 / 102
 # run first reaches it; here two candidate layouts, and the other stages by the analytic model,
 # to keep the notebook short; the main job measures every stage), the weights move
 # device to device, the batch is dispatched between the stage layouts, and the train state is
-# checkpointed with Orbax. As the policy learns to play legal moves its episodes get longer, and
-# the buckets grow with them.
+# checkpointed with Orbax. Replies are sampled among the column digits and half the training games
+# start with one column full, so the episodes reach the 1024-token bucket from the first steps.
+# Ten steps are too few to learn much: the untrained greedy policy already stacks one column,
+# and the demo's 60 steps are what take it past that (docs/results.md, "The default preset").
 
 # %%
 import dataclasses

@@ -2,11 +2,14 @@
 
 default   the embedded default: a tiny model from scratch, the built-in tokenizer, Connect Four
           against the random opponent, 8 fake CPU devices, under 10 minutes on 2 cores; 64
-          episodes a step on 16 rollout slots, each refilled as soon as its episode ends.
-long      the same task to >= 85% greedy wins against random (docs/results/main-job.md): replies
-          constrained to the column digits, a cue naming full columns, only the opponent's last
-          move in each observation (the agent tracks the game in its own context), REINFORCE++
-          with turn-level discounted credit, an invalid move's penalty for that move alone.
+          episodes a step on 16 rollout slots, each refilled as soon as its episode ends;
+          replies constrained to the column digits, REINFORCE++ with turn-level discounted
+          credit, the rules' label of the legal moves (`loss.legal_move_coef`), two updates a
+          batch, half the training games started with a full column.
+long      the same task to >= 85% greedy wins against random (docs/results/main-job.md) in 600
+          steps, past the plateau another way: a cue naming full columns instead of the rules'
+          label, only the opponent's last move in each observation (the agent tracks the game
+          in its own context), one update a batch at a third of the rate, annealed.
 think     Fig. 1's task (experiments/context_cap.py): the default's model and loop, Connect Four
           against a 2-ply minimax opponent, only its last move in each observation, and thinking
           (`EnvConfig.think_depth`): before each move the policy thinks up to 3 times, a turn and
@@ -63,11 +66,17 @@ def default() -> ExperimentConfig:
     name='default',
     model='tiny-game',
     tokenizer='game',
-    env=EnvConfig(game='connect_four', opponent='random', legal_move_reward=0.1),
+    # Half the training games start with one column already full of alternating stones, so
+    # that the state in which a one-column policy loses is met from the first step; the
+    # evaluation starts from the empty board.
+    env=EnvConfig(
+      game='connect_four', opponent='random', legal_move_reward=0.1, full_column_starts=0.5
+    ),
     eval_env=EnvConfig(game='connect_four', opponent='random'),
     # 64 episodes on 16 slots, each refilled as soon as its episode ends: on this CPU a rollout
     # program's cost grows with its rows, and refill keeps the slots busy (experiments/
     # rollout_refill.py: faster than all 64 at once and than lock-step waves, same episodes).
+    # Replies are sampled among the column digits (`reply_tokens`).
     rollout=RolloutConfig(
       num_episodes=64,
       num_slots=16,
@@ -75,10 +84,21 @@ def default() -> ExperimentConfig:
       group_size=1,
       sampling=SamplingConfig(temperature=1.0, max_new_tokens=1),
       prompt_buckets=(64, 128),
+      reply_tokens=tuple('1234567'),
     ),
-    advantages=AdvantageConfig(estimator='reinforce'),
-    loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token'),
+    # REINFORCE++ with turn-level credit discounted by 0.9 a turn, an invalid move's penalty
+    # for that move alone (`move_credit='own_turn'`).
+    advantages=AdvantageConfig(
+      estimator='reinforce_pp', credit='turn', gamma=0.9, move_credit='own_turn'
+    ),
+    # The rules' label of the legal moves (`legal_move_coef`), two updates a batch: without
+    # them the greedy policy stacks one column from step 10 (0.641-0.672 on seeds 0-2, a third
+    # of its games lost by playing into the full column); with them all three seeds leave it
+    # (0.742-0.828 at step 60; docs/results/tried.md, "The rules' label of the legal moves on
+    # the default").
+    loss=LossConfig(clip_eps=0.2, kl_coef=0.0, aggregation='token', legal_move_coef=3.0),
     optim=OptimConfig(learning_rate=3e-3, grad_clip=1.0),
+    update_epochs=2,
     buckets=GAME_BUCKETS,
     # Every stage ranked by measurements of its own program, each figure the median of 3 calls
     # after a warm-up (measured between steps as the run reaches a bucket, cached), and by the
@@ -136,6 +156,10 @@ def long() -> ExperimentConfig:
     # onto one column within ~40 steps for some seeds, before the cue has been learned, and at a
     # constant rate a late Adam step tipped a run that had held 0.86 for 450 steps into a
     # deterministic stacking policy (entropy and gradient ~0).
+    # Its own route past the plateau (the cue), without the default's rules' label: one update
+    # a batch.
+    loss=dataclasses.replace(c.loss, legal_move_coef=0.0),
+    update_epochs=1,
     optim=dataclasses.replace(c.optim, learning_rate=1e-3, decay_steps=600),
     selector=dataclasses.replace(
       c.selector,
@@ -170,6 +194,11 @@ def think() -> ExperimentConfig:
     rollout=dataclasses.replace(
       c.rollout, num_slots=None, prompt_buckets=(16, 64, 128), reply_tokens=(THINK, PLAY_HINT)
     ),
+    # REINFORCE with a batch baseline and one update a batch: a reply is a thought or a move
+    # here, so the default's turn credit and its rules' label of the legal moves do not apply.
+    advantages=AdvantageConfig(estimator='reinforce'),
+    loss=dataclasses.replace(c.loss, legal_move_coef=0.0),
+    update_epochs=1,
     selector=dataclasses.replace(
       c.selector,
       profile=dataclasses.replace(c.selector.profile, cache='.earl_cache/profile_think.json'),
@@ -205,6 +234,8 @@ def long_context() -> ExperimentConfig:
       reply_tokens=tuple('1234567'),
     ),
     advantages=AdvantageConfig(estimator='reinforce_pp', credit='turn', gamma=0.9),
+    loss=dataclasses.replace(c.loss, legal_move_coef=0.0),
+    update_epochs=1,
     buckets=CONTEXT_BUCKETS,
     # The games of a match about double every 3 steps: a game is ~500-600 tokens here, so the
     # contexts reach the buckets 1K, 2K, 4K, 8K and then 16K.
@@ -244,8 +275,10 @@ def qwen() -> ExperimentConfig:
       sampling=SamplingConfig(temperature=1.0, max_new_tokens=64),
       prompt_buckets=(128, 256, 512),
     ),
+    advantages=AdvantageConfig(estimator='reinforce'),
     optim=OptimConfig(learning_rate=1e-6),
     loss=LossConfig(kl_coef=0.01),
+    update_epochs=1,
     buckets=BucketConfig(lengths=(1024, 2048, 4096, 8192, 16384, 32768)),
     selector=SelectorConfig(
       statistic='p95', profile=ProfileSettings(cache='.earl_cache/profile_qwen.json')
