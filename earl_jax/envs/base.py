@@ -140,10 +140,10 @@ class EnvConfig:
       with one column, drawn uniformly, already full of alternating stones (Connect Four only):
       the state in which a policy that stacks one column loses by playing into it, met from the
       first step in every column rather than only once the policy has collapsed onto one, when
-      the gradient that would move it off has vanished (docs/results.md, "Where the default
-      plateaus"). A column of alternating stones makes no line. Drawn after the first-move
-      coins and before `opening_moves`; 0 (the default) draws nothing. For training episodes;
-      an evaluation's config keeps 0.
+      the gradient that would move it off has vanished (docs/results/main-job.md, "Where the
+      default plateaus"). A column of alternating stones makes no line. Drawn after the
+      first-move coins and before `opening_moves`; 0 draws nothing (the `default` preset: 0.5).
+      For training episodes; an evaluation's config keeps 0.
     series_games: the games of one episode, played one after the other in one context (a
       match, 1 by default): when a game ends and the match goes on, the observation is the
       final board with its outcome line followed by the next game's first observation (a fresh
