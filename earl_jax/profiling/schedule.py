@@ -240,6 +240,8 @@ class ProfileScheduler:
         for cell in _cells(stage, selector.wanted(stage, stats, **kind)):
           if (timed := place(cell)) is not None:
             self._queue.setdefault(timed, self._cell_s(selector, timed))
+      for cell in self._held_retimes(selector, stats, self._queue):
+        del self._queue[cell]
       self._pump()
       return 0.0
     if self._profiler is None or not self._settings.lazy:
@@ -467,20 +469,6 @@ class ProfileScheduler:
     # the profile's or the run's own precompiles (a compile takes a core: the timings it
     # overlaps are slower, and more so for layouts whose collectives wait on every device).
     wanted = [c for c in self._queue if c not in self._failed]
-    stages = selector.config.profile.stages
-    place = self._placer(selector)
-    # A stage's re-times wait while that stage has a cell to measure at their bucket that could
-    # beat its best (a re-time's program is compiled: it would pass them within the share). A
-    # layout the bounds rank below the best, wanted only because the longest bucket measures
-    # every layout once, and another stage's cells do not hold them: one session's calls move
-    # 10-20% mid-run, and the layouts a decision weighs are those timed again.
-    first = {
-      place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, contenders=True))
-    }
-    waiting = {c[:2] for c in wanted if c in first}  # (stage, bucket)
-    if waiting:
-      again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
-      wanted = [c for c in wanted if c not in again or c[:2] not in waiting]
     quiet, *held = self._profiler.agreed([self.quiet()] + [self._ready_here(c) for c in wanted])
     ready = [c for c, h in zip(wanted, held) if h]
     if not ready:
@@ -540,7 +528,31 @@ class ProfileScheduler:
       if place(cell) is None
     }
     ordered = self.order_wanted(selector, stats, cost=cost, running=left)
-    return {place(c): calls[c] for c in ordered}
+    queue = {place(c): calls[c] for c in ordered}
+    for cell in self._held_retimes(selector, stats, queue):
+      del queue[cell]
+    return queue
+
+  def _held_retimes(self, selector, stats, queue: Mapping[CellKey, float]) -> set[CellKey]:
+    """The re-times in `queue` that wait, left out of it: a stage's re-times wait while that
+    stage has a cell in `queue` to measure at their bucket that could beat its best (a re-time's
+    program is compiled: it would pass them within the share). A layout the bounds rank below
+    the best, wanted only because the longest bucket measures every layout once, and another
+    stage's cells do not hold them: one session's calls move 10-20% mid-run, and the layouts a
+    decision weighs are those timed again. Left out of the queue, not only of what is timed:
+    a compiled re-time that fits the share in the queue would hold back the compiles of the
+    very cells it waits for (`_pump`), and neither would ever be timed (the default's rollout at
+    1024 from step 19 of 60 at `9a59f79`: docs/results/main-job.md)."""
+    stages = selector.config.profile.stages
+    place = self._placer(selector)
+    first = {
+      place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, contenders=True))
+    }
+    waiting = {c[:2] for c in queue if c in first and c not in self._failed}  # (stage, bucket)
+    if not waiting:
+      return set()
+    again = {place(c) for s in stages for c in _cells(s, selector.wanted(s, stats, again=True))}
+    return {c for c in queue if c in again and c[:2] in waiting}
 
   @staticmethod
   def order_wanted(

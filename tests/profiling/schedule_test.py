@@ -22,9 +22,13 @@ from earl_jax.testing.typecheck import unchecked
 from earl_jax.train import assembly
 
 
-def _run_parts(tmp_path, rollout=None, stages=('rollout',), **settings):
+def _run_parts(tmp_path, rollout=None, stages=('rollout',), candidates=None, **settings):
   base = smoke_experiment()
   base = base if rollout is None else dataclasses.replace(base, rollout=rollout)
+  if candidates is not None:
+    base = dataclasses.replace(
+      base, selector=dataclasses.replace(base.selector, candidates=candidates)
+    )
   profile = ProfileSettings(
     stages=stages,
     cache=str(tmp_path / 'profile.json'),
@@ -377,6 +381,52 @@ def test_a_stage_times_again_while_another_stage_waits_to_be_measured(tmp_path):
     assert run_profile.profile.cells[other].sessions == 2
     assert len(run_profile.profile.cells[other].times_ms) > 3
     assert sel.wanted(Stage.TRAIN, stats)  # timed again before train's cells were all measured
+
+
+def test_re_times_waiting_for_a_contender_do_not_hold_back_its_compile(tmp_path):
+  """Experience at bucket 64 has dp8.tp1 and dp4.tp2 measured within their noise (both compiled:
+  their re-times are ready and fit the share) and dp2.tp4 measured nowhere, not compiled yet.
+  The re-times wait for dp2.tp4; they used to hold back its compile as well (a compiled cell
+  that fits the share drains the compiles), so that neither was ever timed: the default's
+  rollout at 1024 from step 19 of 60 at `9a59f79`. Now dp2.tp4 is compiled and measured, then
+  the two are timed again."""
+  _, exe, run_profile, sel = _run_parts(
+    tmp_path,
+    stages=('experience',),
+    candidates=('dp8', 'dp4.tp2', 'dp2.tp4'),
+    max_share=1.0,
+    compile_share=1.0,
+  )
+  stats = StepStats(episode_lengths=(40, 50), num_responses=8)
+  dp8, dp4tp2 = ParallelConfig(dp=8), ParallelConfig(dp=4, tp=2)
+  best, other = (Stage.EXPERIENCE, 64, 8, 'dp8.tp1'), (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')
+  contender = (Stage.EXPERIENCE, 64, 8, 'dp2.tp4')
+  with exe:
+    first = {
+      best: profiler.timed_cell(exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 8)), (30.0,) * 3),
+      other: profiler.timed_cell(exe.get(exe.key(Stage.EXPERIENCE, dp4tp2, 64, 8)), (31.5,) * 3),
+    }
+    run_profile.profile = run_profile.profile.merged(
+      Profile(key=run_profile.profile.key, cells=first)
+    )
+    sel.use_profile(run_profile.profile)
+    assert sel.decide(Stage.EXPERIENCE, stats).config == dp8
+    assert (64, 8, 'dp2.tp4') in sel.wanted(Stage.EXPERIENCE, stats, contenders=True)
+    assert set(sel.wanted(Stage.EXPERIENCE, stats, again=True)) == {best[1:], other[1:]}
+    assert not run_profile._profiler.compiled_here(contender)
+    for _ in range(40):
+      run_profile.between_steps(sel, stats)
+      run_profile.wait_compiles()
+      if getattr(run_profile.profile.cells.get(contender), 'measured', False):
+        break
+      time.sleep(0.25)
+    assert getattr(run_profile.profile.cells.get(contender), 'measured', False)
+    for _ in range(40):  # then the re-times, no longer held
+      run_profile.between_steps(sel, stats)
+      if not sel.wanted(Stage.EXPERIENCE, stats, again=True):
+        break
+      time.sleep(0.25)
+    assert not sel.wanted(Stage.EXPERIENCE, stats, again=True)
 
 
 def test_the_layout_a_stage_runs_is_left_to_its_own_calls_only_where_the_model_knows_it():
