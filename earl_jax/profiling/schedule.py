@@ -85,7 +85,8 @@ from earl_jax.stage import Stage
 # What `Selector.wanted` is asked for, most wanted first: the cells the coming decisions rank and
 # run at, the next bucket up's, a second bucket for each layout measured at one only, and the
 # measured cells within their noise of the best, to time again.
-_KINDS = ({}, {'ahead': True}, {'second': True}, {'again': True})
+_TO_MEASURE = ({}, {'ahead': True}, {'second': True})
+_KINDS = (*_TO_MEASURE, {'again': True})
 
 # The stages the run's own calls measure (`ProfileScheduler.observing`): a call each per step, or a
 # few; the rollout engine makes many a step, between the environment's turns.
@@ -233,15 +234,15 @@ class ProfileScheduler:
   ) -> float:
     """Before a decision of `stage` on `stats`: without the prior, measures the buckets a lazy
     profile lacks for it (handing them to `selector`); with it, only queues the cells
-    `selector` wants measured for compiling. Returns the seconds the decision waited."""
+    `selector` wants measured for compiling (not the re-times: their programs are compiled,
+    and the queue of the latest boundary holds those not held, `_held_retimes`). Returns the
+    seconds the decision waited."""
     if self._background:
       place = self._placer(selector)
-      for kind in _KINDS:
+      for kind in _TO_MEASURE:
         for cell in _cells(stage, selector.wanted(stage, stats, **kind)):
           if (timed := place(cell)) is not None:
             self._queue.setdefault(timed, self._cell_s(selector, timed))
-      for cell in self._held_retimes(selector, stats, self._queue):
-        del self._queue[cell]
       self._pump()
       return 0.0
     if self._profiler is None or not self._settings.lazy:
