@@ -562,16 +562,16 @@ class Profiler:
   def _prepare(self, cell: CellKey) -> float:
     """Compiles the program of `cell`; on one process of CPU devices (host memory, no
     collective a background thread could interleave with the run's), also runs once what
-    timing it will need (the program's inputs, made from zero weights in its layout: timing
-    reuses the weights of the cell before, moved, `measure_cells`) so that their own compiles
-    are done before the step boundary that times it. Returns the seconds it took."""
+    timing it will need (random weights, the program's inputs) so that their own compiles are
+    done before the step boundary that times it. Returns the seconds it took."""
     t0 = time.perf_counter()
     stage, bucket, rows, name = cell
     config = ParallelConfig.parse(name)
     entry = self.executables.get(self.executables.key(stage, config, bucket, rows))
     if jax.process_count() == 1 and jax.default_backend() == 'cpu':
-      params = builders.zero_params(entry.program)
-      builders.make_inputs(entry.program, params, seed=self.config.measure.seed)
+      seed = self.config.measure.seed
+      _, params = qwen2.init_model(self.model, self.executables.mesh(config), seed=seed)
+      builders.make_inputs(entry.program, params, seed=seed)
     return time.perf_counter() - t0
 
   def busy(self) -> bool:

@@ -16,12 +16,12 @@ completes it as the run goes (`ProfileSettings`):
   time. The needed buckets come before the next one up, and that before the second buckets;
   within each, a cell per stage leads: a stage measured nowhere yet with its cheapest cell (so
   that every stage, train included, is measured before its decisions rest on the analytic prior
-  alone), and a stage with no layout measured where its latest decision ran with the layout it
-  runs there where that is wanted (the selector keeps a layout it barely knows until it is
-  measured; `_placer` times the program the run runs, compiled already), else its most
-  promising cell there (so that a new bucket's ranking rests on a measurement soon, whichever
-  stage is cheapest to measure); then the cheapest cells go first, their compile and calls
-  counted, whatever their stage (`order_wanted`): as many cells as the share allows, and a cell over
+  alone), and a stage with fewer than two layouts measured where its latest decision ran with
+  the layout it runs there where that is wanted
+  (the selector keeps a layout it barely knows until it is measured), else its most promising
+  cell there (so that a new bucket's ranking rests on measurements soon, whichever stage is
+  cheapest to measure); then the cheapest cells go first, their compile and calls counted,
+  whatever their stage (`order_wanted`): as many cells as the share allows, and a cell over
   what it allows yet is passed by those behind it that fit (the share it needs accrues
   meanwhile). While the profile compiles a cell, and while a compiled cell that fits waits for a
   step boundary with no compile under way, the run's own speculative precompiles that have not
@@ -48,12 +48,7 @@ profile measures the cell (the run's precompiles can deny them a quiet call for 
 Where the model barely knows the layout a stage runs (measured nowhere near: the selector holds
 it until it is), the profile first times the program the run runs, at its latest call's rows:
 compiled already, so that every stage, train included, is measured as soon as a boundary is
-quiet, with no compile of the profile's (`_placer`). While that layout is measured at the
-bucket only at the run's packed rows, a layout measured nowhere there is timed first at those
-rows, beside it (`_beside`): the ranking the switch weighs compares the two at the rows the run
-runs, at a fraction of the load's calls (experience at 32-48 packed rows of 64 on the default),
-and each layout's curve carries it to the load, where the cells are timed later, as the share
-allows.
+quiet, with no compile of the profile's (`_placer`).
 
 What is wanted, timed and when is decided from what every process holds alike (the selector's
 state, the measured cells, which programs every process has compiled, process 0's clock), and
@@ -510,9 +505,8 @@ class ProfileScheduler:
       new = sum(measured.cells.get(c) is not self.profile.cells.get(c) for c in ready)
       self.profile = measured
       selector.use_profile(measured)
-      # What is wanted, and where it is timed, moves with what was measured (`_beside`): the
-      # compiles `_pump` starts next are for the cells wanted now.
-      self._queue = self._wanted(selector, stats)
+      for cell in measured.cells:
+        self._queue.pop(cell, None)
       logging.info(
         'profile: %d cells timed between steps in %.1f s (%.1f s in all, %.2f s a cell beyond '
         'its calls)',
@@ -528,18 +522,15 @@ class ProfileScheduler:
     plus its compile's (its stage's median compile, the same on every process; none for the
     program a stage runs). The layout an `OBSERVED` stage runs, where the profile measures it
     (`_run_timed` does not leave it to the run's calls), is timed at the rows of the run's latest
-    call (`_running`): the program the run runs, compiled already; and a layout measured nowhere
-    at the bucket a stage runs at, where the layout it runs is measured at other rows only, at
-    those rows (`_beside`)."""
+    call (`_running`): the program the run runs, compiled already."""
     calls: dict[CellKey, float] = {}
     compiles = self._compile_s()
     place = self._placer(selector)
-    runs = set(self._running(selector).values())
 
     def cost(cell: CellKey) -> float:
       timed = place(cell) or cell
       calls[cell] = self._cell_s(selector, timed)
-      return calls[cell] + (0.0 if timed in runs else compiles.get(cell[0], 0.0))
+      return calls[cell] + (0.0 if timed != cell else compiles.get(cell[0], 0.0))
 
     left = {  # the wanted cells the profile does not time
       cell
@@ -584,16 +575,12 @@ class ProfileScheduler:
     buckets', and those before the measured cells to time again (`Selector.wanted`, `_KINDS`).
     Among each, one cell per stage leads, the cheapest lead first: a stage measured nowhere
     yet leads with its cheapest cell (the rollout: the `OBSERVED` stages are measured by their
-    own calls), and a stage with no layout measured at the bucket its latest decision ran at
-    (its ranking there rests on the model alone) with the layout it runs, where that is wanted
-    there (a switch weighs the best against it), else its most promising cell there. Then the
-    cheapest cells (by `cost`, the seconds of their compile and calls: within the share, a cell
-    that costs little is not held back by one that costs much, and a stage whose programs are
-    slow to compile and call, usually train, is measured as the compile budget and the share
-    accrue). Why not a lead per stage until two layouts are measured: train's (20-25 s of
-    compile under load, 9-13 s of calls) then went before experience's contenders (4 s and
-    2 s at the packed rows, `_beside`), and took the compile budget for 20 steps: experience
-    left `dp8` at step 42 of 60 (step 14 without it; docs/results/main-job.md, issue 40).
+    own calls), and a stage with fewer than two layouts measured at the bucket its latest
+    decision ran at (its ranking there rests on the model) with the layout it runs, where that
+    is wanted there (a switch weighs the best against it), else its most promising cell there.
+    Then the cheapest cells (by `cost`, the seconds of their compile and calls: within the
+    share, a cell that costs little is not held back by one that costs much, and a stage whose
+    programs are slow to compile and call, usually train, is measured as the share accrues).
     `selector`: a `Selector`, or what reads as one (`config.profile.stages`, `wanted`,
     `profile`, `history`)."""
     out: list[CellKey] = []
@@ -615,7 +602,7 @@ class ProfileScheduler:
         decision = latest.get(stage) if not kind else None  # the needed buckets only
         bucket = None if decision is None else decision.run_bucket
         unranked = [c for c in cells if c[0] == stage and c[1] == bucket]
-        if unranked and not _measured_layouts(profile, stage, bucket):
+        if unranked and len(_measured_layouts(profile, stage, bucket)) < 2:
           runs = [c for c in unranked if c[3] == decision.config.name]
           lead.append((runs or unranked)[0])  # else the most promising (`wanted`'s order)
       lead.sort(key=cost)
@@ -661,7 +648,6 @@ class ProfileScheduler:
     left = self._run_timed(selector)
     running = self._running(selector)
     layouts = {d.stage: d.config.name for d in selector.history if d.stage in OBSERVED}
-    beside = self._beside(selector)
 
     def place(cell: CellKey) -> CellKey | None:
       if cell in left:
@@ -672,38 +658,9 @@ class ProfileScheduler:
         anchor = running[cell]
         known = not selector_lib.barely_known(selector.profile(cell[0]).cell(*cell))
         return cell if known or self._measured(anchor) else anchor
-      if layouts.get(cell[0]) == cell[3]:
-        return None
-      stage, bucket, _, name = cell
-      rows = beside.get((stage, bucket))
-      if rows is not None and name not in _measured_layouts(self.profile, stage, bucket):
-        return (stage, bucket, rows, name)
-      return cell
+      return None if layouts.get(cell[0]) == cell[3] else cell
 
     return place
-
-  def _beside(self, selector) -> dict[tuple[Stage, int], int]:
-    """Per `OBSERVED` stage, (stage, the bucket its latest decision ran at) to the rows where
-    the profile holds the layout it runs there measured at other rows than the load's (a
-    packed batch's: the run's calls, or the profile's anchor, `_placer`), while it is not
-    measured at the load; where several, those with the most layouts measured, then the most
-    rows (so that the rows stay put as the run's calls add cells at other packed rows: a
-    contender compiled for them is not wasted). A layout measured nowhere at that bucket is
-    timed there first: beside the layout it would replace, at the rows the run runs, for a
-    fraction of the load's calls (experience at 32-48 packed rows of 64 on the default), and
-    its curve carries it to the load."""
-    cells = {} if self.profile is None else self.profile.cells
-    measured = [key for key, c in cells.items() if c.measured and c.throughput]
-    latest = {d.stage: d for d in selector.history if d.stage in OBSERVED}
-    out = {}
-    for stage, d in latest.items():
-      here = [(rows, name) for s, b, rows, name in measured if (s, b) == (stage, d.run_bucket)]
-      runs = {rows for rows, name in here if name == d.config.name and rows != d.rows}
-      if runs and (d.rows, d.config.name) not in here:
-        out[(stage, d.run_bucket)] = max(
-          runs, key=lambda r: (sum(rows == r for rows, _ in here), r)
-        )
-    return out
 
   def _running(self, selector) -> dict[CellKey, CellKey]:
     """Each `OBSERVED` stage's cell at its latest decision (bucket, load, layout), where the

@@ -478,20 +478,6 @@ def make_inputs(program: Program, params: nnx.State, *, seed: int = 0) -> tuple[
   return make(program, params, jax.random.key(seed))
 
 
-def zero_params(program: Program) -> nnx.State:
-  """Zero model parameters where `program` wants them (`param_shardings`): one trivial compile,
-  where a random init compiles the model's initialisers for each layout (10 s on a loaded 2-core
-  host). For what needs the parameters' layout, not their values: compiling what `make_inputs`
-  runs ahead of a measurement (the profile's background `Profiler.compile`)."""
-  first = program.abstract_args[0]
-  abstract = first.params if program.key.stage == Stage.TRAIN else first
-  with jax.set_mesh(program.mesh):
-    return jax.jit(
-      lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-      out_shardings=program.param_shardings,
-    )()
-
-
 def _rollout_inputs(program: Program, params: nnx.State, rng: jax.Array) -> sampler.RolloutArgs:
   key = program.key
   B, S = key.rows, key.bucket

@@ -202,17 +202,11 @@ def test_the_runs_own_calls_measure_the_layout_it_runs(tmp_path):
     )
     by_run = [k for k, c in sel.profile(Stage.ROLLOUT).cells.items() if c.timed_by == 'run']
     assert by_run == [cell]
-    # At bucket 64 the profile wants (or has measured by now) every experience layout at the
-    # step's load, the one the run timed at its packed rows included (its speed per token moves
-    # with the rows).
+    # At bucket 64 the profile wants every experience layout at the step's load, the one the
+    # run timed at its packed rows included (its speed per token moves with the rows).
     wanted = {(b, r, n) for b, r, n in sel.wanted(Stage.EXPERIENCE, stats) if b == 64}
-    at_load = {n for _, _, n in wanted} | {
-      n
-      for (s, b, r, n), c in run_profile.profile.cells.items()
-      if (s, b, r) == (Stage.EXPERIENCE, 64, 8) and c.measured
-    }
-    assert 'dp8.tp1' in at_load
-    assert {r for _, r, _ in wanted} <= {8}
+    assert 'dp8.tp1' in {n for _, _, n in wanted}
+    assert {r for _, r, _ in wanted} == {8}
     # A measured cell is not sampled again.
     call(0.3)
     assert sel.profile(Stage.EXPERIENCE).cells[cell] == measured
@@ -296,46 +290,6 @@ def test_the_profile_times_the_program_a_stage_runs_where_the_model_barely_knows
     timed = {k for k, c in run_profile.profile.cells.items() if c.measured and k[1] == 64}
     assert timed == {anchor, load, (Stage.EXPERIENCE, 64, 8, 'dp4.tp2')}
     assert sel.wanted(Stage.EXPERIENCE, stats) == []
-
-
-def test_a_contender_is_timed_first_beside_the_layout_the_run_runs_at_its_packed_rows(tmp_path):
-  """Experience runs dp8 at bucket 64, its load 16 rows; the profile times the program the run
-  runs (8 packed rows). dp4.tp2, measured nowhere at 64, is then timed at those 8 rows too,
-  beside dp8, before either is timed at the load (the cheapest cell wanted, at half the load's
-  calls): the program compiled for it is at 8 rows, and both layouts' figures at the load come
-  from their own curves (their own cells at 8 rows)."""
-  rollout = dataclasses.replace(smoke_experiment().rollout, num_episodes=16)
-  _, exe, run_profile, sel = _run_parts(
-    tmp_path, rollout=rollout, stages=('experience',), max_share=1.0, compile_share=1.0
-  )
-  stats = StepStats(episode_lengths=(40, 50), num_responses=16)
-  dp8, dp4tp2 = ParallelConfig(dp=8), ParallelConfig(dp=4, tp=2)
-  runs_at = (Stage.EXPERIENCE, 64, 8, 'dp8.tp1')
-  beside, load = (Stage.EXPERIENCE, 64, 8, 'dp4.tp2'), (Stage.EXPERIENCE, 64, 16, 'dp4.tp2')
-  with exe:
-    decision = sel.decide(Stage.EXPERIENCE, stats)
-    assert (decision.config, decision.rows) == (dp8, 16)
-    program = exe.get(exe.key(Stage.EXPERIENCE, dp8, 64, 8))  # the run's, at 8 packed rows
-    with run_profile.observing(program):  # a warm-up call: no sample
-      time.sleep(0.01)
-    run_profile.between_steps(sel, stats)  # times the run's program (compiled already)
-    assert run_profile.profile.cells[runs_at].timed_by == 'profile'
-    assert beside not in run_profile.profile.cells
-    assert next(iter(run_profile._queue)) == beside and load not in run_profile._queue
-    for _ in range(60):
-      run_profile.wait_compiles()
-      sel.decide(Stage.EXPERIENCE, stats)
-      run_profile.before_decision(sel, Stage.EXPERIENCE, stats)
-      run_profile.between_steps(sel, stats)
-      if beside in run_profile.profile.cells:
-        break
-      time.sleep(0.25)
-    cells = run_profile.profile.cells
-    assert cells[beside].measured and load not in cells
-    assert exe.key(Stage.EXPERIENCE, dp4tp2, 64, 16) not in exe  # compiled at 8 rows only
-    for name in ('dp8.tp1', 'dp4.tp2'):  # at the load: each on its own curve, from 8 rows
-      figure = sel.profile(Stage.EXPERIENCE).cell(Stage.EXPERIENCE, 64, 16, name)
-      assert not figure.measured and figure.prior.startswith(f'{name}@64')
 
 
 def test_a_layout_within_its_noise_of_the_best_is_timed_again_and_pooled(tmp_path):
@@ -505,46 +459,6 @@ def test_the_layout_a_stage_runs_is_left_to_its_own_calls_only_where_the_model_k
   assert sched._run_timed(selector('dp8.tp1@128', 0.3)) == set()
 
 
-def test_contenders_are_placed_beside_the_run_at_rows_that_stay_put():
-  """Experience runs dp8.tp1 at 256, its load 64 rows, measured at 32 and 48 packed rows (the
-  run's calls): contenders are timed at 48, the most rows; once one is measured at 32, at 32,
-  where more layouts are, whatever rows the run's calls add; once dp8 is measured at the load,
-  at the load (no placement)."""
-  from earl_jax.profiling.table import Cell
-
-  key = {'stages': ['experience'], 'candidates': {'experience': ['dp8.tp1', 'dp2.tp4']},
-         'buckets': [256], 'rows': [64]}  # fmt: skip
-
-  def profile(*measured):
-    cells = {
-      (Stage.EXPERIENCE, 256, rows, name): Cell(
-        stage=Stage.EXPERIENCE,
-        config=name,
-        bucket=256,
-        rows=rows,
-        peak_bytes=1,
-        oom=False,
-        throughput=1.0,
-        measured=True,
-      )
-      for name, rows in measured
-    }
-    return Profile(key=key, cells=cells)
-
-  settings = ProfileSettings(stages=('experience',))
-  decision = types.SimpleNamespace(
-    stage=Stage.EXPERIENCE, run_bucket=256, rows=64, config=ParallelConfig(dp=8)
-  )
-  sel = types.SimpleNamespace(history=[decision])
-  runs = (('dp8.tp1', 32), ('dp8.tp1', 48))
-  at = (Stage.EXPERIENCE, 256)
-  assert schedule.ProfileScheduler(None, profile(*runs), settings=settings)._beside(sel) == {at: 48}
-  measured = profile(*runs, ('dp2.tp4', 32))
-  assert schedule.ProfileScheduler(None, measured, settings=settings)._beside(sel) == {at: 32}
-  measured = profile(*runs, ('dp8.tp1', 64))
-  assert schedule.ProfileScheduler(None, measured, settings=settings)._beside(sel) == {}
-
-
 def test_the_profile_measures_a_cell_the_runs_calls_have_not_timed_within_its_patience():
   """The cell a stage runs is left to the run's own calls for `PATIENCE` step boundaries while
   it is wanted (a boundary where it is not wanted does not count); then the profile measures it:
@@ -659,8 +573,8 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
   no layout measured at 256, where its latest decision ran, leads with its most promising cell
   there; then every cell by the cost of its compile and calls, whichever the stage; the next
   bucket up after them, then the second buckets, and the measured cells to time again last
-  (but the cell a stage runs: its own calls time it). Once a train layout is measured at 256 (by
-  the run's own calls, at its packed rows), train leads no more."""
+  (but the cell a stage runs: its own calls time it). Once two train layouts are measured at 256
+  (one by the run's own calls, at its packed rows), train leads no more."""
   cost = {
     (Stage.ROLLOUT, 256, 64, 'dp8.tp1'): 15.0,
     (Stage.ROLLOUT, 256, 64, 'fsdp8'): 20.0,
@@ -696,27 +610,13 @@ def test_the_cheapest_cells_first_the_rollout_leading_until_measured():
     c for c in cheapest_first[1:] if c != train_lead
   ]
 
-  class OneTrainLayout(_Wanting):  # the layout train runs, timed by the run at 32 packed rows
-    MEASURED: ClassVar = {**_Wanting.MEASURED, Stage.TRAIN: (('dp8.tp1', 32),)}
+  class TwoTrainLayouts(_Wanting):
+    MEASURED: ClassVar = {**_Wanting.MEASURED, Stage.TRAIN: (('dp8.tp1', 32), ('dp2.tp4', 64))}
 
   order = schedule.ProfileScheduler.order_wanted(
-    OneTrainLayout(), None, cost=cost.__getitem__, running=running
+    TwoTrainLayouts(), None, cost=cost.__getitem__, running=running
   )
   assert order == cheapest_first
-
-  # Where the profile measures the layout train runs at the load (not left to the run's calls),
-  # train leads with it while no train layout is measured at 256; once one is, its cells go by
-  # their cost, behind experience's cheaper ones.
-  cost[(Stage.TRAIN, 256, 64, 'dp8.tp1')] = 12.0
-  runs = (Stage.TRAIN, 256, 64, 'dp8.tp1')
-  order = schedule.ProfileScheduler.order_wanted(
-    _Wanting(), None, cost=cost.__getitem__, running=set()
-  )
-  assert order[:2] == [runs, cheapest_first[0]]
-  order = schedule.ProfileScheduler.order_wanted(
-    OneTrainLayout(), None, cost=cost.__getitem__, running=set()
-  )
-  assert order[:5] == [*cheapest_first[:4], runs]
 
 
 def measured_run(workdir: str, steps: int) -> dict:
