@@ -31,9 +31,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from jaxtyping import Bool, Int, Int8
+from jaxtyping import Bool, Float, Int, Int8
 
 from earl_jax.envs import base, opponents
+
+# Games a full-column start of `EnvConfig.full_column_fill='stack'` plays before it falls back to
+# the alternating column: one such game ends in a line before its column fills about 72% of the
+# time, so 4 give a stacked start about 70% of the time (docs/results/tried.md).
+_STACK_TRIES = 4
 
 
 class _Moves(NamedTuple):
@@ -212,11 +217,16 @@ class BoardGameEnv(base.TextEnv):
     else:
       boards = np.zeros((n, game.rows, game.cols), dtype=np.int8)
       opponent_first = self._opponent_first(coins)
+    # The side to move first from here: the agent where a stacked game was played already.
+    opens = opponent_first
+    stacked_last = np.full(n, -1, dtype=np.int64)
     if start_boards is None and self.config.full_column_starts:
-      boards = self._full_column(boards, rng)
+      boards, stacked_last = self._full_column(boards, opponent_first, rng)
+      opens = opponent_first & (stacked_last < 0)
     if start_boards is None and self.config.opening_moves:
-      boards = self._opening(boards, opponent_first, rng)
-    last_opponent = self._opponent_opens(boards, opponent_first, noise)
+      boards = self._opening(boards, opens, rng)
+    last_opponent = self._opponent_opens(boards, opens, noise)
+    last_opponent = np.where(stacked_last >= 0, stacked_last, last_opponent)
     self._rng = rng
     self._boards = boards
     self._done = np.zeros(n, dtype=bool)
@@ -258,21 +268,75 @@ class BoardGameEnv(base.TextEnv):
       last_opponent[first] = moves
     return last_opponent
 
-  def _full_column(self, boards: Int8[np.ndarray, 'B R W'], rng) -> Int8[np.ndarray, 'B R W']:
-    """One uniformly drawn column filled with alternating stones, the opponent's at the
-    bottom, on a `full_column_starts` share of the boards (one [n, 2] draw, shared by the
-    episodes of a group)."""
+  def _full_column(
+    self, boards: Int8[np.ndarray, 'B R W'], opponent_first: Bool[np.ndarray, ' B'], rng
+  ) -> tuple[Int8[np.ndarray, 'B R W'], Int[np.ndarray, ' B']]:
+    """One uniformly drawn column full, on a `full_column_starts` share of the boards (one
+    draw shared by the episodes of a group; `EnvConfig.full_column_fill` says how it fills).
+
+    Returns the boards and, where a stacked game filled the column (the agent to move next),
+    the opponent's last move in it, else -1.
+    """
     game = self.game
     draws = self._draw(rng, (self._batch, 2))
+    stack = self.config.full_column_fill == 'stack'
+    if stack:  # opponent noise for each ply of each try, drawn only where it is used
+      plies = game.rows * game.cols
+      tries = self._draw(rng, (self._batch, _STACK_TRIES, plies, game.num_actions))
+    last = np.full(len(boards), -1, dtype=np.int64)
     idx = np.flatnonzero(draws[:, 0] < self.config.full_column_starts)
-    if idx.size:
-      columns = np.minimum(
-        (draws[idx, 1] * game.num_actions).astype(np.int64), game.num_actions - 1
-      )
+    columns = np.minimum((draws[idx, 1] * game.num_actions).astype(np.int64), game.num_actions - 1)
+    if stack:
+      games = {}  # one game per group: its episodes share the draws
+      for i, column in zip(idx.tolist(), columns.tolist()):
+        key = (draws[i, 1], bool(opponent_first[i]))
+        if key not in games:
+          games[key] = self._stacked(column, bool(opponent_first[i]), tries[i])
+        if games[key] is not None:
+          boards[i], last[i] = games[key]
+    alternating = last[idx] < 0
+    rest, rest_columns = idx[alternating], columns[alternating]
+    if rest.size:
       for height in range(game.rows):
         side = base.OPPONENT if height % 2 == 0 else base.AGENT
-        boards[idx] = game.play(boards[idx], columns, side)
-    return boards
+        boards[rest] = game.play(boards[rest], rest_columns, side)
+    return boards, last
+
+  def _stacked(
+    self, column: int, opponent_first: bool, tries: Float[np.ndarray, 'T P A']
+  ) -> tuple[Int8[np.ndarray, 'R W'], int] | None:
+    """The first of the tries' games in which the agent, stacking `column` against the
+    opponent (its noise [plies, A] per try), fills the column with no line made and is then to
+    move, with the opponent's last move (the opponent plays once more where the agent's stone
+    filled it); None where every try's game ends first. The tries play side by side."""
+    game = self.game
+    t = len(tries)
+    boards = np.zeros((t, game.rows, game.cols), dtype=np.int8)
+    last = np.full(t, -1, dtype=np.int64)
+    running, filled = np.ones(t, dtype=bool), np.zeros(t, dtype=bool)
+    agent = not opponent_first
+    for ply in range(tries.shape[1]):
+      live = np.flatnonzero(running)
+      if not live.size:
+        break
+      if agent:
+        done = ~game.legal_mask(boards[live])[:, column]
+        filled[live[done]], running[live[done]] = True, False
+        live = live[~done]
+        if not live.size:
+          break
+        boards[live] = game.play(boards[live], np.full(live.size, column), base.AGENT)
+      else:
+        moves = self.opponent.select(boards[live], base.OPPONENT, tries[live, ply])
+        boards[live] = game.play(boards[live], moves, base.OPPONENT)
+        last[live] = moves
+      ended = (game.winner(boards[live]) != 0) | ~game.legal_mask(boards[live]).any(axis=1)
+      running[live[ended]] = False
+      agent = not agent
+    if not filled.any():
+      return None
+    first = int(np.argmax(filled))
+    return boards[first], int(last[first])
 
   def _opening(
     self, boards: Int8[np.ndarray, 'B R W'], opponent_first: Bool[np.ndarray, ' B'], rng

@@ -419,6 +419,48 @@ def test_full_column_starts_put_every_column_full_on_their_share_of_the_episodes
     base.EnvConfig(game='tic_tac_toe', full_column_starts=0.5)
 
 
+def test_stacked_full_column_starts_are_a_stacking_games_position_with_the_agent_to_move():
+  """'stack' plays the game a policy that stacks the drawn column plays against the opponent
+  until the column is full: no line on the board, every agent stone in that column, the agent
+  to move (as many stones each where it moved first, one more for the opponent otherwise), the
+  opponent's last move on top of its column. Where four such games end first, the alternating
+  column; that is rarer than not. A group shares its start."""
+  n = 256
+  for first in ('always', 'never'):
+    env = _env(
+      full_column_starts=1.0, full_column_fill='stack', observation='last_move', agent_first=first
+    )
+    obs = env.reset(n, seed=7, group_size=2)
+    g, boards = env.game, env.boards
+    assert (boards[0::2] == boards[1::2]).all()
+    full = ~g.legal_mask(boards)
+    assert (full.sum(axis=1) == 1).all() and not (g.winner(boards) != 0).any()
+    column = full.argmax(axis=1)
+    agent = (boards == base.AGENT).sum(axis=(1, 2))
+    opponent = (boards == base.OPPONENT).sum(axis=(1, 2))
+    assert (opponent - agent == (0 if first == 'always' else 1)).all()
+    in_column = (boards[np.arange(n), :, column] == base.AGENT).sum(axis=1)  # [n]
+    assert (in_column == agent).all()  # the stacker plays nowhere else (nor does the fallback)
+    for i in range(n):
+      if obs[i] == 'o:-\n':  # only the fallback's column, agent first, has no opponent move
+        assert first == 'always' and agent[i] + opponent[i] == 6
+        continue
+      last = int(obs[i][2]) - 1
+      top = np.flatnonzero(boards[i, :, last] != base.EMPTY)[0]
+      assert boards[i, top, last] == base.OPPONENT
+  # Agent first, a fallback is the only start with exactly the alternating column, the
+  # opponent's stone at its bottom, and nothing else on the board (the stacker moves first).
+  env = _env(full_column_starts=1.0, full_column_fill='stack', agent_first='always')
+  env.reset(n, seed=7, group_size=2)
+  boards = env.boards
+  column = (~env.game.legal_mask(boards)).argmax(axis=1)
+  alternating = np.where(np.arange(6) % 2 == 0, base.OPPONENT, base.AGENT)
+  fallback = (boards[np.arange(n), ::-1, column] == alternating).all(axis=1) & (
+    (boards != base.EMPTY).sum(axis=(1, 2)) == 6
+  )
+  assert 0.1 < fallback[0::2].mean() < 0.45  # 4 tries of about 0.28 each: 0.27, sd 0.04
+
+
 def test_tic_tac_toe_observations():
   env = _env(game='tic_tac_toe', agent_first='never', opponent='minimax', minimax_depth=9)
   obs = env.reset(2, seed=0)
