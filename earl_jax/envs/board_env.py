@@ -330,7 +330,7 @@ class BoardGameEnv(base.TextEnv):
         moves = self.opponent.select(boards[live], base.OPPONENT, tries[live, ply])
         boards[live] = game.play(boards[live], moves, base.OPPONENT)
         last[live] = moves
-      ended = (game.winner(boards[live]) != 0) | ~game.legal_mask(boards[live]).any(axis=1)
+      ended = (game.winner(boards[live]) != 0) | game.is_full(boards[live])
       running[live[ended]] = False
       agent = not agent
     if not filled.any():
