@@ -214,6 +214,12 @@ class ExperimentConfig:
         f'ExperimentConfig.init_from={self.init_from!r}: expected the path of a warm start '
         "checkpoints folder (e.g. 'runs/sft/checkpoints') or None."
       )
+    if self.optim.kl_target and self.update_epochs < 2:
+      raise ConfigError(
+        f'optim.kl_target={self.optim.kl_target} with update_epochs={self.update_epochs}: an '
+        "update's move is read by the next update on the same batch; expected update_epochs "
+        '>= 2, or optim.kl_target=0.'
+      )
     if self.rollout.num_episodes % self.micro_batches:
       raise ConfigError(
         f'micro_batches={self.micro_batches} must divide rollout.num_episodes='

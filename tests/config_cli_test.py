@@ -135,3 +135,15 @@ def test_sequences_of_strings_and_layouts_are_overridden():
   assert [str(s) for s in got.selector.profile.stages] == ['rollout', 'train']
   got = config_cli.apply_override(config, 'rollout.reply_tokens', '(1, 2, 3)')
   assert got.rollout.reply_tokens == ('1', '2', '3')
+
+
+def test_a_kl_adaptive_rate_needs_a_second_update_a_batch():
+  """`optim.kl_target` reads an update's move in the next update on the same batch: with one
+  update a batch it is refused, naming both values, and accepted once a second is asked for."""
+  base = train_presets.PRESETS['smoke']()
+  assert base.update_epochs == 1
+  one = [('optim.kl_target', '0.01'), ('optim.kl_rate_range', '0.1,2')]
+  with pytest.raises(ValueError, match=r'^--config.optim.kl_target=0.01: .*update_epochs=1'):
+    config_cli.apply_overrides(base, one, flag='config')
+  config = config_cli.apply_overrides(base, [*one, ('update_epochs', '2')], flag='config')
+  assert config.optim.kl_target == 0.01 and config.optim.kl_rate_range == (0.1, 2.0)

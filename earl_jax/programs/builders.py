@@ -67,6 +67,8 @@ class StageSpec:
     token_ids: the rollout's constrained reply vocabulary (`RolloutConfig.reply_tokens` as
       ids), or None: every stage's policy is then the softmax over these ids alone.
     micro_batches: gradient-accumulation slices of the train step.
+    update_epochs: the train step's updates on each batch (`ExperimentConfig.update_epochs`):
+      its KL-adaptive rate (`OptimConfig.kl_target`) adapts on every update but a batch's first.
     optim: optimizer of the train step (its state is part of the train program's memory).
     loss: loss settings of the train step.
     packed: the experience and train programs take packed rows (several episodes per row,
@@ -80,6 +82,7 @@ class StageSpec:
   chunk: int = 16
   token_ids: tuple[int, ...] | None = None
   micro_batches: int = 1
+  update_epochs: int = 1
   optim: train_lib.OptimConfig = dataclasses.field(default_factory=train_lib.OptimConfig)
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
   packed: bool = False
@@ -389,6 +392,7 @@ def train_program(
     train_lib.make_optimizer(spec.optim),
     spec.loss,
     micro_batches=spec.micro_batches,
+    update_epochs=spec.update_epochs,
     temperature=spec.temperature,
     token_ids=spec.token_ids,
     packed=spec.packed,

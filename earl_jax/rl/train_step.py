@@ -13,7 +13,7 @@ parameters and optimizer state are kept exactly as they were, and `state.skipped
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -50,6 +50,14 @@ class OptimConfig:
     end_lr_fraction: where the decay ends, as a fraction of the peak, in [0, 1].
     weight_decay, b1, b2, eps: AdamW's.
     grad_clip: the global gradient norm is clipped to this.
+    kl_target: adapt the rate to how far each update moves the policy, as rl_games' adaptive
+      schedule does (`kl_adaptive_rate`): where the KL from the sampler to the updated policy
+      exceeds twice this, the rate is divided by `kl_rate_factor`; below half of it, multiplied
+      by it. The KL of an update is read by the next update's forward on the same batch, so
+      this needs `ExperimentConfig.update_epochs >= 2`. 0: off (the schedule alone).
+    kl_rate_factor: the adaptive rate's step, > 1.
+    kl_rate_range: (lowest, highest) multiple of the schedule's rate the adaptive rate reaches;
+      it starts at 1, so lowest <= 1 <= highest.
   """
 
   learning_rate: float = 1e-4
@@ -63,10 +71,22 @@ class OptimConfig:
   b2: float = 0.99
   eps: float = 1e-8
   grad_clip: float = 1.0
+  kl_target: float = 0.0
+  kl_rate_factor: float = 1.5
+  kl_rate_range: tuple[float, float] = (0.1, 1.0)
 
   def __post_init__(self):
     check_float32(
-      self, 'learning_rate', 'end_lr_fraction', 'weight_decay', 'b1', 'b2', 'eps', 'grad_clip'
+      self,
+      'learning_rate',
+      'end_lr_fraction',
+      'weight_decay',
+      'b1',
+      'b2',
+      'eps',
+      'grad_clip',
+      'kl_target',
+      'kl_rate_factor',
     )
     if not self.learning_rate > 0:
       raise ConfigError(f'OptimConfig.learning_rate must be > 0, got {self.learning_rate}.')
@@ -97,6 +117,21 @@ class OptimConfig:
       raise ConfigError(
         f'OptimConfig.end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}.'
       )
+    if not self.kl_target >= 0:
+      raise ConfigError(f'OptimConfig.kl_target must be >= 0 (0: off), got {self.kl_target}.')
+    if not self.kl_rate_factor > 1:
+      raise ConfigError(f'OptimConfig.kl_rate_factor must be > 1, got {self.kl_rate_factor}.')
+    low_high = self.kl_rate_range
+    if not (
+      isinstance(low_high, tuple)
+      and len(low_high) == 2
+      and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in low_high)
+      and 0 < low_high[0] <= 1 <= low_high[1]
+    ):
+      raise ConfigError(
+        f'OptimConfig.kl_rate_range={low_high!r}: expected (lowest, highest) multiples of the '
+        'rate with 0 < lowest <= 1 <= highest, e.g. (0.1, 1.0).'
+      )
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
@@ -123,12 +158,69 @@ def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
   return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
 
+class KlRateState(NamedTuple):
+  """`kl_adaptive_rate`'s state: the multiple of the scheduled rate the next update uses."""
+
+  rate_scale: Float[Array, '']
+
+
+def kl_adaptive_rate(
+  target: float, factor: float, low: float, high: float
+) -> optax.GradientTransformationExtraArgs:
+  """Scales the updates by a multiple of the rate that follows the policy's move (rl_games'
+  `AdaptiveScheduler` and skrl's `KLAdaptiveLR`, on a multiple of the scheduled rate rather than
+  on the rate itself).
+
+  Its `update` takes two extra arguments: `approx_kl_old`, the loss's KL from the sampler to
+  the current parameters on the batch, and `kl_measured`, whether that KL measures an update
+  (false on a batch's first update, where the parameters are the sampler's). Where measured,
+  a KL above `2 * target` divides the multiple by `factor` (down to `low`), one below
+  `target / 2` multiplies it (up to `high`); the update then uses the new multiple.
+  """
+
+  def init_fn(params):
+    del params
+    return KlRateState(rate_scale=jnp.ones((), jnp.float32))
+
+  def update_fn(updates, state, params=None, *, approx_kl_old=None, kl_measured=None, **extra):
+    del params, extra
+    if approx_kl_old is None or kl_measured is None:
+      raise ValueError('kl_adaptive_rate needs approx_kl_old= and kl_measured= (train_step).')
+    scale = state.rate_scale
+    down = kl_measured & (approx_kl_old > 2.0 * target)
+    up = kl_measured & (approx_kl_old < 0.5 * target)
+    scale = jnp.where(down, jnp.maximum(scale / factor, low), scale)
+    scale = jnp.where(up, jnp.minimum(scale * factor, high), scale)
+    updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+    return updates, KlRateState(rate_scale=scale)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+  """Clipping, AdamW on the schedule's rate, and (with `kl_target`) the KL-adaptive multiple."""
   lr = learning_rate_schedule(config)
-  return optax.chain(
+  parts = [
     optax.clip_by_global_norm(config.grad_clip),
     optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay),
-  )
+  ]
+  if config.kl_target:
+    low, high = config.kl_rate_range
+    parts.append(kl_adaptive_rate(config.kl_target, config.kl_rate_factor, low, high))
+  return optax.chain(*parts)
+
+
+def rate_scale(opt_state: optax.OptState) -> Float[Array, ''] | None:
+  """The KL-adaptive multiple of the rate in `opt_state`, or None where the optimizer has none."""
+  found = [s for s in _states(opt_state) if isinstance(s, KlRateState)]
+  return found[0].rate_scale if found else None
+
+
+def _states(opt_state: Any) -> list[Any]:
+  """Every state of a chain, nested chains flattened."""
+  if isinstance(opt_state, tuple) and not hasattr(opt_state, '_fields'):
+    return [s for part in opt_state for s in _states(part)]
+  return [opt_state]
 
 
 # Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
@@ -272,13 +364,16 @@ def train_step(
   token_ids: tuple[int, ...] | None = None,
   packed: bool = False,
   move_token_ids: tuple[int, ...] | None = None,
+  update_epochs: int = 1,
 ) -> tuple[TrainState, dict[str, Float[Array, '']]]:
   """One optimizer update on `batch`, averaging gradients over `micro_batches` slices.
 
   The policy is softmax(logits / temperature) (over `token_ids` alone when given: constrained
   decoding), the distribution the rollout sampled from. `packed`: the rows hold several
   episodes each (`rl.packing`), attended within their segments. `move_token_ids`: the
-  environment's move tokens, for the rules' term (`loss_fn`).
+  environment's move tokens, for the rules' term (`loss_fn`). `update_epochs`: the updates
+  the caller makes on each batch, in a row; every update but a batch's first reads the
+  previous one's move in its KL to the sampler (for `OptimConfig.kl_target`).
   """
 
   def grad_fn(micro_batch):
@@ -302,7 +397,11 @@ def train_step(
       grad_fn, batch, micro_batches, loss_config.aggregation
     )
 
-  new_state, grad_norm, finite = apply_gradients(state, loss, grads, optimizer)
+  # Calls so far (kept or skipped): the first of every `update_epochs` starts a batch.
+  kl_measured = (state.step + state.skipped) % update_epochs != 0
+  new_state, grad_norm, finite = apply_gradients(
+    state, loss, grads, optimizer, approx_kl_old=aux['approx_kl_old'], kl_measured=kl_measured
+  )
   if loss_config.uses_entropy:
     coef = state.entropy_coef
     adapted = losses.adapt_entropy_coef(coef, aux['entropy'], loss_config)
@@ -310,14 +409,21 @@ def train_step(
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'finite': finite.astype(jnp.float32), **aux}
   if loss_config.uses_entropy:
     metrics['entropy_coef'] = state.entropy_coef
+  scale = rate_scale(new_state.opt_state)
+  if scale is not None:  # the multiple this update used (kept by the next one if skipped)
+    metrics['rate_scale'] = scale
   return new_state, metrics
 
 
 def apply_gradients(
-  state: TrainState, loss: Float[Array, ''], grads: Any, optimizer: optax.GradientTransformation
+  state: TrainState,
+  loss: Float[Array, ''],
+  grads: Any,
+  optimizer: optax.GradientTransformation,
+  **extra_args: Any,
 ) -> tuple[TrainState, Float[Array, ''], Bool[Array, '']]:
   """(the state after one optimizer update with `grads`, the gradients' global norm, whether the
-  update was kept).
+  update was kept). `extra_args` go to the transforms that take them (`kl_adaptive_rate`).
 
   The update is kept only if the loss, the gradients and what the update made are all finite: a
   finite gradient times an overflowing rate would otherwise turn the parameters into inf / NaN.
@@ -325,7 +431,8 @@ def apply_gradients(
   `entropy_coef` is passed on unchanged.
   """
   grad_norm = optax.tree.norm(grads)
-  updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+  optimizer = optax.with_extra_args_support(optimizer)
+  updates, new_opt = optimizer.update(grads, state.opt_state, state.params, **extra_args)
   new_params = optax.apply_updates(state.params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt))
   keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
@@ -381,6 +488,7 @@ def make_train_step(
   token_ids: tuple[int, ...] | None = None,
   packed: bool = False,
   move_token_ids: tuple[int, ...] | None = None,
+  update_epochs: int = 1,
   state_shardings: TrainState | None = None,
   batch_shardings: Batch | None = None,
   metrics_sharding: jax.sharding.Sharding | None = None,
@@ -400,6 +508,7 @@ def make_train_step(
     token_ids=token_ids,
     packed=packed,
     move_token_ids=move_token_ids,
+    update_epochs=update_epochs,
   )
   kwargs = {}
   if state_shardings is not None:

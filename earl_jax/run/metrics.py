@@ -500,10 +500,11 @@ def _plan_text(r: Mapping[str, Any], stage: str) -> str:
 
 
 def _learning_text(r: Mapping[str, Any]) -> str:
-  """'ent 1.23 clip 0.04 kl 0.002 p(illegal) 0.08': the policy's entropy (the exact one where the
-  loss computes it, else the proxy), the clipped share of tokens, the KL to the reference (where
-  the loss has a KL term) and the probability it gives the illegal moves where some are (where
-  the loss has the rules' term); '' before an update."""
+  """'ent 1.23 clip 0.04 kl 0.002 p(illegal) 0.08 rate x0.44': the policy's entropy (the exact
+  one where the loss computes it, else the proxy), the clipped share of tokens, the KL to the
+  reference (where the loss has a KL term), the probability it gives the illegal moves where
+  some are (where the loss has the rules' term) and the KL-adaptive multiple of the rate (with
+  `optim.kl_target`); '' before an update."""
   entropy = r.get('loss/entropy', r.get('loss/entropy_proxy'))
   if entropy is None:
     return ''
@@ -512,6 +513,8 @@ def _learning_text(r: Mapping[str, Any]) -> str:
     text += f' kl {r["loss/kl_ref"]:.3f}'
   if 'loss/illegal_move_prob' in r:
     text += f' p(illegal) {r["loss/illegal_move_prob"]:.2f}'
+  if 'loss/rate_scale' in r:
+    text += f' rate x{r["loss/rate_scale"]:.2f}'
   return text
 
 

@@ -114,6 +114,7 @@ DIAGNOSTICS = (
   ('loss/kl_ref', 'KL to the reference (k3)'),
   ('loss/approx_kl_old', 'KL to the sampler (approx.)'),
   ('loss/illegal_move_prob', 'p(illegal moves) where some are'),
+  ('loss/rate_scale', 'KL-adaptive multiple of the rate'),
 )
 
 

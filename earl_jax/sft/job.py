@@ -148,6 +148,11 @@ class SFTConfig:
       raise ConfigError(f'SFTConfig.name={self.name!r}: expected a non-empty folder name.')
     check_positive(self, 'batch_size', 'keep_checkpoints', 'max_new_tokens')
     check_steps(self)
+    if self.optim.kl_target:
+      raise ConfigError(
+        f'SFTConfig.optim.kl_target={self.optim.kl_target}: the KL-adaptive rate follows an RL '
+        "update's move from its sampler, which supervised steps do not have; expected 0."
+      )
     for field in (
       'log_every',
       'eval_every',

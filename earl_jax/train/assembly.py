@@ -64,6 +64,7 @@ def stage_spec(config: ExperimentConfig, tok: tokenizer.Tokenizer, model: ModelC
     tok,
     model.vocab_size,
     micro_batches=config.micro_batches,
+    update_epochs=config.update_epochs,
     optim=config.optim,
     loss=config.loss,
     packed=config.pack,

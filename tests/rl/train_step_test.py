@@ -47,9 +47,12 @@ def _with_old_logprobs(graphdef, params, batch, mesh):
   return batch.replace(old_logprobs=lp, ref_logprobs=lp)
 
 
-def _run_steps(loss_config, n, *, seed, zero_advantages=False, edit=None, **step_kw):
-  """`n` AdamW updates (lr 3e-3) on one fixed batch (changed by `edit(batch)` when given);
-  returns the final state and each step's metrics."""
+def _run_steps(
+  loss_config, n, *, seed, zero_advantages=False, edit=None, optim=None, params_seen=None, **step_kw
+):
+  """`n` AdamW updates (lr 3e-3, or `optim`) on one fixed batch (changed by `edit(batch)` when
+  given); returns the final state and each step's metrics (and appends the parameters after
+  each update to `params_seen` when given)."""
   mesh = small_mesh(dp=2, tp=2)
   graphdef, params = qwen2.init_model(CFG, mesh, seed=seed)
   batch = _batch()
@@ -59,7 +62,7 @@ def _run_steps(loss_config, n, *, seed, zero_advantages=False, edit=None, **step
   if zero_advantages:
     batch = batch.replace(advantages=batch.advantages * 0)
   batch = _with_old_logprobs(graphdef, params, batch, mesh)
-  opt = train_step.make_optimizer(train_step.OptimConfig(learning_rate=3e-3))
+  opt = train_step.make_optimizer(optim or train_step.OptimConfig(learning_rate=3e-3))
   state = train_step.init_train_state(params, opt, entropy_coef=loss_config.entropy_coef)
   step = train_step.make_train_step(graphdef, opt, loss_config, **step_kw)
   seen = []
@@ -67,6 +70,8 @@ def _run_steps(loss_config, n, *, seed, zero_advantages=False, edit=None, **step
     for _ in range(n):
       state, m = step(state, batch)
       seen.append({k: float(v) for k, v in m.items()})
+      if params_seen is not None:
+        params_seen.append(jax.device_get(state.params))
   return state, seen
 
 
@@ -264,6 +269,84 @@ def test_decayed_rate_shrinks_the_updates():
   ],
 )
 def test_bad_schedule_is_refused(kwargs, message):
+  with unchecked(), pytest.raises(ValueError, match=message):
+    train_step.OptimConfig(**kwargs)
+
+
+def test_the_kl_adaptive_rate_follows_the_measured_kl_within_its_range():
+  """rl_games' rule on the scaled updates: a measured KL over twice the target divides the
+  multiple by the factor, one under half the target multiplies it, within the range; an
+  unmeasured KL (a batch's first update) or one within the band leaves it."""
+  rate = train_step.kl_adaptive_rate(0.01, 1.5, 0.25, 2.0)
+  params = {'w': jnp.zeros(2)}
+  state = rate.init(params)
+  steps = [  # (KL, measured) -> the multiple the update uses
+    ((0.5, False), 1.0),
+    ((0.5, True), 1 / 1.5),
+    ((0.5, True), 1 / 1.5**2),
+    ((0.5, True), 1 / 1.5**3),
+    ((0.5, True), 0.25),  # the floor
+    ((0.01, True), 0.25),  # within [target / 2, 2 * target]
+    ((0.001, True), 0.375),
+    ((0.001, False), 0.375),
+    ((0.001, True), 0.5625),
+  ]
+  for (kl, measured), want in steps:
+    updates, state = rate.update(
+      {'w': jnp.array([1.0, -2.0])},
+      state,
+      params,
+      approx_kl_old=jnp.float32(kl),
+      kl_measured=jnp.bool_(measured),
+    )
+    np.testing.assert_allclose(updates['w'], [want, -2 * want], rtol=1e-6, err_msg=str((kl, want)))
+    assert float(train_step.rate_scale(state)) == pytest.approx(want, rel=1e-6)
+  for _ in range(4):
+    _, state = rate.update(
+      {'w': jnp.ones(2)}, state, params, approx_kl_old=jnp.float32(0.0), kl_measured=True
+    )
+  assert float(train_step.rate_scale(state)) == 2.0  # the ceiling
+  with pytest.raises(ValueError, match='needs approx_kl_old= and kl_measured='):
+    rate.update({'w': jnp.ones(2)}, state, params)
+
+
+@pytest.mark.parametrize(('target', 'factor'), [(1e-9, 1 / 1.5), (10.0, 1.5)])
+def test_the_train_step_adapts_its_rate_on_a_batchs_later_updates(target, factor):
+  """Two updates a batch, twice (on one fixed batch): the second update of each pair reads the first's move
+  (KL above a 1e-9 target, below a target of 10) and scales itself and what follows; a batch's
+  first update never adapts. The parameters move by exactly the multiple times the plain
+  optimizer's update."""
+  loss_config = losses.LossConfig()
+  kw = {'seed': 4, 'update_epochs': 2}
+  plain, adaptive = [], []
+  _run_steps(loss_config, 4, params_seen=plain, **kw)
+  optim = train_step.OptimConfig(learning_rate=3e-3, kl_target=target, kl_rate_range=(0.1, 4.0))
+  state, seen = _run_steps(loss_config, 4, optim=optim, params_seen=adaptive, **kw)
+  scales = [m['rate_scale'] for m in seen]
+  np.testing.assert_allclose(scales, [1.0, factor, factor, factor**2], rtol=1e-6)
+  assert 2e-9 < seen[1]['approx_kl_old'] < 5.0  # measured: above 2 x 1e-9, below 10 / 2
+  assert float(train_step.rate_scale(state.opt_state)) == pytest.approx(factor**2, rel=1e-6)
+  # Update 1 is the plain one; update 2 is the plain update 2 (same state before it) scaled.
+  first = lambda p: np.asarray(p['layers'][0]['mlp']['up_proj'][...])  # noqa: E731
+  np.testing.assert_array_equal(first(adaptive[0]), first(plain[0]))
+  np.testing.assert_allclose(
+    first(adaptive[1]) - first(adaptive[0]),
+    factor * (first(plain[1]) - first(plain[0])),
+    rtol=1e-4,
+    atol=1e-8,
+  )
+
+
+@pytest.mark.parametrize(
+  ('kwargs', 'message'),
+  [
+    ({'kl_target': -0.1}, r'kl_target must be >= 0 \(0: off\), got -0.1'),
+    ({'kl_rate_factor': 1.0}, 'kl_rate_factor must be > 1, got 1.0'),
+    ({'kl_rate_range': (0.5, 0.8)}, r'kl_rate_range=\(0.5, 0.8\): expected \(lowest, highest\)'),
+    ({'kl_rate_range': (0.0, 1.0)}, r'kl_rate_range=\(0.0, 1.0\)'),
+  ],
+)
+def test_a_bad_kl_adaptive_rate_is_refused(kwargs, message):
   with unchecked(), pytest.raises(ValueError, match=message):
     train_step.OptimConfig(**kwargs)
 

@@ -395,4 +395,8 @@ def test_the_step_line_shows_entropy_clip_and_kl_once_the_policy_updates():
   assert '| ent 0.90 clip 0.05 kl 0.012 |' in metrics.format_line(exact)
   rules = {**exact, 'loss/illegal_move_prob': 0.083}
   assert '| ent 0.90 clip 0.05 kl 0.012 p(illegal) 0.08 |' in metrics.format_line(rules)
+  adaptive = {**rules, 'loss/rate_scale': 0.4444}
+  assert '| ent 0.90 clip 0.05 kl 0.012 p(illegal) 0.08 rate x0.44 |' in metrics.format_line(
+    adaptive
+  )
   assert ' ent ' not in metrics.format_line(RECORD)
