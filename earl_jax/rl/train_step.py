@@ -159,7 +159,8 @@ def learning_rate_schedule(config: OptimConfig) -> optax.ScalarOrSchedule:
 
 
 class KlRateState(NamedTuple):
-  """`kl_adaptive_rate`'s state: the multiple of the scheduled rate the next update uses."""
+  """`kl_adaptive_rate`'s state: the multiple of the scheduled rate the last update used, which
+  the next one adapts."""
 
   rate_scale: Float[Array, '']
 
