@@ -213,15 +213,7 @@ def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
 
 def rate_scale(opt_state: optax.OptState) -> Float[Array, ''] | None:
   """The KL-adaptive multiple of the rate in `opt_state`, or None where the optimizer has none."""
-  found = [s for s in _states(opt_state) if isinstance(s, KlRateState)]
-  return found[0].rate_scale if found else None
-
-
-def _states(opt_state: Any) -> list[Any]:
-  """Every state of a chain, nested chains flattened."""
-  if isinstance(opt_state, tuple) and not hasattr(opt_state, '_fields'):
-    return [s for part in opt_state for s in _states(part)]
-  return [opt_state]
+  return optax.tree_utils.tree_get(opt_state, 'rate_scale')
 
 
 # Pytree container: its fields also hold shardings and ShapeDtypeStructs (for jit and AOT), so
